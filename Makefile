@@ -1,0 +1,46 @@
+# Thin wrapper over CMake. `make` builds into build/; `make test` and `make demo` first install the
+# Debian packages they need (idempotently, only what is missing) so they work on a fresh machine.
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+WERROR     ?= ON
+
+BUILD_PKGS := gcc make cmake pkg-config libjansson-dev
+TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev
+DEMO_PKGS  := $(BUILD_PKGS)
+
+.PHONY: all build deps-build deps-test test test-asan demo bench clean format
+
+all: build
+
+build:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVB_WERROR=$(WERROR) >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+
+deps-build:
+	@scripts/install-deps.sh $(BUILD_PKGS)
+
+deps-test:
+	@scripts/install-deps.sh $(TEST_PKGS)
+
+# The whole suite, then once more under AddressSanitizer + UndefinedBehaviorSanitizer.
+test: deps-test build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	$(MAKE) test-asan
+
+test-asan: deps-test
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVB_SANITIZE=ON -DKVB_WERROR=$(WERROR) >/dev/null
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Until the serving demo exists: a verified loopback benchmark, READ then WRITE.
+demo: deps-build build
+	$(BUILD)/kvbridge bench --loopback --verify --operation read --duration 3
+	$(BUILD)/kvbridge bench --loopback --verify --operation write --duration 3
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h')

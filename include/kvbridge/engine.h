@@ -1,0 +1,193 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The kvbridge transfer engine: register memory, open peers' segments by name, and move bytes with
+ * one-sided READ/WRITE batches that complete only when the data is at its destination. */
+#ifndef KVBRIDGE_ENGINE_H
+#define KVBRIDGE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvbridge/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVB_VERSION_STRING "0.1.0"
+
+/* Longest segment name, location string, and notification payload, in bytes. */
+#define KVB_NAME_MAX     255
+#define KVB_LOCATION_MAX 63
+#define KVB_NOTIFY_MAX   4096
+
+typedef struct kvb_engine kvb_engine_t;
+typedef struct kvb_batch kvb_batch_t;
+
+/* A handle to an opened remote segment. 0 is never a valid handle. */
+typedef uint32_t kvb_segment_t;
+
+/* Engine configuration. Initialise with kvb_config_init() and change what you need; strings are
+ * copied by kvb_engine_create() and need not outlive the call. */
+typedef struct {
+    const char *bind_addr;      /* IPv4/IPv6 literal or host name; default "127.0.0.1" */
+    const char *advertise_addr; /* what peers dial; default bind_addr ("0.0.0.0": the host name) */
+    uint16_t port;              /* 0: any free port; else the first port tried */
+    uint16_t port_max;          /* with port: try port..port_max; 0 means just port */
+    const char *segment_name;   /* default "advertise_addr:port" */
+    const char *metadata;       /* metadata mode; only "p2p" (peer-to-peer handshake) for now */
+    int progress_threads;       /* epoll progress threads; default 1, at most 64 */
+    int lanes;                  /* TCP connections per peer; default 2, at most 16 */
+    uint32_t timeout_ms;        /* default per-request deadline; default 30000 */
+    uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
+} kvb_config_t;
+
+/* Fills *cfg with the defaults listed above. */
+KVB_API void kvb_config_init(kvb_config_t *cfg);
+
+/* Creates an engine: binds and listens, starts the progress threads. On success stores the engine
+ * in *out and returns KVB_OK; on error returns a negative status and leaves *out untouched. */
+KVB_API int kvb_engine_create(const kvb_config_t *cfg, kvb_engine_t **out);
+
+/* Stops the progress threads, closes every connection and frees the engine. Requests still in
+ * flight end FAILED with KVB_ERR_SHUTDOWN; their batches stay valid until kvb_batch_free().
+ * Blocks until the threads have exited. NULL is ignored. */
+KVB_API void kvb_engine_destroy(kvb_engine_t *engine);
+
+/* This engine's segment name (what peers pass to kvb_segment_open). Valid while the engine is. */
+const char *kvb_engine_segment_name(const kvb_engine_t *engine);
+
+/* The TCP port the engine listens on. */
+KVB_API uint16_t kvb_engine_port(const kvb_engine_t *engine);
+
+/* Access rights granted to peers on a registered region. */
+enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };
+
+/* Registers [addr, addr+len) so that peers may READ and/or WRITE it as `access` allows, and so
+ * that local requests may use it. `location` names where the memory lives ("cpu:0"; NULL means
+ * "cpu"). Returns KVB_ERR_OVERLAP if the range overlaps a registered one. The memory must stay
+ * valid until kvb_unregister() returns. */
+KVB_API int kvb_register(kvb_engine_t *engine, void *addr, size_t len, const char *location,
+                 unsigned access);
+
+/* Unregisters the region that starts at `addr`. Blocks until transfers that are touching the
+ * region right now have finished with it; later requests for it fail KVB_ERR_*_NOT_REGISTERED.
+ * Returns KVB_ERR_NOT_FOUND if no region starts at `addr`. */
+KVB_API int kvb_unregister(kvb_engine_t *engine, void *addr);
+
+/* Opens the segment `name` ("host:port" in p2p mode): connects, checks protocol versions, learns
+ * the peer's incarnation and fetches its region list. Blocks for at most the connect timeout.
+ * Opening an already open segment returns the same handle (each open needs a close); opening a
+ * segment whose peer was lost reconnects it in place. */
+KVB_API int kvb_segment_open(kvb_engine_t *engine, const char *name, kvb_segment_t *out);
+
+/* Drops one reference to `seg`; the last one closes its connections. Requests in flight on it
+ * end FAILED with KVB_ERR_CANCELED. */
+KVB_API int kvb_segment_close(kvb_engine_t *engine, kvb_segment_t seg);
+
+/* One registered region of a segment, as its owner declared it. */
+typedef struct {
+    uint64_t addr;
+    uint64_t len;
+    unsigned access;
+    char location[KVB_LOCATION_MAX + 1];
+} kvb_region_info_t;
+
+/* Copies up to `cap` of the segment's regions into `out` (may be NULL when cap is 0) and stores
+ * the total number in *count. `refresh` non-zero fetches the list from the peer first (blocks);
+ * otherwise the list cached at open time is returned. */
+KVB_API int kvb_segment_regions(kvb_engine_t *engine, kvb_segment_t seg, int refresh,
+                        kvb_region_info_t *out, size_t cap, size_t *count);
+
+/* The peer's incarnation id (random per engine start), as learnt at open. */
+KVB_API int kvb_segment_incarnation(kvb_engine_t *engine, kvb_segment_t seg, uint64_t *out);
+
+typedef enum { KVB_OP_READ = 0, KVB_OP_WRITE = 1 } kvb_opcode_t;
+
+/* One one-sided request. READ copies [remote, remote+len) of `segment` into `local`; WRITE copies
+ * `local` there. `local` must lie inside one locally registered region, the remote range inside
+ * one region of the peer that grants the access. */
+typedef struct {
+    kvb_opcode_t opcode;
+    void *local;
+    kvb_segment_t segment;
+    uint64_t remote;
+    size_t len;
+} kvb_request_t;
+
+typedef enum {
+    KVB_REQ_PENDING = 0,
+    KVB_REQ_COMPLETED,
+    KVB_REQ_FAILED,
+    KVB_REQ_TIMEOUT,
+    KVB_REQ_CANCELED,
+} kvb_req_state_t;
+
+typedef struct {
+    kvb_req_state_t state;
+    int error;         /* KVB_OK unless FAILED/TIMEOUT/CANCELED: why */
+    uint64_t bytes;    /* bytes placed so far */
+} kvb_req_status_t;
+
+/* Optional batch settings; zero-initialise and set what you need. */
+typedef struct {
+    uint32_t timeout_ms;       /* per-request deadline; 0: the engine's default */
+    kvb_segment_t notify_segment; /* non-zero: send `notify` to this segment once every request
+                                   * of the batch has COMPLETED (so after all its data is placed);
+                                   * it is not sent if any request fails */
+    const void *notify;
+    size_t notify_len;         /* at most KVB_NOTIFY_MAX */
+} kvb_batch_opts_t;
+
+/* Submits `n` requests (n >= 1) as one batch; `opts` may be NULL. Requests are checked first:
+ * on an invalid argument or an unregistered local range nothing is submitted and an error is
+ * returned. Otherwise *out receives the batch; requests to a lost peer end FAILED at once.
+ * `reqs` is copied; local buffers must stay valid until the batch is freed. Never blocks on the
+ * network. */
+KVB_API int kvb_batch_submit(kvb_engine_t *engine, const kvb_request_t *reqs, size_t n,
+                     const kvb_batch_opts_t *opts, kvb_batch_t **out);
+
+/* Number of requests in the batch. */
+KVB_API size_t kvb_batch_size(const kvb_batch_t *batch);
+
+/* Status of request `i` without blocking. A PENDING request past its deadline turns TIMEOUT here. */
+KVB_API int kvb_batch_status(kvb_batch_t *batch, size_t i, kvb_req_status_t *out);
+
+/* Waits until every request (and the batch's notification) has ended or `timeout_ms` passes
+ * (-1: until each request's own deadline). Returns KVB_OK if all COMPLETED, KVB_ERR_AGAIN if the
+ * wait timed out with requests still pending, else the first failed request's error. Sleeps;
+ * never spins. */
+KVB_API int kvb_batch_wait(kvb_batch_t *batch, int timeout_ms);
+
+/* Marks every pending request CANCELED. Data that arrives for them later is discarded; after this
+ * returns, no READ writes into their local buffers any more. */
+KVB_API int kvb_batch_cancel(kvb_batch_t *batch);
+
+/* Cancels what is pending and releases the batch. Safe while requests are in flight: their late
+ * replies are discarded. NULL is ignored. */
+KVB_API void kvb_batch_free(kvb_batch_t *batch);
+
+/* A notification as received. */
+typedef struct {
+    char from[KVB_NAME_MAX + 1]; /* the sender's segment name */
+    size_t len;
+    unsigned char data[KVB_NOTIFY_MAX];
+} kvb_notification_t;
+
+/* Sends a small message (at most KVB_NOTIFY_MAX bytes) to `seg` and waits until the peer has
+ * queued it, for at most `timeout_ms` (-1: the engine's default). Messages sent on one segment
+ * arrive in order only if each call waits for the previous. */
+KVB_API int kvb_notify_send(kvb_engine_t *engine, kvb_segment_t seg, const void *msg, size_t len,
+                    int timeout_ms);
+
+/* Takes the oldest received notification into *out, waiting at most `timeout_ms` (0: poll;
+ * -1: forever until the engine is destroyed). Returns KVB_OK, KVB_ERR_AGAIN (0 timeout, none) or
+ * KVB_ERR_TIMEOUT. */
+KVB_API int kvb_notify_recv(kvb_engine_t *engine, kvb_notification_t *out, int timeout_ms);
+
+/* Log verbosity: 0 errors, 1 warnings (default), 2 info, 3 debug. Also set by env KVB_LOG_LEVEL. */
+KVB_API void kvb_log_set_level(int level);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,388 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Batches: checking and splitting requests into per-lane operations, tracking each request's
+ * state as transports report completions, deadlines, cancellation, and the notification that a
+ * batch sends once all of its data is placed. */
+#include "engine/internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/checked.h"
+#include "common/clock.h"
+#include "common/log.h"
+
+static void batch_release(kvb_batch_t *b)
+{
+    if (atomic_fetch_sub(&b->refs, 1) != 1)
+        return;
+    kvb__peer_release(b->notify_peer);
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+    free(b->notify_buf);
+    free(b->reqs);
+    free(b->ops);
+    free(b);
+}
+
+static bool batch_done(const kvb_batch_t *b)
+{
+    return b->open == 0 && b->notify_state != KVB_NOTIFY_WAITING &&
+           b->notify_state != KVB_NOTIFY_SENT;
+}
+
+/* Ends every request still pending with `state`/`error`. Caller holds b->mu. */
+static void end_pending(kvb_batch_t *b, kvb_req_state_t state, int error)
+{
+    for (size_t i = 0; i < b->n && b->open > 0; i++) {
+        if (b->reqs[i].state == KVB_REQ_PENDING) {
+            b->reqs[i].state = state;
+            b->reqs[i].error = error;
+            b->open--;
+        }
+    }
+    if (b->notify_state == KVB_NOTIFY_WAITING || b->notify_state == KVB_NOTIFY_SENT) {
+        b->notify_state = KVB_NOTIFY_DONE;
+        b->notify_error = error;
+    }
+    pthread_cond_broadcast(&b->cv);
+}
+
+/* Applies the deadline lazily: whoever looks at the batch after it sees the timeout. */
+static void check_deadline(kvb_batch_t *b)
+{
+    if (!batch_done(b) && kvb__now_ns() >= b->deadline)
+        end_pending(b, KVB_REQ_TIMEOUT, KVB_ERR_TIMEOUT);
+}
+
+static void send_notify(kvb_batch_t *b)
+{
+    kvb_peer_t *p = b->notify_peer;
+    b->notify_op.next = NULL;
+    p->engine->tp_ops->submit(p->engine->tp, p, &b->notify_op);
+}
+
+void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
+{
+    kvb_batch_t *b = op->batch;
+    bool notify = false;
+    pthread_mutex_lock(&b->mu);
+    if (op->req == KVB_OP_NOTIFY_REQ) {
+        if (b->notify_state == KVB_NOTIFY_SENT) {
+            b->notify_state = KVB_NOTIFY_DONE;
+            b->notify_error = status;
+        }
+    } else {
+        kvb_req_t *r = &b->reqs[op->req];
+        if (r->state == KVB_REQ_PENDING) {
+            if (status < 0) {
+                r->state = KVB_REQ_FAILED;
+                r->error = status;
+                b->open--;
+            } else {
+                r->bytes += bytes;
+                if (--r->ops_left == 0) {
+                    r->state = KVB_REQ_COMPLETED;
+                    b->open--;
+                }
+            }
+        }
+        if (b->open == 0 && b->notify_state == KVB_NOTIFY_WAITING) {
+            bool all_ok = !b->freed;
+            for (size_t i = 0; i < b->n && all_ok; i++)
+                all_ok = b->reqs[i].state == KVB_REQ_COMPLETED;
+            if (all_ok) {
+                b->notify_state = KVB_NOTIFY_SENT;
+                atomic_fetch_add(&b->refs, 1);
+                notify = true;
+            } else {
+                b->notify_state = KVB_NOTIFY_DONE;
+                b->notify_error = KVB_ERR_CANCELED;
+            }
+        }
+    }
+    if (batch_done(b))
+        pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    /* Outside the lock: the transport may complete the op synchronously (peer lost). */
+    if (notify)
+        send_notify(b);
+    batch_release(b);
+}
+
+uint8_t *kvb__op_dst_lock(kvb_op_t *op)
+{
+    kvb_batch_t *b = op->batch;
+    pthread_mutex_lock(&b->mu);
+    if (b->freed || b->reqs[op->req].state != KVB_REQ_PENDING) {
+        pthread_mutex_unlock(&b->mu);
+        return NULL;
+    }
+    return op->local;
+}
+
+void kvb__op_dst_unlock(kvb_op_t *op)
+{
+    pthread_mutex_unlock(&op->batch->mu);
+}
+
+static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops)
+{
+    uint64_t end, chunks;
+    if ((r->opcode != KVB_OP_READ && r->opcode != KVB_OP_WRITE) || !r->local || r->len == 0 ||
+        r->segment == 0) {
+        KVB_WARN("request %zu: invalid opcode, address, length or segment", i);
+        return KVB_ERR_INVALID_ARG;
+    }
+    if (kvb__add_u64(r->remote, r->len, &end) ||
+        kvb__add_u64((uintptr_t)r->local, r->len, &end)) {
+        KVB_WARN("request %zu: address + length overflows", i);
+        return KVB_ERR_OVERFLOW;
+    }
+    int rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
+                                 KVB_ERR_LOCAL_NOT_REGISTERED, NULL);
+    if (rc) {
+        KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
+        return rc;
+    }
+    chunks = (r->len + KVB_CHUNK_SIZE - 1) / KVB_CHUNK_SIZE;
+    if (kvb__add_u64(*nops, chunks, nops))
+        return KVB_ERR_OVERFLOW;
+    return KVB_OK;
+}
+
+static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch_opts_t *o,
+                       kvb_batch_t **out)
+{
+    kvb_batch_t *b = calloc(1, sizeof *b);
+    if (!b)
+        return KVB_ERR_NOMEM;
+    int rc = KVB_ERR_NOMEM;
+    b->reqs = n ? calloc(n, sizeof *b->reqs) : NULL;
+    b->ops = nops ? calloc((size_t)nops, sizeof *b->ops) : NULL;
+    if ((n && !b->reqs) || (nops && !b->ops))
+        goto fail;
+    if (o && o->notify_segment) {
+        b->notify_buf = malloc(o->notify_len ? o->notify_len : 1);
+        if (!b->notify_buf)
+            goto fail;
+        b->notify_peer = kvb__segment_peer(e, o->notify_segment);
+        if (!b->notify_peer) {
+            rc = KVB_ERR_BAD_SEGMENT;
+            goto fail;
+        }
+        if (o->notify_len)
+            memcpy(b->notify_buf, o->notify, o->notify_len);
+        b->notify_op = (kvb_op_t){.batch = b, .req = KVB_OP_NOTIFY_REQ, .kind = KVB_OPK_NOTIFY,
+                                  .local = b->notify_buf, .len = o->notify_len};
+        b->notify_state = KVB_NOTIFY_WAITING;
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    uint32_t tmo = o && o->timeout_ms ? o->timeout_ms : e->cfg.timeout_ms;
+    b->engine = e;
+    b->deadline = kvb__deadline_ms(tmo);
+    b->n = n;
+    b->nops = (size_t)nops;
+    b->open = n;
+    atomic_init(&b->refs, 1 + (unsigned)nops);
+    *out = b;
+    return KVB_OK;
+fail:
+    free(b->notify_buf);
+    free(b->reqs);
+    free(b->ops);
+    free(b);
+    return rc;
+}
+
+/* Builds the ops of request i and appends them to the list of its peer. */
+static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, size_t *next_op,
+                          kvb_op_t **head)
+{
+    uint64_t off = 0;
+    b->reqs[i].state = KVB_REQ_PENDING;
+    while (off < r->len) {
+        uint64_t len = r->len - off < KVB_CHUNK_SIZE ? r->len - off : KVB_CHUNK_SIZE;
+        kvb_op_t *op = &b->ops[(*next_op)++];
+        *op = (kvb_op_t){.batch = b,
+                         .req = i,
+                         .kind = r->opcode == KVB_OP_READ ? KVB_OPK_READ : KVB_OPK_WRITE,
+                         .local = (uint8_t *)r->local + off,
+                         .remote = r->remote + off,
+                         .len = len};
+        b->reqs[i].ops_left++;
+        op->next = *head;
+        *head = op;
+        off += len;
+    }
+}
+
+static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kvb_batch_opts_t *o,
+                  kvb_batch_t **out)
+{
+    if (!e || (n && !reqs) || !out || n > UINT32_MAX - 1)
+        return KVB_ERR_INVALID_ARG;
+    if (o && o->notify_segment && ((o->notify_len && !o->notify) || o->notify_len > KVB_NOTIFY_MAX))
+        return o->notify_len > KVB_NOTIFY_MAX ? KVB_ERR_TOO_LARGE : KVB_ERR_INVALID_ARG;
+    uint64_t nops = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = check_request(e, &reqs[i], i, &nops);
+        if (rc)
+            return rc;
+    }
+    if (nops > UINT32_MAX)
+        return KVB_ERR_TOO_LARGE;
+
+    /* Resolve every segment before anything is queued, so a bad handle submits nothing. Requests
+     * come grouped by segment in practice: remember the last lookup. */
+    kvb_peer_t **peers = n ? calloc(n, sizeof *peers) : NULL;
+    if (n && !peers)
+        return KVB_ERR_NOMEM;
+    int rc = KVB_OK;
+    for (size_t i = 0; i < n && rc == KVB_OK; i++) {
+        if (i > 0 && reqs[i].segment == reqs[i - 1].segment) {
+            peers[i] = peers[i - 1];
+            continue;
+        }
+        peers[i] = kvb__segment_peer(e, reqs[i].segment);
+        if (!peers[i])
+            rc = KVB_ERR_BAD_SEGMENT;
+    }
+    kvb_batch_t *b = NULL;
+    if (rc == KVB_OK)
+        rc = batch_alloc(e, n, nops, o, &b);
+    if (rc == KVB_OK) {
+        atomic_fetch_add(&e->live_batches, 1);
+        /* Queue per run of requests to one peer; the transport spreads each list over lanes. */
+        size_t next_op = 0;
+        for (size_t i = 0; i < n;) {
+            kvb_op_t *head = NULL;
+            size_t j = i;
+            for (; j < n && peers[j] == peers[i]; j++)
+                split_request(b, &reqs[j], (uint32_t)j, &next_op, &head);
+            e->tp_ops->submit(e->tp, peers[i], head);
+            i = j;
+        }
+        if (n == 0) { /* a notification alone: nothing to wait for before sending it */
+            b->notify_state = KVB_NOTIFY_SENT;
+            atomic_fetch_add(&b->refs, 1);
+            send_notify(b);
+        }
+        *out = b;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (peers[i] && (i == 0 || peers[i] != peers[i - 1]))
+            kvb__peer_release(peers[i]);
+    free(peers);
+    return rc;
+}
+
+int kvb_batch_submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n,
+                     const kvb_batch_opts_t *opts, kvb_batch_t **out)
+{
+    if (n == 0)
+        return KVB_ERR_INVALID_ARG;
+    return submit(e, reqs, n, opts, out);
+}
+
+size_t kvb_batch_size(const kvb_batch_t *b)
+{
+    return b ? b->n : 0;
+}
+
+int kvb_batch_status(kvb_batch_t *b, size_t i, kvb_req_status_t *out)
+{
+    if (!b || !out || i >= b->n)
+        return KVB_ERR_INVALID_ARG;
+    pthread_mutex_lock(&b->mu);
+    check_deadline(b);
+    const kvb_req_t *r = &b->reqs[i];
+    *out = (kvb_req_status_t){.state = r->state, .error = r->error, .bytes = r->bytes};
+    pthread_mutex_unlock(&b->mu);
+    return KVB_OK;
+}
+
+/* First error in request order, then the notification's; KVB_OK if none. Caller holds b->mu. */
+static int batch_result(const kvb_batch_t *b)
+{
+    for (size_t i = 0; i < b->n; i++)
+        if (b->reqs[i].state != KVB_REQ_COMPLETED)
+            return b->reqs[i].error;
+    return b->notify_state == KVB_NOTIFY_DONE ? b->notify_error : KVB_OK;
+}
+
+int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
+{
+    if (!b)
+        return KVB_ERR_INVALID_ARG;
+    uint64_t user = kvb__deadline_ms(timeout_ms);
+    int rc;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        check_deadline(b);
+        if (batch_done(b)) {
+            rc = batch_result(b);
+            break;
+        }
+        uint64_t now = kvb__now_ns();
+        if (now >= user) {
+            rc = KVB_ERR_AGAIN;
+            break;
+        }
+        struct timespec ts = kvb__timespec_of(user < b->deadline ? user : b->deadline);
+        int err = pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+        if (err && err != ETIMEDOUT) {
+            rc = KVB_ERR_SYSTEM;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int kvb_batch_cancel(kvb_batch_t *b)
+{
+    if (!b)
+        return KVB_ERR_INVALID_ARG;
+    pthread_mutex_lock(&b->mu);
+    end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED);
+    pthread_mutex_unlock(&b->mu);
+    return KVB_OK;
+}
+
+void kvb_batch_free(kvb_batch_t *b)
+{
+    if (!b)
+        return;
+    pthread_mutex_lock(&b->mu);
+    end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED);
+    b->freed = true;
+    pthread_mutex_unlock(&b->mu);
+    atomic_fetch_sub(&b->engine->live_batches, 1);
+    batch_release(b);
+}
+
+int kvb_notify_send(kvb_engine_t *e, kvb_segment_t seg, const void *msg, size_t len,
+                    int timeout_ms)
+{
+    if (!e || seg == 0 || (len && !msg))
+        return KVB_ERR_INVALID_ARG;
+    kvb_batch_opts_t o = {.timeout_ms = timeout_ms < 0 ? 0 : (uint32_t)timeout_ms,
+                          .notify_segment = seg,
+                          .notify = msg,
+                          .notify_len = len};
+    if (timeout_ms == 0)
+        o.timeout_ms = 1;
+    kvb_batch_t *b;
+    int rc = submit(e, NULL, 0, &o, &b);
+    if (rc)
+        return rc;
+    rc = kvb_batch_wait(b, -1);
+    kvb_batch_free(b);
+    return rc;
+}

@@ -1,0 +1,520 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Engine lifecycle, memory registration, the segment table (open/close/query of peers) and the
+ * queue of received notifications. Data movement lives in batch.c and the transports. */
+#include "engine/internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+
+#define NOTIFY_QUEUE_CAP 1024
+
+void kvb_config_init(kvb_config_t *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->bind_addr = "127.0.0.1";
+    cfg->metadata = "p2p";
+    cfg->progress_threads = 1;
+    cfg->lanes = 2;
+    cfg->timeout_ms = 30000;
+    cfg->connect_timeout_ms = 5000;
+}
+
+void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN])
+{
+    memset(out, 0, KVB_HOST_ID_LEN);
+    char buf[64] = {0};
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+    if (fd >= 0)
+        close(fd);
+    if (n <= 0 && gethostname(buf, sizeof buf - 1) != 0)
+        return;
+    /* Fold the text (a UUID, or the host name) into 16 bytes with FNV-1a. */
+    uint64_t h1 = 1469598103934665603ull, h2 = 1099511628211ull * 7;
+    for (const char *p = buf; *p && *p != '\n'; p++) {
+        h1 = (h1 ^ (uint8_t)*p) * 1099511628211ull;
+        h2 = (h2 ^ (uint8_t)*p) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+    }
+    memcpy(out, &h1, 8);
+    memcpy(out + 8, &h2, 8);
+}
+
+static int copy_str(char *dst, size_t cap, const char *src)
+{
+    if (!src || strlen(src) >= cap)
+        return KVB_ERR_INVALID_ARG;
+    strcpy(dst, src);
+    return KVB_OK;
+}
+
+static int check_config(const kvb_config_t *c)
+{
+    if (c->metadata && strcmp(c->metadata, "p2p") != 0) {
+        KVB_ERROR("metadata mode '%s' is not supported (only 'p2p')", c->metadata);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (c->progress_threads < 1 || c->progress_threads > 64 || c->lanes < 1 || c->lanes > 16 ||
+        (c->port_max && c->port_max < c->port) || c->timeout_ms == 0 ||
+        c->connect_timeout_ms == 0) {
+        KVB_ERROR("invalid engine configuration (threads %d, lanes %d, ports %u..%u)",
+                  c->progress_threads, c->lanes, c->port, c->port_max);
+        return KVB_ERR_INVALID_ARG;
+    }
+    return KVB_OK;
+}
+
+static int init_locks(kvb_engine_t *e)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int rc = pthread_mutex_init(&e->open_mu, NULL) || pthread_mutex_init(&e->seg_mu, NULL) ||
+             pthread_mutex_init(&e->notify_mu, NULL) || pthread_cond_init(&e->notify_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc ? KVB_ERR_SYSTEM : KVB_OK;
+}
+
+int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    if (cfg_in)
+        cfg = *cfg_in;
+    if (!out)
+        return KVB_ERR_INVALID_ARG;
+    int rc = check_config(&cfg);
+    if (rc)
+        return rc;
+    kvb_engine_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return KVB_ERR_NOMEM;
+    e->notify_ring = calloc(NOTIFY_QUEUE_CAP, sizeof *e->notify_ring);
+    if (!e->notify_ring) {
+        free(e);
+        return KVB_ERR_NOMEM;
+    }
+    e->notify_cap = NOTIFY_QUEUE_CAP;
+    e->cfg = cfg;
+    if ((rc = copy_str(e->bind_addr, sizeof e->bind_addr, cfg.bind_addr ? cfg.bind_addr : "127.0.0.1")))
+        goto fail_free;
+    const char *adv = cfg.advertise_addr ? cfg.advertise_addr : e->bind_addr;
+    char hostname[KVB_NAME_MAX + 1] = "localhost";
+    if (!cfg.advertise_addr && (!strcmp(adv, "0.0.0.0") || !strcmp(adv, "::"))) {
+        if (gethostname(hostname, sizeof hostname - 1) != 0)
+            strcpy(hostname, "localhost");
+        adv = hostname;
+    }
+    if ((rc = copy_str(e->advertise_addr, sizeof e->advertise_addr, adv)))
+        goto fail_free;
+    e->cfg.bind_addr = e->bind_addr;
+    e->cfg.advertise_addr = e->advertise_addr;
+    e->cfg.segment_name = NULL;
+    e->cfg.metadata = "p2p";
+    if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
+        goto fail_free;
+    if (getrandom(&e->hello.incarnation, sizeof e->hello.incarnation, 0) !=
+        sizeof e->hello.incarnation)
+        e->hello.incarnation = kvb__now_ns() ^ ((uint64_t)getpid() << 32);
+    e->hello.pid = (uint32_t)getpid();
+    kvb__host_id(e->hello.host_id);
+
+    e->tp_ops = &kvb__tcp_ops;
+    if ((rc = e->tp_ops->create(e, &e->tp)))
+        goto fail_registry;
+    if (cfg.segment_name) {
+        rc = copy_str(e->segment_name, sizeof e->segment_name, cfg.segment_name);
+    } else {
+        int n = snprintf(e->segment_name, sizeof e->segment_name, "%s:%u", e->advertise_addr,
+                         e->tp_ops->port(e->tp));
+        rc = n > 0 && (size_t)n < sizeof e->segment_name ? KVB_OK : KVB_ERR_INVALID_ARG;
+    }
+    if (rc)
+        goto fail_tp;
+    strcpy(e->hello.name, e->segment_name);
+    KVB_INFO("engine %s up (incarnation %016llx)", e->segment_name,
+             (unsigned long long)e->hello.incarnation);
+    *out = e;
+    return KVB_OK;
+fail_tp:
+    e->tp_ops->destroy(e->tp);
+fail_registry:
+    kvb__registry_fini(&e->registry);
+fail_free:
+    free(e->notify_ring);
+    free(e);
+    return rc;
+}
+
+void kvb_engine_destroy(kvb_engine_t *e)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->notify_mu);
+    e->stopping = true;
+    pthread_cond_broadcast(&e->notify_cv);
+    pthread_mutex_unlock(&e->notify_mu);
+    if (atomic_load(&e->live_batches) > 0)
+        KVB_WARN("engine destroyed with %ld batches not freed; free them before destroying",
+                 atomic_load(&e->live_batches));
+
+    pthread_mutex_lock(&e->open_mu);
+    pthread_mutex_lock(&e->seg_mu);
+    for (size_t i = 0; i < e->nsegs; i++) {
+        kvb_peer_t *p = e->segs[i].peer;
+        if (!p)
+            continue;
+        e->segs[i].peer = NULL;
+        e->tp_ops->disconnect(e->tp, p, KVB_ERR_SHUTDOWN);
+        kvb__peer_release(p);
+    }
+    pthread_mutex_unlock(&e->seg_mu);
+    pthread_mutex_unlock(&e->open_mu);
+    e->tp_ops->destroy(e->tp);
+    free(e->segs);
+    kvb__registry_fini(&e->registry);
+    pthread_mutex_destroy(&e->open_mu);
+    pthread_mutex_destroy(&e->seg_mu);
+    pthread_mutex_destroy(&e->notify_mu);
+    pthread_cond_destroy(&e->notify_cv);
+    free(e->notify_ring);
+    free(e);
+}
+
+const char *kvb_engine_segment_name(const kvb_engine_t *e)
+{
+    return e ? e->segment_name : "";
+}
+
+uint16_t kvb_engine_port(const kvb_engine_t *e)
+{
+    return e ? e->tp_ops->port(e->tp) : 0;
+}
+
+int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, unsigned access)
+{
+    if (!e || !addr)
+        return KVB_ERR_INVALID_ARG;
+    int rc = kvb__registry_add(&e->registry, (uint64_t)(uintptr_t)addr, len, location, access);
+    if (rc)
+        KVB_WARN("register %p+%zu failed: %s", addr, len, kvb_strerror(rc));
+    return rc;
+}
+
+int kvb_unregister(kvb_engine_t *e, void *addr)
+{
+    if (!e || !addr)
+        return KVB_ERR_INVALID_ARG;
+    return kvb__registry_remove(&e->registry, (uint64_t)(uintptr_t)addr, (int)e->cfg.timeout_ms);
+}
+
+/* ---- peers and segments ------------------------------------------------------------------ */
+
+void kvb__peer_release(kvb_peer_t *p)
+{
+    if (!p || atomic_fetch_sub(&p->refs, 1) != 1)
+        return;
+    if (p->tp_ops && p->tp_ops->peer_free)
+        p->tp_ops->peer_free(p);
+    free(p->regions);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+void kvb__peer_fail(kvb_peer_t *p, int error)
+{
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&p->lost, &expected, error))
+        return;
+    if (error != KVB_ERR_SHUTDOWN && error != KVB_ERR_CANCELED)
+        KVB_WARN("peer %s lost: %s", p->name, kvb_strerror(error));
+    p->engine->tp_ops->disconnect(p->engine->tp, p, error);
+}
+
+/* Splits "host:port" (host may be "[v6]"). */
+static int parse_name(const char *name, char *host, size_t cap, uint16_t *port)
+{
+    const char *colon = strrchr(name, ':');
+    if (!colon || colon == name || !colon[1])
+        return KVB_ERR_INVALID_ARG;
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(colon + 1, &end, 10);
+    if (errno || *end || v == 0 || v > 65535)
+        return KVB_ERR_INVALID_ARG;
+    const char *h = name;
+    size_t hl = (size_t)(colon - name);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    if (hl == 0 || hl >= cap)
+        return KVB_ERR_INVALID_ARG;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    *port = (uint16_t)v;
+    return KVB_OK;
+}
+
+static int connect_peer(kvb_engine_t *e, const char *name, kvb_peer_t **out)
+{
+    kvb_peer_t *p = calloc(1, sizeof *p);
+    if (!p)
+        return KVB_ERR_NOMEM;
+    atomic_init(&p->refs, 1);
+    atomic_init(&p->lost, 0);
+    p->engine = e;
+    pthread_mutex_init(&p->mu, NULL);
+    strcpy(p->name, name);
+    int rc = parse_name(name, p->host, sizeof p->host, &p->port);
+    if (rc) {
+        KVB_ERROR("segment name '%s' is not host:port", name);
+    } else {
+        rc = e->tp_ops->connect(e->tp, p, kvb__deadline_ms(e->cfg.connect_timeout_ms));
+        p->tp_ops = e->tp_ops; /* from here on, releasing it frees the transport's part too */
+    }
+    if (rc) {
+        kvb__peer_release(p);
+        return rc;
+    }
+    *out = p;
+    return KVB_OK;
+}
+
+static kvb_segment_slot_t *find_slot(kvb_engine_t *e, const char *name, size_t *idx)
+{
+    for (size_t i = 0; i < e->nsegs; i++)
+        if (e->segs[i].peer && !strcmp(e->segs[i].peer->name, name)) {
+            *idx = i;
+            return &e->segs[i];
+        }
+    return NULL;
+}
+
+static int insert_slot(kvb_engine_t *e, kvb_peer_t *p, size_t *idx)
+{
+    size_t i = 0;
+    while (i < e->nsegs && e->segs[i].peer)
+        i++;
+    if (i == e->nsegs) {
+        size_t ncap = e->nsegs ? e->nsegs * 2 : 8;
+        kvb_segment_slot_t *n = realloc(e->segs, ncap * sizeof *n);
+        if (!n)
+            return KVB_ERR_NOMEM;
+        memset(n + e->nsegs, 0, (ncap - e->nsegs) * sizeof *n);
+        e->segs = n;
+        e->nsegs = ncap;
+    }
+    e->segs[i].peer = p;
+    e->segs[i].opens = 1;
+    *idx = i;
+    return KVB_OK;
+}
+
+int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
+{
+    if (!e || !name || !out || strlen(name) > KVB_NAME_MAX)
+        return KVB_ERR_INVALID_ARG;
+    pthread_mutex_lock(&e->open_mu);
+    size_t idx;
+    pthread_mutex_lock(&e->seg_mu);
+    kvb_segment_slot_t *slot = find_slot(e, name, &idx);
+    kvb_peer_t *old = slot ? slot->peer : NULL;
+    if (old && atomic_load(&old->lost) == 0) {
+        slot->opens++;
+        pthread_mutex_unlock(&e->seg_mu);
+        pthread_mutex_unlock(&e->open_mu);
+        *out = (kvb_segment_t)idx + 1;
+        return KVB_OK;
+    }
+    pthread_mutex_unlock(&e->seg_mu);
+
+    kvb_peer_t *p;
+    int rc = connect_peer(e, name, &p);
+    if (rc == KVB_OK) {
+        pthread_mutex_lock(&e->seg_mu);
+        if (old) {
+            /* Reopen of a lost peer: the handle stays, the peer behind it is new. */
+            if (old->hello.incarnation != p->hello.incarnation)
+                KVB_INFO("segment %s restarted (incarnation %016llx -> %016llx); cached "
+                         "descriptor dropped", name, (unsigned long long)old->hello.incarnation,
+                         (unsigned long long)p->hello.incarnation);
+            e->segs[idx].peer = p;
+            e->segs[idx].opens++;
+        } else {
+            rc = insert_slot(e, p, &idx);
+        }
+        pthread_mutex_unlock(&e->seg_mu);
+        if (old)
+            kvb__peer_release(old);
+        if (rc) {
+            kvb__peer_fail(p, KVB_ERR_CANCELED);
+            kvb__peer_release(p);
+        }
+    }
+    pthread_mutex_unlock(&e->open_mu);
+    if (rc == KVB_OK)
+        *out = (kvb_segment_t)idx + 1;
+    return rc;
+}
+
+int kvb_segment_close(kvb_engine_t *e, kvb_segment_t seg)
+{
+    if (!e)
+        return KVB_ERR_INVALID_ARG;
+    kvb_peer_t *gone = NULL;
+    pthread_mutex_lock(&e->open_mu);
+    pthread_mutex_lock(&e->seg_mu);
+    size_t i = (size_t)seg - 1;
+    int rc = KVB_ERR_BAD_SEGMENT;
+    if (seg != 0 && i < e->nsegs && e->segs[i].peer) {
+        rc = KVB_OK;
+        if (--e->segs[i].opens == 0) {
+            gone = e->segs[i].peer;
+            e->segs[i].peer = NULL;
+        }
+    }
+    pthread_mutex_unlock(&e->seg_mu);
+    pthread_mutex_unlock(&e->open_mu);
+    if (gone) {
+        kvb__peer_fail(gone, KVB_ERR_CANCELED);
+        kvb__peer_release(gone);
+    }
+    return rc;
+}
+
+kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg)
+{
+    kvb_peer_t *p = NULL;
+    size_t i = (size_t)seg - 1;
+    pthread_mutex_lock(&e->seg_mu);
+    if (seg != 0 && i < e->nsegs && e->segs[i].peer) {
+        p = e->segs[i].peer;
+        atomic_fetch_add(&p->refs, 1);
+    }
+    pthread_mutex_unlock(&e->seg_mu);
+    return p;
+}
+
+int kvb_segment_regions(kvb_engine_t *e, kvb_segment_t seg, int refresh, kvb_region_info_t *out,
+                        size_t cap, size_t *count)
+{
+    if (!e || !count || (cap && !out))
+        return KVB_ERR_INVALID_ARG;
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    int rc = KVB_OK;
+    if (refresh) {
+        /* A fresh handshake on its own connection returns the current list. */
+        kvb_peer_t *probe;
+        rc = connect_peer(e, p->name, &probe);
+        if (rc == KVB_OK) {
+            if (probe->hello.incarnation != p->hello.incarnation) {
+                rc = KVB_ERR_PEER_RESTARTED;
+                kvb__peer_fail(p, rc);
+            } else {
+                pthread_mutex_lock(&p->mu);
+                kvb_region_info_t *t = p->regions;
+                p->regions = probe->regions;
+                probe->regions = t;
+                size_t tn = p->nregions;
+                p->nregions = probe->nregions;
+                probe->nregions = tn;
+                pthread_mutex_unlock(&p->mu);
+            }
+            kvb__peer_fail(probe, KVB_ERR_CANCELED);
+            kvb__peer_release(probe);
+        }
+    }
+    if (rc == KVB_OK) {
+        pthread_mutex_lock(&p->mu);
+        size_t n = p->nregions < cap ? p->nregions : cap;
+        if (n)
+            memcpy(out, p->regions, n * sizeof *out);
+        *count = p->nregions;
+        pthread_mutex_unlock(&p->mu);
+    }
+    kvb__peer_release(p);
+    return rc;
+}
+
+int kvb_segment_incarnation(kvb_engine_t *e, kvb_segment_t seg, uint64_t *out)
+{
+    if (!e || !out)
+        return KVB_ERR_INVALID_ARG;
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    *out = p->hello.incarnation;
+    kvb__peer_release(p);
+    return KVB_OK;
+}
+
+/* ---- notifications ------------------------------------------------------------------------ */
+
+int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len)
+{
+    if (len > KVB_NOTIFY_MAX)
+        return KVB_ERR_TOO_LARGE;
+    pthread_mutex_lock(&e->notify_mu);
+    if (e->notify_count == e->notify_cap) {
+        pthread_mutex_unlock(&e->notify_mu);
+        KVB_WARN("notification from %s dropped: queue of %zu full", from, e->notify_cap);
+        return KVB_ERR_REMOTE_NO_SPACE;
+    }
+    kvb_notification_t *n = &e->notify_ring[(e->notify_head + e->notify_count) % e->notify_cap];
+    snprintf(n->from, sizeof n->from, "%s", from);
+    n->len = len;
+    if (len)
+        memcpy(n->data, data, len);
+    e->notify_count++;
+    pthread_cond_signal(&e->notify_cv);
+    pthread_mutex_unlock(&e->notify_mu);
+    return KVB_OK;
+}
+
+int kvb_notify_recv(kvb_engine_t *e, kvb_notification_t *out, int timeout_ms)
+{
+    if (!e || !out)
+        return KVB_ERR_INVALID_ARG;
+    uint64_t deadline = kvb__deadline_ms(timeout_ms);
+    int rc = KVB_OK;
+    pthread_mutex_lock(&e->notify_mu);
+    while (e->notify_count == 0) {
+        if (e->stopping) {
+            rc = KVB_ERR_SHUTDOWN;
+            break;
+        }
+        if (timeout_ms == 0) {
+            rc = KVB_ERR_AGAIN;
+            break;
+        }
+        if (deadline == UINT64_MAX) {
+            pthread_cond_wait(&e->notify_cv, &e->notify_mu);
+            continue;
+        }
+        struct timespec ts = kvb__timespec_of(deadline);
+        if (pthread_cond_timedwait(&e->notify_cv, &e->notify_mu, &ts) == ETIMEDOUT &&
+            e->notify_count == 0) {
+            rc = KVB_ERR_TIMEOUT;
+            break;
+        }
+    }
+    if (rc == KVB_OK) {
+        *out = e->notify_ring[e->notify_head];
+        e->notify_head = (e->notify_head + 1) % e->notify_cap;
+        e->notify_count--;
+    }
+    pthread_mutex_unlock(&e->notify_mu);
+    return rc;
+}

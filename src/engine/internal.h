@@ -1,0 +1,159 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Engine internals shared between the engine core and its transports: the engine, peers, batches,
+ * operations, and the transport ops table. Transports see these; callers of the API never do. */
+#ifndef KVB_ENGINE_INTERNAL_H
+#define KVB_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/registry.h"
+#include "engine/wire.h"
+#include "kvbridge/engine.h"
+
+/* Requests longer than this are split into operations of at most this size, spread over lanes. */
+#define KVB_CHUNK_SIZE (4ull << 20)
+
+typedef struct kvb_peer kvb_peer_t;
+typedef struct kvb_transport kvb_transport_t;
+typedef struct kvb_transport_ops kvb_transport_ops_t;
+
+typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_kind_t;
+
+/* One unit of work on one lane: a whole request, a chunk of one, or a batch's notification. The
+ * transport owns the op from submit until it calls kvb__op_done() exactly once. */
+typedef struct kvb_op {
+    struct kvb_op *next; /* transport queue linkage */
+    kvb_batch_t *batch;
+    uint32_t req;        /* request index; KVB_OP_NOTIFY_REQ for the batch's notification */
+    uint8_t kind;
+    uint8_t *local;
+    uint64_t remote;
+    uint64_t len;
+    uint64_t wire_id;    /* assigned by the transport */
+} kvb_op_t;
+
+#define KVB_OP_NOTIFY_REQ UINT32_MAX
+
+typedef struct {
+    kvb_req_state_t state;
+    int error;
+    uint64_t bytes;
+    uint32_t ops_left;
+} kvb_req_t;
+
+struct kvb_batch {
+    kvb_engine_t *engine;
+    pthread_mutex_t mu; /* guards everything below, and READ payloads landing in local memory */
+    pthread_cond_t cv;
+    atomic_uint refs;   /* the caller's, plus one per op the transport still holds */
+    uint64_t deadline;  /* monotonic ns */
+    size_t n;
+    kvb_req_t *reqs;
+    kvb_op_t *ops;
+    size_t nops;
+    size_t open;        /* requests not yet ended */
+    bool freed;         /* kvb_batch_free was called: discard whatever still arrives */
+    /* notification sent once all requests completed */
+    kvb_peer_t *notify_peer;
+    kvb_op_t notify_op;
+    int notify_state;   /* KVB_NOTIFY_* below */
+    int notify_error;
+    unsigned char *notify_buf;
+};
+
+enum { KVB_NOTIFY_NONE = 0, KVB_NOTIFY_WAITING, KVB_NOTIFY_SENT, KVB_NOTIFY_DONE };
+
+/* A remote engine as seen from here: its identity, its regions and the transport's connections
+ * to it. Reference counted: the segment table, batches notifying it, and its lanes hold it. */
+struct kvb_peer {
+    atomic_uint refs;
+    kvb_engine_t *engine;
+    char name[KVB_NAME_MAX + 1];     /* the name it was opened by */
+    char host[KVB_NAME_MAX + 1];
+    uint16_t port;
+    kvb_hello_t hello;               /* the peer's stated identity */
+    atomic_int lost;                 /* 0 while usable, else the error that ended it */
+    pthread_mutex_t mu;              /* guards regions */
+    kvb_region_info_t *regions;
+    size_t nregions;
+    void *tp;                        /* transport state */
+    const kvb_transport_ops_t *tp_ops;
+};
+
+/* The transport interface. A transport moves ops to peers and serves peers' requests against the
+ * engine's registry; it reports completions with kvb__op_done and notifications with
+ * kvb__notify_deliver. */
+struct kvb_transport_ops {
+    const char *name;
+    /* Starts listening and progress threads; fills *tp. */
+    int (*create)(kvb_engine_t *engine, kvb_transport_t **tp);
+    /* Stops threads and closes everything; ops still held end with KVB_ERR_SHUTDOWN. */
+    void (*destroy)(kvb_transport_t *tp);
+    uint16_t (*port)(const kvb_transport_t *tp);
+    /* Connects to peer->host:port with every lane and handshakes before `deadline`; fills
+     * peer->hello, peer->regions and peer->tp. */
+    int (*connect)(kvb_transport_t *tp, kvb_peer_t *peer, uint64_t deadline);
+    /* Queues ops (linked through op->next) to the peer. Never blocks on the network; ops that
+     * cannot be sent end at once through kvb__op_done. */
+    void (*submit)(kvb_transport_t *tp, kvb_peer_t *peer, kvb_op_t *ops);
+    /* Closes the peer's connections; ops still held end with `error`. Frees peer->tp later. */
+    void (*disconnect)(kvb_transport_t *tp, kvb_peer_t *peer, int error);
+    /* Frees peer->tp when the peer's last reference goes; must not touch the transport itself,
+     * which may be gone already. */
+    void (*peer_free)(kvb_peer_t *peer);
+};
+
+extern const kvb_transport_ops_t kvb__tcp_ops;
+
+typedef struct kvb_segment_slot {
+    kvb_peer_t *peer; /* NULL: free slot */
+    unsigned opens;
+} kvb_segment_slot_t;
+
+struct kvb_engine {
+    kvb_config_t cfg;
+    char bind_addr[KVB_NAME_MAX + 1];
+    char advertise_addr[KVB_NAME_MAX + 1];
+    char segment_name[KVB_NAME_MAX + 1];
+    kvb_hello_t hello; /* our identity: incarnation, pid, host id, name */
+    kvb_registry_t registry;
+    const kvb_transport_ops_t *tp_ops;
+    kvb_transport_t *tp;
+
+    pthread_mutex_t open_mu; /* serialises open/close so two opens of one name agree */
+    pthread_mutex_t seg_mu;  /* the segment table; held only briefly */
+    kvb_segment_slot_t *segs;
+    size_t nsegs;
+
+    pthread_mutex_t notify_mu; /* received notifications: a bounded ring */
+    pthread_cond_t notify_cv;
+    kvb_notification_t *notify_ring;
+    size_t notify_head, notify_count, notify_cap;
+    bool stopping;
+    atomic_long live_batches;
+};
+
+/* Returns the peer behind `seg` with a reference taken, or NULL. */
+kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);
+
+/* Called by transports. */
+void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
+/* For READ payloads: returns where op's data may be written now, with the batch locked, or NULL
+ * (batch unlocked) if the data must be discarded (request ended or batch freed). Pair every
+ * non-NULL return with kvb__op_dst_unlock. */
+uint8_t *kvb__op_dst_lock(kvb_op_t *op);
+void kvb__op_dst_unlock(kvb_op_t *op);
+/* Queues a received notification; KVB_ERR_REMOTE_NO_SPACE if the queue is full. */
+int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len);
+
+void kvb__peer_release(kvb_peer_t *peer);
+/* Marks the peer lost (first error wins) and tells the transport to close it. */
+void kvb__peer_fail(kvb_peer_t *peer, int error);
+
+/* Fills buf with the 16-byte id of this host (boot id; hostname hash as a fallback). */
+void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN]);
+
+#endif

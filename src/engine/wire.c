@@ -1,0 +1,261 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Encoding and validating wire frames. Little-endian on the wire whatever the host order; every
+ * length a peer sends is checked against the limits in wire.h before anything is read or sized. */
+#include "engine/wire.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* Layout: magic u32 | version u8 | type u8 | flags u16 | status i32 | reserved u32 | id u64 |
+ *         addr u64 | len u64 */
+void kvb__wire_encode_hdr(const kvb_frame_hdr_t *h, uint8_t out[KVB_WIRE_HDR_SIZE])
+{
+    put_u32(out, KVB_WIRE_MAGIC);
+    out[4] = KVB_WIRE_VERSION;
+    out[5] = h->type;
+    put_u16(out + 6, h->flags);
+    put_u32(out + 8, (uint32_t)h->status);
+    put_u32(out + 12, 0);
+    put_u64(out + 16, h->id);
+    put_u64(out + 24, h->addr);
+    put_u64(out + 32, h->len);
+}
+
+static int fail(char *why, size_t why_len, int code, const char *fmt, unsigned long long v)
+{
+    if (why && why_len)
+        snprintf(why, why_len, fmt, v);
+    return code;
+}
+
+int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *out, char *why,
+                         size_t why_len)
+{
+    uint32_t magic = get_u32(in);
+    if (magic != KVB_WIRE_MAGIC)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "bad frame magic 0x%08llx", magic);
+    if (in[4] != KVB_WIRE_VERSION)
+        return fail(why, why_len, KVB_ERR_VERSION, "unsupported protocol version %llu", in[4]);
+    kvb_frame_hdr_t h = {
+        .version = in[4],
+        .type = in[5],
+        .flags = get_u16(in + 6),
+        .status = (int32_t)get_u32(in + 8),
+        .id = get_u64(in + 16),
+        .addr = get_u64(in + 24),
+        .len = get_u64(in + 32),
+    };
+    if (h.type < KVB_FRAME_HELLO || h.type > KVB_FRAME_TYPE_MAX)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "unknown frame type %llu", h.type);
+    if (h.flags != 0 || get_u32(in + 12) != 0)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "reserved bits set (flags 0x%llx)", h.flags);
+    if (h.status > 0)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "positive status %llu", (unsigned)h.status);
+    uint64_t limit = 0;
+    switch (h.type) {
+    case KVB_FRAME_HELLO:
+        limit = KVB_WIRE_MAX_HELLO;
+        break;
+    case KVB_FRAME_HELLO_ACK:
+        limit = KVB_WIRE_MAX_HELLO_ACK;
+        break;
+    case KVB_FRAME_NOTIFY:
+        limit = KVB_NOTIFY_MAX;
+        break;
+    case KVB_FRAME_READ_REQ:
+    case KVB_FRAME_READ_RESP:
+    case KVB_FRAME_WRITE_REQ:
+    case KVB_FRAME_WRITE_ACK:
+        limit = KVB_WIRE_MAX_DATA;
+        break;
+    default: /* NOTIFY_ACK, ERROR carry no length */
+        limit = 0;
+    }
+    if (h.len > limit)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "frame length %llu over the limit",
+                    (unsigned long long)h.len);
+    if (h.status != 0 && h.type != KVB_FRAME_READ_RESP && h.type != KVB_FRAME_WRITE_ACK &&
+        h.type != KVB_FRAME_NOTIFY_ACK && h.type != KVB_FRAME_ERROR && h.type != KVB_FRAME_HELLO_ACK)
+        return fail(why, why_len, KVB_ERR_PROTOCOL, "status on a request frame (type %llu)",
+                    h.type);
+    *out = h;
+    return KVB_OK;
+}
+
+uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
+{
+    switch (h->type) {
+    case KVB_FRAME_HELLO:
+    case KVB_FRAME_WRITE_REQ:
+    case KVB_FRAME_NOTIFY:
+        return h->len;
+    case KVB_FRAME_HELLO_ACK:
+    case KVB_FRAME_READ_RESP:
+        return h->status == 0 ? h->len : 0;
+    default:
+        return 0;
+    }
+}
+
+/* hello: incarnation u64 | pid u32 | lane u32 | host_id[16] | name_len u16 | name */
+size_t kvb__wire_hello_size(const kvb_hello_t *h)
+{
+    return 8 + 4 + 4 + KVB_HOST_ID_LEN + 2 + strnlen(h->name, KVB_NAME_MAX);
+}
+
+size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out)
+{
+    size_t nl = strnlen(h->name, KVB_NAME_MAX);
+    put_u64(out, h->incarnation);
+    put_u32(out + 8, h->pid);
+    put_u32(out + 12, h->lane);
+    memcpy(out + 16, h->host_id, KVB_HOST_ID_LEN);
+    put_u16(out + 16 + KVB_HOST_ID_LEN, (uint16_t)nl);
+    memcpy(out + 18 + KVB_HOST_ID_LEN, h->name, nl);
+    return 18 + KVB_HOST_ID_LEN + nl;
+}
+
+/* Decodes a hello from in[0..len); on success *used (if not NULL) is its encoded size. */
+static int hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out, size_t *used)
+{
+    const size_t fixed = 18 + KVB_HOST_ID_LEN;
+    if (len < fixed)
+        return KVB_ERR_PROTOCOL;
+    size_t nl = get_u16(in + 16 + KVB_HOST_ID_LEN);
+    if (nl == 0 || nl > KVB_NAME_MAX || nl > len - fixed)
+        return KVB_ERR_PROTOCOL;
+    const uint8_t *name = in + fixed;
+    for (size_t i = 0; i < nl; i++)
+        if (name[i] < 0x21 || name[i] > 0x7e) /* printable, no spaces: it ends up in logs */
+            return KVB_ERR_PROTOCOL;
+    kvb_hello_t h = {.incarnation = get_u64(in), .pid = get_u32(in + 8), .lane = get_u32(in + 12)};
+    memcpy(h.host_id, in + 16, KVB_HOST_ID_LEN);
+    memcpy(h.name, name, nl);
+    h.name[nl] = '\0';
+    *out = h;
+    if (used)
+        *used = fixed + nl;
+    return KVB_OK;
+}
+
+int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out)
+{
+    size_t used;
+    int rc = hello_decode(in, len, out, &used);
+    if (rc == KVB_OK && used != len)
+        return KVB_ERR_PROTOCOL; /* trailing bytes */
+    return rc;
+}
+
+/* hello_ack: hello | count u32 | count x (addr u64 | len u64 | access u32 | loc_len u16 | loc) */
+int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_info_t *regions, size_t n,
+                               uint8_t **out, size_t *out_len)
+{
+    if (n > KVB_WIRE_MAX_REGIONS)
+        return KVB_ERR_TOO_LARGE;
+    size_t size = kvb__wire_hello_size(h) + 4;
+    for (size_t i = 0; i < n; i++)
+        size += 22 + strnlen(regions[i].location, KVB_LOCATION_MAX);
+    if (size > KVB_WIRE_MAX_HELLO_ACK)
+        return KVB_ERR_TOO_LARGE;
+    uint8_t *buf = malloc(size);
+    if (!buf)
+        return KVB_ERR_NOMEM;
+    uint8_t *p = buf + kvb__wire_hello_encode(h, buf);
+    put_u32(p, (uint32_t)n);
+    p += 4;
+    for (size_t i = 0; i < n; i++) {
+        size_t ll = strnlen(regions[i].location, KVB_LOCATION_MAX);
+        put_u64(p, regions[i].addr);
+        put_u64(p + 8, regions[i].len);
+        put_u32(p + 16, regions[i].access);
+        put_u16(p + 20, (uint16_t)ll);
+        memcpy(p + 22, regions[i].location, ll);
+        p += 22 + ll;
+    }
+    *out = buf;
+    *out_len = size;
+    return KVB_OK;
+}
+
+int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
+                               kvb_region_info_t **regions, size_t *n)
+{
+    size_t off;
+    kvb_hello_t h;
+    if (hello_decode(in, len, &h, &off) != KVB_OK || len - off < 4)
+        return KVB_ERR_PROTOCOL;
+    uint32_t count = get_u32(in + off);
+    off += 4;
+    /* Each region needs at least 22 bytes: bound the count by what is actually there before
+     * allocating anything for it. */
+    if (count > KVB_WIRE_MAX_REGIONS || count > (len - off) / 22)
+        return KVB_ERR_PROTOCOL;
+    kvb_region_info_t *r = count ? calloc(count, sizeof *r) : NULL;
+    if (count && !r)
+        return KVB_ERR_NOMEM;
+    for (uint32_t i = 0; i < count; i++) {
+        if (len - off < 22)
+            goto bad;
+        size_t ll = get_u16(in + off + 20);
+        if (ll > KVB_LOCATION_MAX || ll > len - off - 22)
+            goto bad;
+        r[i].addr = get_u64(in + off);
+        r[i].len = get_u64(in + off + 8);
+        r[i].access = get_u32(in + off + 16);
+        if (r[i].access & ~(unsigned)KVB_ACCESS_RW)
+            goto bad;
+        memcpy(r[i].location, in + off + 22, ll);
+        r[i].location[ll] = '\0';
+        off += 22 + ll;
+    }
+    if (off != len)
+        goto bad;
+    *hello = h;
+    *regions = r;
+    *n = count;
+    return KVB_OK;
+bad:
+    free(r);
+    return KVB_ERR_PROTOCOL;
+}

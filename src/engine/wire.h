@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The kvbridge wire protocol: fixed 40-byte little-endian frame headers plus typed payloads. The
+ * codecs here do no I/O: they turn bytes into messages or a precise error, checking every length. */
+#ifndef KVB_ENGINE_WIRE_H
+#define KVB_ENGINE_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvbridge/engine.h"
+
+#define KVB_WIRE_MAGIC    0x3142564Bu /* "KVB1" read as little-endian */
+#define KVB_WIRE_VERSION  1
+#define KVB_WIRE_HDR_SIZE 40
+
+/* Limits on what a peer may announce; anything larger is a protocol error. */
+#define KVB_WIRE_MAX_DATA      (64ull << 20) /* data bytes in one READ_RESP / WRITE_REQ frame */
+#define KVB_WIRE_MAX_HELLO     4096u
+#define KVB_WIRE_MAX_HELLO_ACK (16u << 20)
+#define KVB_WIRE_MAX_REGIONS   65536u
+#define KVB_HOST_ID_LEN        16
+
+typedef enum {
+    KVB_FRAME_HELLO = 1,     /* initiator -> target: who I am; payload: hello */
+    KVB_FRAME_HELLO_ACK = 2, /* target -> initiator: who I am and my regions; payload: hello_ack */
+    KVB_FRAME_READ_REQ = 3,  /* addr, len; no payload */
+    KVB_FRAME_READ_RESP = 4, /* status; payload: len data bytes when status is OK */
+    KVB_FRAME_WRITE_REQ = 5, /* addr, len; payload: len data bytes */
+    KVB_FRAME_WRITE_ACK = 6, /* status, len placed */
+    KVB_FRAME_NOTIFY = 7,    /* payload: len message bytes */
+    KVB_FRAME_NOTIFY_ACK = 8,
+    KVB_FRAME_ERROR = 9,     /* status; the sender closes the connection after it */
+    KVB_FRAME_TYPE_MAX = 9,
+} kvb_frame_type_t;
+
+typedef struct {
+    uint8_t type;
+    uint8_t version;
+    uint16_t flags;
+    int32_t status;
+    uint64_t id;   /* request id chosen by the initiator, echoed by the target */
+    uint64_t addr; /* remote absolute address (requests) */
+    uint64_t len;  /* data length: what follows the header (see payload_len) or what is asked */
+} kvb_frame_hdr_t;
+
+void kvb__wire_encode_hdr(const kvb_frame_hdr_t *h, uint8_t out[KVB_WIRE_HDR_SIZE]);
+
+/* Decodes and validates a header: magic, version, type, status/length consistency and limits.
+ * Returns KVB_OK, KVB_ERR_VERSION or KVB_ERR_PROTOCOL (with a reason in why[0..why_len)). */
+int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *out, char *why,
+                         size_t why_len);
+
+/* Number of payload bytes that follow a (validated) header on the wire. */
+uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h);
+
+/* The identity each side states in the handshake. */
+typedef struct {
+    uint64_t incarnation;
+    uint32_t pid;
+    uint32_t lane;
+    uint8_t host_id[KVB_HOST_ID_LEN];
+    char name[KVB_NAME_MAX + 1];
+} kvb_hello_t;
+
+/* Encoded hello size (bounded by KVB_WIRE_MAX_HELLO). */
+size_t kvb__wire_hello_size(const kvb_hello_t *h);
+size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out);
+int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out);
+
+/* HELLO_ACK = hello + region list. Encode allocates *out (caller frees). Decode allocates
+ * *regions (caller frees; NULL when there are none). */
+int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_info_t *regions, size_t n,
+                               uint8_t **out, size_t *out_len);
+int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
+                               kvb_region_info_t **regions, size_t *n);
+
+#endif

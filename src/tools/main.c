@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The kvbridge command: dispatches to subcommands (bench, ...) and holds their shared parsers. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvbridge/engine.h"
+#include "tools/cli.h"
+
+int kvb_cli_parse_uint(const char *s, uint64_t max, uint64_t *out)
+{
+    if (!s || !*s || *s == '-' || *s == '+')
+        return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v > max)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+int kvb_cli_parse_size(const char *s, uint64_t *out)
+{
+    if (!s || !*s || *s == '-' || *s == '+')
+        return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s)
+        return -1;
+    unsigned shift = 0;
+    if (*end) {
+        switch (*end) {
+        case 'k': case 'K': shift = 10; break;
+        case 'm': case 'M': shift = 20; break;
+        case 'g': case 'G': shift = 30; break;
+        default: return -1;
+        }
+        end++;
+        if (*end == 'i' || *end == 'I')
+            end++;
+        if (*end == 'b' || *end == 'B')
+            end++;
+        if (*end)
+            return -1;
+    }
+    if (shift && v > (UINT64_MAX >> shift))
+        return -1;
+    *out = (uint64_t)v << shift;
+    return 0;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "kvbridge %s - KV-cache transfer engine for PD-disaggregated LLM serving\n\n"
+               "usage: kvbridge <command> [options]\n\n"
+               "commands:\n"
+               "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
+               "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
+               "  version   print the version\n",
+            KVB_VERSION_STRING);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "bench"))
+        return kvb_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "topo"))
+        return kvb_cmd_topo(argc - 1, argv + 1);
+    if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) {
+        printf("kvbridge %s\n", KVB_VERSION_STRING);
+        return 0;
+    }
+    if (!strcmp(cmd, "help") || !strcmp(cmd, "--help") || !strcmp(cmd, "-h")) {
+        usage(stdout);
+        return 0;
+    }
+    fprintf(stderr, "kvbridge: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+}

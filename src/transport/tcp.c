@@ -1,0 +1,1167 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* TCP transport: one listening port per engine, several persistent connections ("lanes") per
+ * peer, epoll progress threads, scatter/gather sends that coalesce many frames into one syscall,
+ * and payloads received straight into their destination. Also carries the p2p handshake. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "common/checked.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "engine/internal.h"
+
+#define RXBUF_SIZE   (64u << 10) /* read-ahead for headers and small payloads */
+#define SMALL_RECV   (16u << 10) /* payload remainders below this are read through rxbuf */
+#define IOV_CAP      512
+#define TX_MAX_BYTES (8u << 20)  /* bytes offered to one sendmsg */
+#define LANE_SPREAD  (1u << 20)  /* a submit moves to the next lane after this many bytes */
+#define MAX_EVENTS   64
+
+typedef struct tcp_thread tcp_thread_t;
+typedef struct tcp_conn tcp_conn_t;
+
+/* One frame waiting to be sent: a header plus an optional payload that stays where it is. */
+typedef struct tcp_frame {
+    struct tcp_frame *next;
+    uint8_t hdr[KVB_WIRE_HDR_SIZE];
+    const uint8_t *data;
+    uint64_t len;
+    kvb_region_t *pin; /* target side: region `data` points into, unpinned once sent */
+    void *owned;       /* heap payload freed once sent */
+} tcp_frame_t;
+
+enum { ROLE_INIT, ROLE_TARGET };
+enum { RX_HDR, RX_PAYLOAD };
+enum { SINK_DRAIN, SINK_OP, SINK_REGION, SINK_BUF };
+
+struct tcp_conn {
+    atomic_uint refs;
+    int fd;
+    int role;
+    tcp_thread_t *th;
+    kvb_peer_t *peer;          /* ROLE_INIT: the peer this lane belongs to (ref held) */
+    struct tcp_conn *next;     /* the owning thread's list */
+
+    pthread_mutex_t mu;        /* guards pend list and the flags below it */
+    kvb_op_t *pend_head, *pend_tail;
+    bool dead;                 /* closed: submissions fail at once */
+    atomic_bool close_req;     /* someone asked the owner thread to close it (read unlocked) */
+    int close_err;
+
+    /* Everything below belongs to the owner thread. */
+    kvb_op_t *inflight_head, *inflight_tail; /* sent requests, in wire order */
+    uint64_t next_id;
+    tcp_frame_t *txq_head, *txq_tail;
+    uint64_t tx_off;           /* bytes of txq_head already sent */
+    bool want_out;             /* EPOLLOUT armed */
+    bool hello_done;           /* ROLE_TARGET: handshake received */
+    bool rx_more;              /* read budget ran out with bytes left: read again on the scan */
+    char from[KVB_NAME_MAX + 1];
+    uint8_t *rxbuf;
+    size_t rx_len, rx_pos;
+    int rx_state;
+    kvb_frame_hdr_t rx_hdr;
+    uint64_t rx_plen, rx_got;
+    int rx_sink, rx_status;
+    uint8_t *rx_dst;           /* SINK_REGION / SINK_BUF */
+    kvb_region_t *rx_pin;
+    kvb_op_t *rx_op;           /* SINK_OP */
+};
+
+struct tcp_thread {
+    kvb_transport_t *tp;
+    pthread_t tid;
+    int epfd, evfd;
+    atomic_bool wake_pending;
+    pthread_mutex_t mu;        /* guards incoming */
+    tcp_conn_t *incoming;      /* new connections handed to this thread */
+    tcp_conn_t *conns;         /* owner only */
+    bool need_scan;            /* owner only: some conn wants closing */
+    tcp_frame_t *free_frames;  /* owner only */
+    uint8_t *scratch;          /* owner only: where discarded payload bytes go */
+};
+
+struct kvb_transport {
+    kvb_engine_t *engine;
+    int listen_fd;
+    uint16_t port;
+    int nthreads;
+    tcp_thread_t *threads;
+    atomic_uint next_thread;
+    atomic_bool stop;
+};
+
+typedef struct {
+    int nlanes;
+    atomic_uint rr;
+    tcp_conn_t *lanes[16];
+} tcp_peer_t;
+
+static char listen_tag, wake_tag; /* epoll data.ptr markers */
+
+/* ---- connections ---------------------------------------------------------------------------- */
+
+static void conn_release(tcp_conn_t *c)
+{
+    if (!c || atomic_fetch_sub(&c->refs, 1) != 1)
+        return;
+    if (c->fd >= 0)
+        close(c->fd);
+    kvb__peer_release(c->peer);
+    pthread_mutex_destroy(&c->mu);
+    free(c->rxbuf);
+    free(c);
+}
+
+static int set_sock_opts(int fd)
+{
+    int one = 1, idle = 5, intvl = 2, cnt = 3;
+    unsigned user_timeout = 10000;
+    /* NODELAY: small control frames must not wait for Nagle; data is already coalesced by us.
+     * Keepalive + USER_TIMEOUT: a vanished host (no RST) is detected in seconds, not hours. */
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) ||
+        setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout)) {
+        KVB_ERROR("setsockopt: %s", strerror(errno));
+        return KVB_ERR_SYSTEM;
+    }
+    return KVB_OK;
+}
+
+static tcp_conn_t *conn_new(int fd, int role)
+{
+    tcp_conn_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->rxbuf = malloc(RXBUF_SIZE);
+    if (!c->rxbuf) {
+        free(c);
+        return NULL;
+    }
+    atomic_init(&c->refs, 1);
+    c->fd = fd;
+    c->role = role;
+    c->next_id = 1;
+    pthread_mutex_init(&c->mu, NULL);
+    return c;
+}
+
+static void thread_wake(tcp_thread_t *th)
+{
+    if (atomic_exchange(&th->wake_pending, true))
+        return;
+    uint64_t one = 1;
+    if (write(th->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVB_ERROR("eventfd write: %s", strerror(errno));
+}
+
+/* Hands a connection (with one reference for the thread) to a progress thread. */
+static void thread_adopt(kvb_transport_t *tp, tcp_conn_t *c)
+{
+    tcp_thread_t *th = &tp->threads[atomic_fetch_add(&tp->next_thread, 1) % (unsigned)tp->nthreads];
+    c->th = th;
+    pthread_mutex_lock(&th->mu);
+    c->next = th->incoming;
+    th->incoming = c;
+    pthread_mutex_unlock(&th->mu);
+    thread_wake(th);
+}
+
+/* Asks the owner thread to close c; safe from any thread. */
+static void conn_request_close(tcp_conn_t *c, int err)
+{
+    pthread_mutex_lock(&c->mu);
+    bool first = !c->close_req;
+    if (first) {
+        c->close_req = true;
+        c->close_err = err;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (first && c->th)
+        thread_wake(c->th);
+}
+
+/* A fatal error on c, found by its owner thread. */
+static void conn_fail(tcp_conn_t *c, int err, const char *what)
+{
+    if (c->role == ROLE_INIT) {
+        if (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION)
+            KVB_ERROR("connection to %s: %s", c->peer->name, what);
+        kvb__peer_fail(c->peer, err); /* closes every lane of the peer, this one included */
+    } else if (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION) {
+        KVB_ERROR("connection from %s closed: %s", c->hello_done ? c->from : "(no handshake)", what);
+    } else {
+        KVB_DEBUG("connection from %s closed: %s", c->hello_done ? c->from : "?", what);
+    }
+    conn_request_close(c, err);
+    c->th->need_scan = true;
+}
+
+static void frame_release(tcp_thread_t *th, tcp_frame_t *f)
+{
+    if (f->pin)
+        kvb__region_unpin(&th->tp->engine->registry, f->pin);
+    free(f->owned);
+    f->next = th->free_frames;
+    th->free_frames = f;
+}
+
+static void fail_op_list(kvb_op_t *op, int err)
+{
+    while (op) {
+        kvb_op_t *next = op->next;
+        kvb__op_done(op, err, 0);
+        op = next;
+    }
+}
+
+/* Owner thread: tears c down and ends everything it held. */
+static void conn_close(tcp_conn_t *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->dead = true;
+    int err = c->close_err ? c->close_err : KVB_ERR_PEER_LOST;
+    kvb_op_t *pend = c->pend_head;
+    c->pend_head = c->pend_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+
+    if (c->fd >= 0) {
+        epoll_ctl(c->th->epfd, EPOLL_CTL_DEL, c->fd, NULL); /* close() would drop it anyway */
+        close(c->fd);
+        c->fd = -1;
+    }
+    while (c->txq_head) {
+        tcp_frame_t *f = c->txq_head;
+        c->txq_head = f->next;
+        frame_release(c->th, f);
+    }
+    c->txq_tail = NULL;
+    if (c->rx_pin)
+        kvb__region_unpin(&c->th->tp->engine->registry, c->rx_pin);
+    c->rx_pin = NULL;
+    if (c->rx_sink == SINK_BUF)
+        free(c->rx_dst);
+    c->rx_dst = NULL;
+    c->rx_sink = SINK_DRAIN;
+    kvb_op_t *inflight = c->inflight_head;
+    c->inflight_head = c->inflight_tail = NULL;
+    fail_op_list(inflight, err);
+    fail_op_list(pend, err);
+    /* Break the peer <-> lane reference cycle: a closed lane no longer needs its peer. */
+    kvb_peer_t *p = c->peer;
+    c->peer = NULL;
+    kvb__peer_release(p);
+}
+
+/* ---- sending -------------------------------------------------------------------------------- */
+
+static tcp_frame_t *frame_get(tcp_thread_t *th)
+{
+    tcp_frame_t *f = th->free_frames;
+    if (f) {
+        th->free_frames = f->next;
+        memset(f, 0, sizeof *f);
+        return f;
+    }
+    return calloc(1, sizeof *f);
+}
+
+static void txq_push(tcp_conn_t *c, tcp_frame_t *f)
+{
+    f->next = NULL;
+    if (c->txq_tail)
+        c->txq_tail->next = f;
+    else
+        c->txq_head = f;
+    c->txq_tail = f;
+}
+
+static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *data,
+                       kvb_region_t *pin, void *owned)
+{
+    tcp_frame_t *f = frame_get(c->th);
+    if (!f) {
+        if (pin)
+            kvb__region_unpin(&c->th->tp->engine->registry, pin);
+        free(owned);
+        return KVB_ERR_NOMEM;
+    }
+    kvb__wire_encode_hdr(h, f->hdr);
+    f->data = data;
+    f->len = kvb__wire_payload_len(h);
+    f->pin = pin;
+    f->owned = owned;
+    txq_push(c, f);
+    return KVB_OK;
+}
+
+static void set_want_out(tcp_conn_t *c, bool on)
+{
+    if (c->want_out == on)
+        return;
+    struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.ptr = c};
+    if (epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) != 0) {
+        conn_fail(c, KVB_ERR_SYSTEM, "epoll_ctl failed");
+        return;
+    }
+    c->want_out = on;
+}
+
+/* Sends as much of the queue as the socket takes, many frames per sendmsg. */
+static void conn_flush(tcp_conn_t *c)
+{
+    struct iovec iov[IOV_CAP];
+    while (c->txq_head && !c->close_req) {
+        int cnt = 0;
+        uint64_t bytes = 0, skip = c->tx_off;
+        for (tcp_frame_t *f = c->txq_head; f && cnt + 2 <= IOV_CAP && bytes < TX_MAX_BYTES;
+             f = f->next) {
+            if (skip < KVB_WIRE_HDR_SIZE) {
+                iov[cnt++] = (struct iovec){f->hdr + skip, KVB_WIRE_HDR_SIZE - skip};
+                bytes += KVB_WIRE_HDR_SIZE - skip;
+                skip = 0;
+            }
+            if (f->len > skip) {
+                iov[cnt++] = (struct iovec){(void *)(f->data + skip), f->len - skip};
+                bytes += f->len - skip;
+            }
+            skip = 0;
+        }
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t n = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                set_want_out(c, true);
+                return;
+            }
+            conn_fail(c, KVB_ERR_PEER_LOST, strerror(errno));
+            return;
+        }
+        uint64_t left = (uint64_t)n;
+        while (left > 0) {
+            tcp_frame_t *f = c->txq_head;
+            uint64_t rem = KVB_WIRE_HDR_SIZE + f->len - c->tx_off;
+            if (left < rem) {
+                c->tx_off += left;
+                break;
+            }
+            left -= rem;
+            c->tx_off = 0;
+            c->txq_head = f->next;
+            if (!c->txq_head)
+                c->txq_tail = NULL;
+            frame_release(c->th, f);
+        }
+    }
+    if (!c->txq_head && c->want_out && !c->close_req)
+        set_want_out(c, false);
+}
+
+/* Owner thread: turns newly submitted ops into request frames, in order. */
+static void conn_take_pending(tcp_conn_t *c)
+{
+    pthread_mutex_lock(&c->mu);
+    kvb_op_t *op = c->pend_head;
+    c->pend_head = c->pend_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
+    while (op) {
+        kvb_op_t *next = op->next;
+        op->wire_id = c->next_id++;
+        kvb_frame_hdr_t h = {.type = type_of[op->kind], .id = op->wire_id, .addr = op->remote,
+                             .len = op->len};
+        int rc = queue_frame(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL);
+        if (rc) {
+            op->next = NULL;
+            kvb__op_done(op, rc, 0);
+        } else {
+            op->next = NULL;
+            if (c->inflight_tail)
+                c->inflight_tail->next = op;
+            else
+                c->inflight_head = op;
+            c->inflight_tail = op;
+        }
+        op = next;
+    }
+}
+
+/* ---- receiving ------------------------------------------------------------------------------ */
+
+/* Target side: a request header arrived; decide where its payload goes and what to answer. */
+static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    kvb_registry_t *reg = &c->th->tp->engine->registry;
+    if (!c->hello_done && h->type != KVB_FRAME_HELLO)
+        return KVB_ERR_PROTOCOL;
+    switch (h->type) {
+    case KVB_FRAME_HELLO:
+        if (c->hello_done || h->len == 0)
+            return KVB_ERR_PROTOCOL;
+        c->rx_dst = malloc(h->len);
+        if (!c->rx_dst)
+            return KVB_ERR_NOMEM;
+        c->rx_sink = SINK_BUF;
+        return KVB_OK;
+    case KVB_FRAME_READ_REQ: {
+        kvb_region_t *pin = NULL;
+        int st = kvb__registry_check(reg, h->addr, h->len, KVB_ACCESS_READ,
+                                     KVB_ERR_REMOTE_NOT_REGISTERED, &pin);
+        kvb_frame_hdr_t r = {.type = KVB_FRAME_READ_RESP, .status = st, .id = h->id,
+                             .len = st ? 0 : h->len};
+        return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
+    }
+    case KVB_FRAME_WRITE_REQ:
+        c->rx_status = kvb__registry_check(reg, h->addr, h->len, KVB_ACCESS_WRITE,
+                                           KVB_ERR_REMOTE_NOT_REGISTERED, &c->rx_pin);
+        c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
+        c->rx_dst = c->rx_status ? NULL : (uint8_t *)(uintptr_t)h->addr;
+        return KVB_OK;
+    case KVB_FRAME_NOTIFY:
+        c->rx_dst = malloc(h->len ? h->len : 1);
+        if (!c->rx_dst)
+            return KVB_ERR_NOMEM;
+        c->rx_sink = SINK_BUF;
+        return KVB_OK;
+    default:
+        return KVB_ERR_PROTOCOL;
+    }
+}
+
+static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
+{
+    kvb_engine_t *e = c->th->tp->engine;
+    kvb_region_info_t *regions;
+    size_t n;
+    uint8_t *buf;
+    size_t len;
+    int rc = kvb__registry_list(&e->registry, &regions, &n);
+    if (rc)
+        return rc;
+    rc = kvb__wire_hello_ack_encode(&e->hello, regions, n, &buf, &len);
+    free(regions);
+    if (rc)
+        return rc;
+    snprintf(c->from, sizeof c->from, "%s", their->name);
+    c->hello_done = true;
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO_ACK, .len = len};
+    return queue_frame(c, &h, buf, NULL, buf);
+}
+
+/* Target side: a request's payload is complete (or it had none). */
+static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    kvb_engine_t *e = c->th->tp->engine;
+    switch (h->type) {
+    case KVB_FRAME_HELLO: {
+        kvb_hello_t their;
+        int rc = kvb__wire_hello_decode(c->rx_dst, h->len, &their);
+        free(c->rx_dst);
+        c->rx_dst = NULL;
+        return rc ? rc : send_hello_ack(c, &their);
+    }
+    case KVB_FRAME_WRITE_REQ: {
+        if (c->rx_pin)
+            kvb__region_unpin(&e->registry, c->rx_pin);
+        c->rx_pin = NULL;
+        kvb_frame_hdr_t r = {.type = KVB_FRAME_WRITE_ACK, .status = c->rx_status, .id = h->id,
+                             .len = c->rx_status ? 0 : h->len};
+        return queue_frame(c, &r, NULL, NULL, NULL);
+    }
+    case KVB_FRAME_NOTIFY: {
+        int st = kvb__notify_deliver(e, c->from, c->rx_dst, h->len);
+        free(c->rx_dst);
+        c->rx_dst = NULL;
+        kvb_frame_hdr_t r = {.type = KVB_FRAME_NOTIFY_ACK, .status = st, .id = h->id};
+        return queue_frame(c, &r, NULL, NULL, NULL);
+    }
+    default:
+        return KVB_OK; /* READ_REQ was answered at its header */
+    }
+}
+
+/* Initiator side: a response header arrived; it must answer the oldest request in flight. */
+static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    static const uint8_t resp_of[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK,
+                                      KVB_FRAME_NOTIFY_ACK};
+    if (h->type == KVB_FRAME_ERROR)
+        return h->status < 0 ? h->status : KVB_ERR_PROTOCOL;
+    kvb_op_t *op = c->inflight_head;
+    if (!op || h->id != op->wire_id || h->type != resp_of[op->kind])
+        return KVB_ERR_PROTOCOL;
+    if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && h->len != op->len)
+        return KVB_ERR_PROTOCOL;
+    if (h->status != 0 && !(h->status <= -200 && h->status > -300) &&
+        h->status != KVB_ERR_TOO_LARGE && h->status != KVB_ERR_NOMEM)
+        return KVB_ERR_PROTOCOL; /* targets only answer per-request errors */
+    c->rx_op = op;
+    c->rx_sink = SINK_OP;
+    return KVB_OK;
+}
+
+static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    kvb_op_t *op = c->inflight_head;
+    c->inflight_head = op->next;
+    if (!c->inflight_head)
+        c->inflight_tail = NULL;
+    op->next = NULL;
+    c->rx_op = NULL;
+    kvb__op_done(op, h->status, h->status ? 0 : op->len);
+}
+
+/* Moves up to `n` payload bytes from src (or the socket, when src is NULL) into the current
+ * sink. Returns bytes consumed, 0 on EAGAIN, or a negative status. */
+static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
+{
+    uint8_t *dst = NULL;
+    bool op_locked = false;
+    if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP) {
+        dst = kvb__op_dst_lock(c->rx_op);
+        op_locked = dst != NULL;
+        if (dst)
+            dst += c->rx_got;
+    } else if (c->rx_sink == SINK_REGION || c->rx_sink == SINK_BUF) {
+        dst = c->rx_dst + c->rx_got;
+    }
+    ssize_t got;
+    if (!dst) { /* discard: the request ended meanwhile, or the target refused it */
+        if (n > RXBUF_SIZE)
+            n = RXBUF_SIZE;
+        dst = c->th->scratch;
+    }
+    if (src) {
+        memcpy(dst, src, n);
+        got = (ssize_t)n;
+    } else {
+        got = recv(c->fd, dst, n, MSG_DONTWAIT);
+    }
+    if (op_locked)
+        kvb__op_dst_unlock(c->rx_op);
+    if (got < 0)
+        return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : KVB_ERR_PEER_LOST;
+    if (got == 0)
+        return KVB_ERR_PEER_LOST;
+    return got;
+}
+
+static int on_header(tcp_conn_t *c)
+{
+    char why[96];
+    int rc = kvb__wire_decode_hdr(c->rxbuf + c->rx_pos, &c->rx_hdr, why, sizeof why);
+    if (rc) {
+        conn_fail(c, rc, why);
+        return rc;
+    }
+    c->rx_pos += KVB_WIRE_HDR_SIZE;
+    c->rx_plen = kvb__wire_payload_len(&c->rx_hdr);
+    c->rx_got = 0;
+    c->rx_sink = SINK_DRAIN;
+    rc = c->role == ROLE_TARGET ? target_on_header(c, &c->rx_hdr) : init_on_header(c, &c->rx_hdr);
+    if (rc) {
+        snprintf(why, sizeof why, "unexpected frame type %u id %llu: %s", c->rx_hdr.type,
+                 (unsigned long long)c->rx_hdr.id, kvb_strerror(rc));
+        conn_fail(c, rc, why);
+        return rc;
+    }
+    c->rx_state = RX_PAYLOAD;
+    return KVB_OK;
+}
+
+static int on_frame_end(tcp_conn_t *c)
+{
+    c->rx_state = RX_HDR;
+    if (c->role == ROLE_INIT) {
+        init_on_frame(c, &c->rx_hdr);
+        return KVB_OK;
+    }
+    int rc = target_on_frame(c, &c->rx_hdr);
+    c->rx_sink = SINK_DRAIN;
+    if (rc)
+        conn_fail(c, rc, kvb_strerror(rc));
+    return rc;
+}
+
+/* Reads and dispatches whatever the socket has, up to a budget of recv calls so that other
+ * connections get a turn. */
+static void conn_read(tcp_conn_t *c)
+{
+    int budget = 32;
+    while (!c->close_req) {
+        if (c->rx_state == RX_PAYLOAD) {
+            uint64_t want = c->rx_plen - c->rx_got;
+            if (want == 0) {
+                if (on_frame_end(c))
+                    return;
+                continue;
+            }
+            size_t avail = c->rx_len - c->rx_pos;
+            ssize_t n;
+            if (avail > 0) {
+                n = sink_bytes(c, c->rxbuf + c->rx_pos, avail < want ? avail : (size_t)want);
+                if (n > 0)
+                    c->rx_pos += (size_t)n;
+            } else if (want < SMALL_RECV) {
+                goto fill; /* small remainder: read it with what follows, in one syscall */
+            } else {
+                if (budget-- == 0)
+                    break;
+                n = sink_bytes(c, NULL, (size_t)want);
+                if (n == 0)
+                    return;
+            }
+            if (n < 0) {
+                conn_fail(c, (int)n, "connection closed by peer");
+                return;
+            }
+            c->rx_got += (uint64_t)n;
+            continue;
+        }
+        if (c->rx_len - c->rx_pos >= KVB_WIRE_HDR_SIZE) {
+            if (on_header(c))
+                return;
+            continue;
+        }
+    fill:
+        if (budget-- == 0)
+            break;
+        if (c->rx_pos > 0) { /* compact what is left of a partial header */
+            memmove(c->rxbuf, c->rxbuf + c->rx_pos, c->rx_len - c->rx_pos);
+            c->rx_len -= c->rx_pos;
+            c->rx_pos = 0;
+        }
+        ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, RXBUF_SIZE - c->rx_len, MSG_DONTWAIT);
+        if (n > 0) {
+            c->rx_len += (size_t)n;
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return;
+        conn_fail(c, KVB_ERR_PEER_LOST, n == 0 ? "connection closed by peer" : strerror(errno));
+        return;
+    }
+    if (!c->close_req) { /* budget used up: come back after the others */
+        c->rx_more = true;
+        c->th->need_scan = true;
+    }
+}
+
+/* ---- progress threads ----------------------------------------------------------------------- */
+
+static void thread_scan(tcp_thread_t *th)
+{
+    pthread_mutex_lock(&th->mu);
+    tcp_conn_t *in = th->incoming;
+    th->incoming = NULL;
+    pthread_mutex_unlock(&th->mu);
+    th->need_scan = false;
+    while (in) {
+        tcp_conn_t *c = in;
+        in = in->next;
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        c->next = th->conns;
+        th->conns = c;
+        if (epoll_ctl(th->epfd, EPOLL_CTL_ADD, c->fd, &ev) != 0)
+            conn_fail(c, KVB_ERR_SYSTEM, "epoll_ctl add failed");
+    }
+    for (tcp_conn_t **pp = &th->conns; *pp;) {
+        tcp_conn_t *c = *pp;
+        pthread_mutex_lock(&c->mu);
+        bool closing = c->close_req, pending = c->pend_head != NULL;
+        pthread_mutex_unlock(&c->mu);
+        if (closing) {
+            *pp = c->next;
+            conn_close(c);
+            conn_release(c);
+            continue;
+        }
+        if (c->rx_more) {
+            c->rx_more = false;
+            conn_read(c);
+        }
+        if (pending)
+            conn_take_pending(c);
+        if (c->txq_head)
+            conn_flush(c);
+        pp = &c->next;
+    }
+}
+
+static void accept_all(kvb_transport_t *tp)
+{
+    for (;;) {
+        int fd = accept4(tp->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                KVB_WARN("accept: %s", strerror(errno));
+            return;
+        }
+        tcp_conn_t *c = set_sock_opts(fd) == KVB_OK ? conn_new(fd, ROLE_TARGET) : NULL;
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        thread_adopt(tp, c);
+    }
+}
+
+static void *thread_main(void *arg)
+{
+    tcp_thread_t *th = arg;
+    struct epoll_event evs[MAX_EVENTS];
+    while (!atomic_load(&th->tp->stop)) {
+        /* A scan that queued more work (a read budget ran out, a conn to close) polls again
+         * without sleeping. */
+        int n = epoll_wait(th->epfd, evs, MAX_EVENTS, th->need_scan ? 0 : -1);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            KVB_ERROR("epoll_wait: %s", strerror(errno));
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            void *tag = evs[i].data.ptr;
+            if (tag == &wake_tag) {
+                uint64_t v;
+                if (read(th->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
+                    KVB_ERROR("eventfd read: %s", strerror(errno));
+                atomic_store(&th->wake_pending, false);
+                th->need_scan = true;
+            } else if (tag == &listen_tag) {
+                accept_all(th->tp);
+            } else {
+                tcp_conn_t *c = tag;
+                if (c->close_req || c->fd < 0)
+                    continue; /* closed in the scan below, never freed before it */
+                if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+                    conn_read(c);
+                if (!c->close_req && (c->txq_head || (evs[i].events & EPOLLOUT)))
+                    conn_flush(c);
+            }
+        }
+        if (th->need_scan)
+            thread_scan(th);
+    }
+    return NULL;
+}
+
+/* ---- listening ------------------------------------------------------------------------------ */
+
+static int listen_on(kvb_transport_t *tp, const kvb_config_t *cfg)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV}, *res;
+    uint16_t first = cfg->port, last = cfg->port_max ? cfg->port_max : cfg->port;
+    int gai = getaddrinfo(cfg->bind_addr, "0", &hints, &res);
+    if (gai) {
+        KVB_ERROR("bind address %s: %s", cfg->bind_addr, gai_strerror(gai));
+        return KVB_ERR_RESOLVE;
+    }
+    int rc = KVB_ERR_ADDR_IN_USE;
+    for (uint32_t port = first; port <= last && rc == KVB_ERR_ADDR_IN_USE; port++) {
+        int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            rc = KVB_ERR_SYSTEM;
+            break;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        struct sockaddr_storage ss;
+        memcpy(&ss, res->ai_addr, res->ai_addrlen);
+        if (ss.ss_family == AF_INET)
+            ((struct sockaddr_in *)&ss)->sin_port = htons((uint16_t)port);
+        else
+            ((struct sockaddr_in6 *)&ss)->sin6_port = htons((uint16_t)port);
+        if (bind(fd, (struct sockaddr *)&ss, res->ai_addrlen) == 0 && listen(fd, 512) == 0) {
+            socklen_t sl = sizeof ss;
+            getsockname(fd, (struct sockaddr *)&ss, &sl);
+            tp->port = ntohs(ss.ss_family == AF_INET ? ((struct sockaddr_in *)&ss)->sin_port
+                                                     : ((struct sockaddr_in6 *)&ss)->sin6_port);
+            tp->listen_fd = fd;
+            rc = KVB_OK;
+        } else {
+            if (errno != EADDRINUSE) {
+                KVB_ERROR("bind %s:%u: %s", cfg->bind_addr, port, strerror(errno));
+                rc = KVB_ERR_SYSTEM;
+            }
+            close(fd);
+        }
+        if (port == 65535)
+            break;
+    }
+    freeaddrinfo(res);
+    if (rc == KVB_ERR_ADDR_IN_USE)
+        KVB_ERROR("no free port in %u..%u on %s", first, last, cfg->bind_addr);
+    return rc;
+}
+
+static void tcp_destroy(kvb_transport_t *tp);
+
+static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
+{
+    kvb_transport_t *tp = calloc(1, sizeof *tp);
+    if (!tp)
+        return KVB_ERR_NOMEM;
+    tp->engine = e;
+    tp->listen_fd = -1;
+    tp->threads = calloc((size_t)e->cfg.progress_threads, sizeof *tp->threads);
+    if (!tp->threads) {
+        free(tp);
+        return KVB_ERR_NOMEM;
+    }
+    int rc = listen_on(tp, &e->cfg);
+    for (int i = 0; i < e->cfg.progress_threads && rc == KVB_OK; i++) {
+        tcp_thread_t *th = &tp->threads[i];
+        th->tp = tp;
+        th->epfd = epoll_create1(EPOLL_CLOEXEC);
+        th->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        th->scratch = malloc(RXBUF_SIZE);
+        pthread_mutex_init(&th->mu, NULL);
+        struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &wake_tag};
+        struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &listen_tag};
+        if (th->epfd < 0 || th->evfd < 0 || !th->scratch ||
+            epoll_ctl(th->epfd, EPOLL_CTL_ADD, th->evfd, &wev) ||
+            (i == 0 && epoll_ctl(th->epfd, EPOLL_CTL_ADD, tp->listen_fd, &lev))) {
+            rc = KVB_ERR_SYSTEM;
+            break;
+        }
+        if (pthread_create(&th->tid, NULL, thread_main, th) != 0) {
+            rc = KVB_ERR_SYSTEM;
+            break;
+        }
+        tp->nthreads = i + 1;
+    }
+    if (rc) {
+        tcp_destroy(tp);
+        return rc;
+    }
+    *out = tp;
+    return KVB_OK;
+}
+
+static void tcp_destroy(kvb_transport_t *tp)
+{
+    atomic_store(&tp->stop, true);
+    for (int i = 0; i < tp->nthreads; i++) {
+        uint64_t one = 1;
+        if (write(tp->threads[i].evfd, &one, sizeof one) < 0)
+            KVB_ERROR("eventfd write: %s", strerror(errno));
+        pthread_join(tp->threads[i].tid, NULL);
+    }
+    /* Threads are gone: finish their connections here, single-threaded. */
+    int nalloc = tp->engine->cfg.progress_threads;
+    for (int i = 0; i < nalloc; i++) {
+        tcp_thread_t *th = &tp->threads[i];
+        if (!th->tp)
+            continue;
+        pthread_mutex_lock(&th->mu);
+        tcp_conn_t *in = th->incoming;
+        th->incoming = NULL;
+        pthread_mutex_unlock(&th->mu);
+        while (in) {
+            tcp_conn_t *c = in;
+            in = in->next;
+            c->next = th->conns;
+            th->conns = c;
+        }
+        while (th->conns) {
+            tcp_conn_t *c = th->conns;
+            th->conns = c->next;
+            pthread_mutex_lock(&c->mu);
+            if (!c->close_err)
+                c->close_err = KVB_ERR_SHUTDOWN;
+            c->close_req = true;
+            pthread_mutex_unlock(&c->mu);
+            conn_close(c);
+            c->th = NULL;
+            conn_release(c);
+        }
+        while (th->free_frames) {
+            tcp_frame_t *f = th->free_frames;
+            th->free_frames = f->next;
+            free(f);
+        }
+        if (th->epfd >= 0)
+            close(th->epfd);
+        if (th->evfd >= 0)
+            close(th->evfd);
+        free(th->scratch);
+        pthread_mutex_destroy(&th->mu);
+    }
+    if (tp->listen_fd >= 0)
+        close(tp->listen_fd);
+    free(tp->threads);
+    free(tp);
+}
+
+static uint16_t tcp_port(const kvb_transport_t *tp)
+{
+    return tp->port;
+}
+
+/* ---- connecting (caller's thread, blocking with a deadline) ---------------------------------- */
+
+static int wait_fd(int fd, short events, uint64_t deadline)
+{
+    struct pollfd p = {.fd = fd, .events = events};
+    for (;;) {
+        int ms = kvb__ms_left(deadline);
+        if (ms == 0)
+            return KVB_ERR_TIMEOUT;
+        int n = poll(&p, 1, ms);
+        if (n > 0)
+            return KVB_OK;
+        if (n < 0 && errno != EINTR)
+            return KVB_ERR_SYSTEM;
+    }
+}
+
+static int io_all(int fd, void *buf, size_t len, bool sending, uint64_t deadline)
+{
+    uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t n = sending ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                            : recv(fd, p, len, MSG_DONTWAIT);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n == 0)
+            return KVB_ERR_PEER_LOST;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return KVB_ERR_PEER_LOST;
+        int rc = wait_fd(fd, sending ? POLLOUT : POLLIN, deadline);
+        if (rc)
+            return rc;
+    }
+    return KVB_OK;
+}
+
+static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
+{
+    char port[8];
+    snprintf(port, sizeof port, "%u", p->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV}, *res;
+    int gai = getaddrinfo(p->host, port, &hints, &res);
+    if (gai) {
+        KVB_ERROR("segment %s: cannot resolve %s: %s", p->name, p->host, gai_strerror(gai));
+        return KVB_ERR_RESOLVE;
+    }
+    int rc = KVB_ERR_CONNECT, err = 0;
+    for (struct addrinfo *ai = res; ai && rc != KVB_OK; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            continue;
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 || errno == EINPROGRESS) {
+            socklen_t sl = sizeof err;
+            int w = wait_fd(fd, POLLOUT, deadline);
+            if (w == KVB_OK && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &sl) == 0 && err == 0) {
+                *out = fd;
+                rc = KVB_OK;
+                break;
+            }
+            if (w == KVB_ERR_TIMEOUT)
+                err = ETIMEDOUT;
+        } else {
+            err = errno;
+        }
+        close(fd);
+    }
+    freeaddrinfo(res);
+    if (rc)
+        KVB_WARN("segment %s: connect failed: %s", p->name, strerror(err ? err : ECONNREFUSED));
+    return rc == KVB_OK ? set_sock_opts(*out) : (err == ETIMEDOUT ? KVB_ERR_TIMEOUT : rc);
+}
+
+/* Connects one lane and runs the handshake on it. Lane 0 records the peer's identity and
+ * regions; the others must meet the same incarnation. */
+static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t deadline, int *out)
+{
+    int fd, rc = dial(p, deadline, &fd);
+    if (rc)
+        return rc;
+    kvb_hello_t me = tp->engine->hello;
+    me.lane = lane;
+    uint8_t msg[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO];
+    size_t hl = kvb__wire_hello_encode(&me, msg + KVB_WIRE_HDR_SIZE);
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO, .len = hl};
+    kvb__wire_encode_hdr(&h, msg);
+    uint8_t rh[KVB_WIRE_HDR_SIZE], *body = NULL;
+    char why[96] = "";
+    rc = io_all(fd, msg, KVB_WIRE_HDR_SIZE + hl, true, deadline);
+    if (!rc)
+        rc = io_all(fd, rh, sizeof rh, false, deadline);
+    if (!rc)
+        rc = kvb__wire_decode_hdr(rh, &h, why, sizeof why);
+    if (!rc && h.type == KVB_FRAME_ERROR)
+        rc = h.status < 0 ? h.status : KVB_ERR_PROTOCOL;
+    else if (!rc && (h.type != KVB_FRAME_HELLO_ACK || h.status != 0 || h.len == 0))
+        rc = KVB_ERR_PROTOCOL;
+    if (!rc && !(body = malloc(h.len)))
+        rc = KVB_ERR_NOMEM;
+    if (!rc)
+        rc = io_all(fd, body, h.len, false, deadline);
+    kvb_hello_t their;
+    kvb_region_info_t *regions = NULL;
+    size_t n = 0;
+    if (!rc)
+        rc = kvb__wire_hello_ack_decode(body, h.len, &their, &regions, &n);
+    free(body);
+    if (!rc && lane == 0) {
+        p->hello = their;
+        p->regions = regions;
+        p->nregions = n;
+        regions = NULL;
+    } else if (!rc && their.incarnation != p->hello.incarnation) {
+        rc = KVB_ERR_PEER_RESTARTED;
+    }
+    free(regions);
+    if (rc) {
+        KVB_WARN("segment %s: handshake failed: %s%s%s", p->name, kvb_strerror(rc),
+                 why[0] ? ": " : "", why);
+        close(fd);
+        return rc;
+    }
+    *out = fd;
+    return KVB_OK;
+}
+
+static void tcp_peer_free(kvb_peer_t *p)
+{
+    tcp_peer_t *tpp = p->tp;
+    if (!tpp)
+        return;
+    for (int i = 0; i < tpp->nlanes; i++)
+        conn_release(tpp->lanes[i]);
+    free(tpp);
+    p->tp = NULL;
+}
+
+static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
+{
+    tcp_peer_t *tpp = calloc(1, sizeof *tpp);
+    if (!tpp)
+        return KVB_ERR_NOMEM;
+    p->tp = tpp;
+    int rc = KVB_OK;
+    int lanes = tp->engine->cfg.lanes;
+    int fds[16];
+    for (int i = 0; i < lanes && rc == KVB_OK; i++) {
+        rc = handshake(tp, p, (uint32_t)i, deadline, &fds[i]);
+        if (rc) {
+            while (i-- > 0)
+                close(fds[i]);
+        }
+    }
+    if (rc)
+        return rc; /* the caller's release frees tpp */
+    for (int i = 0; i < lanes; i++) {
+        tcp_conn_t *c = conn_new(fds[i], ROLE_INIT);
+        if (!c) {
+            for (int j = i; j < lanes; j++)
+                close(fds[j]);
+            rc = KVB_ERR_NOMEM;
+            break;
+        }
+        atomic_fetch_add(&p->refs, 1);
+        c->peer = p;
+        atomic_fetch_add(&c->refs, 1); /* one for the peer, one for the thread */
+        tpp->lanes[tpp->nlanes++] = c;
+        thread_adopt(tp, c);
+    }
+    if (rc) {
+        for (int i = 0; i < tpp->nlanes; i++)
+            conn_request_close(tpp->lanes[i], KVB_ERR_CANCELED);
+    }
+    return rc;
+}
+
+static void lane_append(tcp_conn_t *c, kvb_op_t *head, kvb_op_t *tail)
+{
+    pthread_mutex_lock(&c->mu);
+    bool dead = c->dead || c->close_req;
+    bool was_empty = c->pend_head == NULL;
+    if (!dead) {
+        if (c->pend_tail)
+            c->pend_tail->next = head;
+        else
+            c->pend_head = head;
+        c->pend_tail = tail;
+    }
+    int err = c->close_err ? c->close_err : KVB_ERR_PEER_LOST;
+    pthread_mutex_unlock(&c->mu);
+    if (dead)
+        fail_op_list(head, err);
+    else if (was_empty)
+        thread_wake(c->th);
+}
+
+static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
+{
+    (void)tp;
+    int lost = atomic_load(&p->lost);
+    tcp_peer_t *tpp = p->tp;
+    if (lost || !tpp || tpp->nlanes == 0) {
+        fail_op_list(ops, lost ? lost : KVB_ERR_PEER_LOST);
+        return;
+    }
+    /* Consecutive ops stay on one lane until LANE_SPREAD bytes, so small requests coalesce into
+     * few large writes while big transfers spread over every lane. */
+    unsigned lane = atomic_fetch_add(&tpp->rr, 1) % (unsigned)tpp->nlanes;
+    while (ops) {
+        kvb_op_t *head = ops, *tail = ops;
+        uint64_t bytes = ops->len;
+        ops = ops->next;
+        while (ops && bytes < LANE_SPREAD) {
+            bytes += ops->len;
+            tail = ops;
+            ops = ops->next;
+        }
+        tail->next = NULL;
+        lane_append(tpp->lanes[lane], head, tail);
+        lane = (lane + 1) % (unsigned)tpp->nlanes;
+    }
+}
+
+static void tcp_disconnect(kvb_transport_t *tp, kvb_peer_t *p, int err)
+{
+    (void)tp;
+    tcp_peer_t *tpp = p->tp;
+    if (!tpp)
+        return;
+    for (int i = 0; i < tpp->nlanes; i++)
+        conn_request_close(tpp->lanes[i], err);
+}
+
+const kvb_transport_ops_t kvb__tcp_ops = {
+    .name = "tcp",
+    .create = tcp_create,
+    .destroy = tcp_destroy,
+    .port = tcp_port,
+    .connect = tcp_connect,
+    .submit = tcp_submit,
+    .disconnect = tcp_disconnect,
+    .peer_free = tcp_peer_free,
+};
