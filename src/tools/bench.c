@@ -1,1 +1,590 @@
-int kvb_cmd_bench(int argc, char **argv){(void)argc;(void)argv;return 1;}
+/* SPDX-License-Identifier: Apache-2.0 */
+/* kvbridge bench: throughput and latency of READ/WRITE batches between two engines, modelled on
+ * Mooncake's transfer_engine_bench so results compare directly; --verify checks every byte. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "kvbridge/engine.h"
+#include "tools/cli.h"
+
+typedef struct {
+    const char *mode;
+    const char *segment;
+    const char *bind;
+    bool loopback, verify, json;
+    int write; /* operation */
+    uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
+} bench_opts_t;
+
+typedef struct {
+    bench_opts_t *o;
+    kvb_engine_t *engine;
+    kvb_segment_t seg;
+    uint8_t *local;       /* whole local buffer */
+    const uint8_t *expect; /* READ --verify: the target's pattern */
+    uint64_t remote_base;
+    uint64_t area_off, area_len; /* this thread's slice, same offsets locally and remotely */
+    uint64_t deadline;
+    /* results */
+    uint64_t bytes, reqs, errors, mismatches, covered;
+    double *lat_us;
+    size_t nlat, cap_lat;
+    int first_error;
+} worker_t;
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    g_stop = 1;
+}
+
+/* ---- the data pattern: byte o of a buffer filled with seed s ----------------------------------- */
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static void fill_pattern(uint8_t *buf, uint64_t len, uint64_t seed)
+{
+    uint64_t words = len / 8;
+    for (uint64_t w = 0; w < words; w++) {
+        uint64_t v = splitmix64(seed + w);
+        memcpy(buf + w * 8, &v, 8);
+    }
+    uint64_t v = splitmix64(seed + words);
+    memcpy(buf + words * 8, &v, len - words * 8);
+}
+
+/* Index of the first byte of [off, off+len) that differs from the pattern, or -1. */
+static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed)
+{
+    uint8_t chunk[4096];
+    for (uint64_t done = 0; done < len;) {
+        uint64_t pos = off + done, w0 = pos / 8, skip = pos % 8;
+        uint64_t n = len - done < sizeof chunk - 8 ? len - done : sizeof chunk - 8;
+        for (uint64_t w = 0; w * 8 < n + skip; w++) {
+            uint64_t v = splitmix64(seed + w0 + w);
+            memcpy(chunk + w * 8, &v, 8);
+        }
+        if (memcmp(buf + pos, chunk + skip, n) != 0)
+            for (uint64_t i = 0; i < n; i++)
+                if (buf[pos + i] != chunk[skip + i])
+                    return (int64_t)(pos + i);
+        done += n;
+    }
+    return -1;
+}
+
+static uint8_t *alloc_buffer(uint64_t len)
+{
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+/* ---- target -------------------------------------------------------------------------------------- */
+
+/* Answers "verify SEED OFF LEN" notifications: checks bytes that initiators wrote here. */
+static void answer_verify(kvb_engine_t *e, const kvb_notification_t *n, const uint8_t *buf,
+                          uint64_t size)
+{
+    char msg[128];
+    unsigned long long seed, off, len;
+    size_t l = n->len < sizeof msg - 1 ? n->len : sizeof msg - 1;
+    memcpy(msg, n->data, l);
+    msg[l] = '\0';
+    if (sscanf(msg, "verify %llu %llu %llu", &seed, &off, &len) != 3)
+        return;
+    char reply[96];
+    if (off > size || len > size - off) {
+        snprintf(reply, sizeof reply, "verified bad-range");
+    } else {
+        int64_t bad = check_pattern(buf, off, len, seed);
+        if (bad < 0)
+            snprintf(reply, sizeof reply, "verified ok %llu", len);
+        else
+            snprintf(reply, sizeof reply, "verified mismatch %lld", (long long)bad);
+    }
+    kvb_segment_t back;
+    if (kvb_segment_open(e, n->from, &back) == KVB_OK) {
+        kvb_notify_send(e, back, reply, strlen(reply), 5000);
+        kvb_segment_close(e, back);
+    }
+}
+
+/* Serves until a signal, or until `parent_fd` (loopback) reports that the parent went away. */
+static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.bind_addr = o->bind;
+    cfg.port = (uint16_t)o->port;
+    cfg.lanes = (int)o->lanes;
+    cfg.progress_threads = (int)o->progress;
+    kvb_engine_t *e;
+    int rc = kvb_engine_create(&cfg, &e);
+    if (rc) {
+        fprintf(stderr, "bench target: engine: %s\n", kvb_strerror(rc));
+        return 1;
+    }
+    uint8_t *buf = alloc_buffer(o->buffer);
+    if (!buf || (rc = kvb_register(e, buf, o->buffer, "cpu:0", KVB_ACCESS_RW))) {
+        fprintf(stderr, "bench target: buffer of %llu bytes: %s\n", (unsigned long long)o->buffer,
+                buf ? kvb_strerror(rc) : strerror(errno));
+        kvb_engine_destroy(e);
+        return 1;
+    }
+    fill_pattern(buf, o->buffer, o->seed); /* what READs must bring back */
+    if (report_fd >= 0) {
+        dprintf(report_fd, "%s\n", kvb_engine_segment_name(e));
+        close(report_fd);
+    } else {
+        printf("target ready: segment %s, buffer %llu bytes (stop with Ctrl-C)\n",
+               kvb_engine_segment_name(e), (unsigned long long)o->buffer);
+        fflush(stdout);
+    }
+    while (!g_stop) {
+        kvb_notification_t *n = malloc(sizeof *n);
+        if (n && kvb_notify_recv(e, n, 100) == KVB_OK)
+            answer_verify(e, n, buf, o->buffer);
+        free(n);
+        if (parent_fd >= 0) {
+            struct pollfd p = {.fd = parent_fd, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0)
+                break; /* EOF: the parent closed its end or died */
+        }
+    }
+    kvb_engine_destroy(e);
+    munmap(buf, o->buffer);
+    return 0;
+}
+
+/* ---- initiator ----------------------------------------------------------------------------------- */
+
+static void record_latency(worker_t *w, double us)
+{
+    if (w->nlat == w->cap_lat) {
+        size_t ncap = w->cap_lat ? w->cap_lat * 2 : 4096;
+        double *n = realloc(w->lat_us, ncap * sizeof *n);
+        if (!n)
+            return;
+        w->lat_us = n;
+        w->cap_lat = ncap;
+    }
+    w->lat_us[w->nlat++] = us;
+}
+
+static void *worker_main(void *arg)
+{
+    worker_t *w = arg;
+    bench_opts_t *o = w->o;
+    uint64_t nblocks = w->area_len / o->block, cursor = 0;
+    kvb_request_t *reqs = calloc(o->batch, sizeof *reqs);
+    if (!reqs)
+        return NULL;
+    while (kvb__now_ns() < w->deadline && !g_stop) {
+        for (uint64_t i = 0; i < o->batch; i++) {
+            uint64_t off = w->area_off + (cursor++ % nblocks) * o->block;
+            reqs[i] = (kvb_request_t){.opcode = o->write ? KVB_OP_WRITE : KVB_OP_READ,
+                                      .local = w->local + off,
+                                      .segment = w->seg,
+                                      .remote = w->remote_base + off,
+                                      .len = o->block};
+            if (o->verify && !o->write) /* poison, so a READ that did not land shows */
+                memset(w->local + off, 0xA5, o->block);
+        }
+        uint64_t t0 = kvb__now_ns();
+        kvb_batch_t *b;
+        int rc = kvb_batch_submit(w->engine, reqs, o->batch, NULL, &b);
+        if (rc == KVB_OK) {
+            rc = kvb_batch_wait(b, -1);
+            record_latency(w, (double)(kvb__now_ns() - t0) / 1e3);
+            for (uint64_t i = 0; i < o->batch; i++) {
+                kvb_req_status_t st;
+                kvb_batch_status(b, i, &st);
+                if (st.state == KVB_REQ_COMPLETED) {
+                    w->bytes += o->block;
+                    w->reqs++;
+                } else {
+                    w->errors++;
+                    if (!w->first_error)
+                        w->first_error = st.error;
+                }
+            }
+            kvb_batch_free(b);
+        } else {
+            w->errors += o->batch;
+            if (!w->first_error)
+                w->first_error = rc;
+        }
+        if (rc != KVB_OK)
+            break;
+        if (o->verify && !o->write)
+            for (uint64_t i = 0; i < o->batch; i++) {
+                uint64_t off = (uint64_t)((uint8_t *)reqs[i].local - w->local);
+                if (memcmp(w->local + off, w->expect + off, o->block) != 0)
+                    w->mismatches++;
+            }
+    }
+    w->covered = (cursor < nblocks ? cursor : nblocks) * o->block;
+    free(reqs);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Asks the target to check what each worker wrote; returns the number of bad areas. */
+static int verify_writes(kvb_engine_t *e, kvb_segment_t seg, worker_t *w, uint64_t n,
+                         uint64_t seed)
+{
+    int bad = 0;
+    for (uint64_t t = 0; t < n; t++) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "verify %llu %llu %llu", (unsigned long long)seed,
+                 (unsigned long long)w[t].area_off, (unsigned long long)w[t].covered);
+        kvb_notification_t *reply = malloc(sizeof *reply);
+        int rc = reply ? kvb_notify_send(e, seg, msg, strlen(msg), 5000) : KVB_ERR_NOMEM;
+        if (rc == KVB_OK)
+            rc = kvb_notify_recv(e, reply, 30000);
+        if (rc != KVB_OK || reply->len < 11 || memcmp(reply->data, "verified ok", 11) != 0) {
+            fprintf(stderr, "bench: write verification of thread %llu failed: %.*s\n",
+                    (unsigned long long)t, rc ? 20 : (int)reply->len,
+                    rc ? kvb_strerror(rc) : (const char *)reply->data);
+            bad++;
+        }
+        free(reply);
+    }
+    return bad;
+}
+
+static void report(const bench_opts_t *o, worker_t *w, double secs, int verified)
+{
+    uint64_t bytes = 0, reqs = 0, errors = 0;
+    size_t nlat = 0;
+    int first_error = 0;
+    for (uint64_t t = 0; t < o->threads; t++) {
+        bytes += w[t].bytes;
+        reqs += w[t].reqs;
+        errors += w[t].errors;
+        nlat += w[t].nlat;
+        if (!first_error)
+            first_error = w[t].first_error;
+    }
+    double *lat = calloc(nlat ? nlat : 1, sizeof *lat);
+    size_t k = 0;
+    for (uint64_t t = 0; t < o->threads && lat; t++)
+        for (size_t i = 0; i < w[t].nlat; i++)
+            lat[k++] = w[t].lat_us[i];
+    if (lat)
+        qsort(lat, k, sizeof *lat, cmp_double);
+    double p50 = k ? lat[(k - 1) / 2] : 0, p99 = k ? lat[(size_t)((double)(k - 1) * 0.99)] : 0;
+    free(lat);
+    double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
+    const char *op = o->write ? "write" : "read";
+    printf("kvbridge bench: %s tcp, block %llu B, batch %llu, %llu thread(s), %.2f s\n"
+           "  %.3f GB/s, %.0f requests/s, %llu bytes, batch latency p50 %.1f us p99 %.1f us\n"
+           "  errors %llu%s%s, verified %s\n",
+           op, (unsigned long long)o->block, (unsigned long long)o->batch,
+           (unsigned long long)o->threads, secs, gbps, secs > 0 ? (double)reqs / secs : 0,
+           (unsigned long long)bytes, p50, p99, (unsigned long long)errors,
+           first_error ? " (first: " : "", first_error ? kvb_strerror(first_error) : "",
+           verified < 0 ? "n/a" : verified ? "yes" : "NO");
+    if (first_error)
+        printf(")\n");
+    if (o->json) {
+        json_t *j = json_pack("{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}",
+                              "operation", op, "protocol", "tcp", "block_size", (json_int_t)o->block,
+                              "batch_size", (json_int_t)o->batch, "threads",
+                              (json_int_t)o->threads, "duration_s", secs, "bytes",
+                              (json_int_t)bytes, "gbps", gbps, "ops_per_s",
+                              secs > 0 ? (double)reqs / secs : 0.0, "lat_p50_us", p50,
+                              "lat_p99_us", p99, "errors", (json_int_t)errors, "verified",
+                              verified < 0 ? json_null() : json_boolean(verified));
+        char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+        printf("%s\n", s ? s : "{}");
+        free(s);
+        json_decref(j);
+    }
+    fflush(stdout);
+}
+
+static int run_initiator(bench_opts_t *o)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.bind_addr = o->bind;
+    cfg.lanes = (int)o->lanes;
+    cfg.progress_threads = (int)o->progress;
+    kvb_engine_t *e;
+    int rc = kvb_engine_create(&cfg, &e), status = 1;
+    if (rc) {
+        fprintf(stderr, "bench: engine: %s\n", kvb_strerror(rc));
+        return 1;
+    }
+    kvb_segment_t seg;
+    kvb_region_info_t region;
+    size_t nregions = 0;
+    uint8_t *local = NULL, *expect = NULL;
+    worker_t *w = calloc(o->threads, sizeof *w);
+    pthread_t *tids = calloc(o->threads, sizeof *tids);
+    if ((rc = kvb_segment_open(e, o->segment, &seg))) {
+        fprintf(stderr, "bench: cannot open segment %s: %s\n", o->segment, kvb_strerror(rc));
+        goto out;
+    }
+    if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
+        fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
+        goto out;
+    }
+    uint64_t size = region.len < o->buffer ? region.len : o->buffer;
+    uint64_t area = size / o->threads / o->block * o->block;
+    if (area == 0) {
+        fprintf(stderr, "bench: buffer of %llu bytes cannot hold a %llu-byte block per thread\n",
+                (unsigned long long)size, (unsigned long long)o->block);
+        goto out;
+    }
+    local = alloc_buffer(size);
+    if (!w || !tids || !local || (rc = kvb_register(e, local, size, "cpu:0", KVB_ACCESS_RW))) {
+        fprintf(stderr, "bench: local buffer: %s\n", rc ? kvb_strerror(rc) : "out of memory");
+        goto out;
+    }
+    uint64_t wseed = o->seed ^ 0x5752495445ull; /* "WRITE": distinct from the target's fill */
+    if (o->write)
+        fill_pattern(local, size, wseed);
+    if (o->verify && !o->write) {
+        expect = alloc_buffer(size);
+        if (!expect)
+            goto out;
+        fill_pattern(expect, size, o->seed);
+    }
+    uint64_t t0 = kvb__now_ns(), deadline = t0 + o->duration * 1000000000ull;
+    for (uint64_t t = 0; t < o->threads; t++) {
+        w[t] = (worker_t){.o = o, .engine = e, .seg = seg, .local = local, .expect = expect,
+                          .remote_base = region.addr, .area_off = t * area, .area_len = area,
+                          .deadline = deadline};
+        pthread_create(&tids[t], NULL, worker_main, &w[t]);
+    }
+    for (uint64_t t = 0; t < o->threads; t++)
+        pthread_join(tids[t], NULL);
+    double secs = (double)(kvb__now_ns() - t0) / 1e9;
+    int verified = -1;
+    uint64_t errors = 0, mismatches = 0;
+    for (uint64_t t = 0; t < o->threads; t++) {
+        errors += w[t].errors;
+        mismatches += w[t].mismatches;
+    }
+    if (o->verify) {
+        verified = mismatches == 0 && errors == 0;
+        if (mismatches)
+            fprintf(stderr, "bench: %llu READ blocks differ from the target's pattern\n",
+                    (unsigned long long)mismatches);
+        if (o->write && verify_writes(e, seg, w, o->threads, wseed))
+            verified = 0;
+    }
+    report(o, w, secs, verified);
+    status = errors == 0 && verified != 0 ? 0 : 1;
+out:
+    for (uint64_t t = 0; w && t < o->threads; t++)
+        free(w[t].lat_us);
+    free(w);
+    free(tids);
+    kvb_engine_destroy(e);
+    if (local)
+        munmap(local, size);
+    if (expect)
+        munmap(expect, size);
+    return status;
+}
+
+/* Starts a target in a child process on 127.0.0.1, runs the initiator against it, stops it. */
+static int run_loopback(bench_opts_t *o)
+{
+    int name_pipe[2], life_pipe[2];
+    if (pipe2(name_pipe, O_CLOEXEC) || pipe2(life_pipe, O_CLOEXEC)) {
+        perror("bench: pipe");
+        return 1;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("bench: fork");
+        return 1;
+    }
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(name_pipe[0]);
+        close(life_pipe[1]);
+        o->port = 0;
+        _exit(run_target(o, name_pipe[1], life_pipe[0]));
+    }
+    close(name_pipe[1]);
+    close(life_pipe[0]);
+    char name[KVB_NAME_MAX + 2] = "";
+    size_t got = 0;
+    for (;;) {
+        ssize_t n = read(name_pipe[0], name + got, sizeof name - 1 - got);
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
+    close(name_pipe[0]);
+    name[got] = '\0';
+    char *nl = strchr(name, '\n');
+    int status = 1;
+    if (!nl) {
+        fprintf(stderr, "bench: the loopback target did not start\n");
+    } else {
+        *nl = '\0';
+        o->segment = name;
+        status = run_initiator(o);
+    }
+    close(life_pipe[1]); /* tells the child to stop */
+    for (int i = 0; i < 100; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            return status;
+        usleep(50000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return status;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvbridge bench [options]\n"
+            "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
+            "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
+            "                            initiator against it\n"
+            "  --segment NAME            target segment (host:port) for --mode initiator\n"
+            "  --port P                  target port (default: any free port, printed)\n"
+            "  --bind ADDR               address to bind (default 127.0.0.1)\n"
+            "  --operation read|write    default read\n"
+            "  --block-size N[K|M]       bytes per request (default 64K)\n"
+            "  --batch-size N            requests per batch (default 128)\n"
+            "  --threads N               submitting threads (default 1)\n"
+            "  --duration S              seconds to run (default 5)\n"
+            "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
+            "  --protocol tcp            transport (tcp only for now)\n"
+            "  --lanes N                 connections per peer (default 2)\n"
+            "  --progress-threads N      engine progress threads (default 1)\n"
+            "  --verify                  seeded pattern; check every byte that arrives\n"
+            "  --seed N                  pattern seed (default 42)\n"
+            "  --json                    also print one JSON object as the last line\n");
+}
+
+static int parse_args(int argc, char **argv, bench_opts_t *o)
+{
+    static const struct option longs[] = {
+        {"mode", 1, 0, 'm'},       {"segment", 1, 0, 's'},  {"port", 1, 0, 'p'},
+        {"operation", 1, 0, 'o'},  {"block-size", 1, 0, 'b'}, {"batch-size", 1, 0, 'B'},
+        {"threads", 1, 0, 't'},    {"duration", 1, 0, 'd'}, {"buffer-size", 1, 0, 'z'},
+        {"protocol", 1, 0, 'P'},   {"verify", 0, 0, 'v'},   {"loopback", 0, 0, 'l'},
+        {"json", 0, 0, 'j'},       {"seed", 1, 0, 'S'},     {"bind", 1, 0, 'i'},
+        {"lanes", 1, 0, 'L'},      {"progress-threads", 1, 0, 'T'}, {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    *o = (bench_opts_t){.mode = NULL, .bind = "127.0.0.1", .block = 64 << 10, .batch = 128,
+                        .threads = 1, .duration = 5, .buffer = 256 << 20, .seed = 42, .lanes = 2,
+                        .progress = 1};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+        int bad = 0;
+        switch (c) {
+        case 'm': o->mode = optarg; break;
+        case 's': o->segment = optarg; break;
+        case 'i': o->bind = optarg; break;
+        case 'p': bad = kvb_cli_parse_uint(optarg, 65535, &o->port); break;
+        case 'o':
+            bad = strcmp(optarg, "read") && strcmp(optarg, "write");
+            o->write = !strcmp(optarg, "write");
+            break;
+        case 'b': bad = kvb_cli_parse_size(optarg, &o->block) || !o->block || o->block > (1ull << 30); break;
+        case 'B': bad = kvb_cli_parse_uint(optarg, 1 << 20, &o->batch) || !o->batch; break;
+        case 't': bad = kvb_cli_parse_uint(optarg, 256, &o->threads) || !o->threads; break;
+        case 'd': bad = kvb_cli_parse_uint(optarg, 86400, &o->duration) || !o->duration; break;
+        case 'z': bad = kvb_cli_parse_size(optarg, &o->buffer) || !o->buffer || o->buffer > (64ull << 30); break;
+        case 'S': bad = kvb_cli_parse_uint(optarg, UINT64_MAX, &o->seed); break;
+        case 'L': bad = kvb_cli_parse_uint(optarg, 16, &o->lanes) || !o->lanes; break;
+        case 'T': bad = kvb_cli_parse_uint(optarg, 64, &o->progress) || !o->progress; break;
+        case 'P':
+            if (strcmp(optarg, "tcp")) {
+                fprintf(stderr, "kvbridge bench: protocol '%s' is not available (tcp)\n", optarg);
+                return 2;
+            }
+            break;
+        case 'v': o->verify = true; break;
+        case 'l': o->loopback = true; break;
+        case 'j': o->json = true; break;
+        case 'h': usage(stdout); return 1;
+        default: usage(stderr); return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "kvbridge bench: invalid value '%s' for --%s\n", optarg,
+                    longs[0].name ? argv[optind - 1] + 2 : "?");
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvbridge bench: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (!o->loopback && !o->mode) {
+        fprintf(stderr, "kvbridge bench: give --mode target|initiator, or --loopback\n");
+        return 2;
+    }
+    if (o->mode && strcmp(o->mode, "target") && strcmp(o->mode, "initiator")) {
+        fprintf(stderr, "kvbridge bench: --mode must be target or initiator\n");
+        return 2;
+    }
+    if (o->mode && !strcmp(o->mode, "initiator") && !o->segment) {
+        fprintf(stderr, "kvbridge bench: --mode initiator needs --segment host:port\n");
+        return 2;
+    }
+    if (o->block > o->buffer) {
+        fprintf(stderr, "kvbridge bench: --block-size is larger than --buffer-size\n");
+        return 2;
+    }
+    return 0;
+}
+
+int kvb_cmd_bench(int argc, char **argv)
+{
+    bench_opts_t o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (o.loopback)
+        return run_loopback(&o);
+    if (!strcmp(o.mode, "target"))
+        return run_target(&o, -1, -1);
+    return run_initiator(&o);
+}

@@ -331,14 +331,16 @@ static void conn_flush(tcp_conn_t *c)
         uint64_t bytes = 0, skip = c->tx_off;
         for (tcp_frame_t *f = c->txq_head; f && cnt + 2 <= IOV_CAP && bytes < TX_MAX_BYTES;
              f = f->next) {
-            if (skip < KVB_WIRE_HDR_SIZE) {
-                iov[cnt++] = (struct iovec){f->hdr + skip, KVB_WIRE_HDR_SIZE - skip};
-                bytes += KVB_WIRE_HDR_SIZE - skip;
-                skip = 0;
+            /* Only the head frame can be partly sent: skip its first tx_off bytes. */
+            uint64_t hskip = skip < KVB_WIRE_HDR_SIZE ? skip : KVB_WIRE_HDR_SIZE;
+            uint64_t pskip = skip - hskip;
+            if (hskip < KVB_WIRE_HDR_SIZE) {
+                iov[cnt++] = (struct iovec){f->hdr + hskip, KVB_WIRE_HDR_SIZE - hskip};
+                bytes += KVB_WIRE_HDR_SIZE - hskip;
             }
-            if (f->len > skip) {
-                iov[cnt++] = (struct iovec){(void *)(f->data + skip), f->len - skip};
-                bytes += f->len - skip;
+            if (f->len > pskip) {
+                iov[cnt++] = (struct iovec){(void *)(f->data + pskip), f->len - pskip};
+                bytes += f->len - pskip;
             }
             skip = 0;
         }

@@ -1,0 +1,187 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* A peer engine in a forked child for integration tests, plus the shared byte pattern. */
+#include "helpers/peer.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint8_t pattern_byte(uint64_t pos, uint64_t seed)
+{
+    return (uint8_t)(mix(seed + pos / 8) >> (8 * (pos % 8)));
+}
+
+void test_pattern_fill(uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed)
+{
+    for (uint64_t i = 0; i < len; i++)
+        buf[i] = pattern_byte(off + i, seed);
+}
+
+int64_t test_pattern_check(const uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed)
+{
+    for (uint64_t i = 0; i < len; i++)
+        if (buf[i] != pattern_byte(off + i, seed))
+            return (int64_t)i;
+    return -1;
+}
+
+uint64_t test_rand(uint64_t *s)
+{
+    uint64_t x = *s ? *s : 0x2545F4914F6CDD1Dull;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+static void reply(kvb_engine_t *e, const char *to, const char *msg)
+{
+    kvb_segment_t seg;
+    if (kvb_segment_open(e, to, &seg) == KVB_OK) {
+        kvb_notify_send(e, seg, msg, strlen(msg), 5000);
+        kvb_segment_close(e, seg);
+    }
+}
+
+static void serve(kvb_engine_t *e, uint8_t *rw, int life_fd)
+{
+    kvb_notification_t *n = malloc(sizeof *n);
+    for (;;) {
+        struct pollfd p = {.fd = life_fd, .events = POLLIN};
+        if (poll(&p, 1, 0) > 0)
+            break;
+        if (!n || kvb_notify_recv(e, n, 50) != KVB_OK)
+            continue;
+        char msg[160], out[64];
+        size_t l = n->len < sizeof msg - 1 ? n->len : sizeof msg - 1;
+        memcpy(msg, n->data, l);
+        msg[l] = '\0';
+        unsigned long long seed, off, len;
+        if (!strcmp(msg, "ping")) {
+            reply(e, n->from, "pong");
+        } else if (sscanf(msg, "verify %llu %llu %llu", &seed, &off, &len) == 3) {
+            int64_t bad = off + len <= TEST_PEER_RW_LEN
+                              ? test_pattern_check(rw + off, off, len, seed)
+                              : 0;
+            if (bad < 0)
+                snprintf(out, sizeof out, "ok");
+            else
+                snprintf(out, sizeof out, "bad %lld", (long long)(off + (uint64_t)bad));
+            reply(e, n->from, out);
+        }
+    }
+    free(n);
+}
+
+static int child_main(uint16_t port, uint64_t seed, int report_fd, int life_fd)
+{
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.port = port;
+    cfg.timeout_ms = 5000;
+    kvb_engine_t *e;
+    if (kvb_engine_create(&cfg, &e) != KVB_OK)
+        return 1;
+    uint8_t *rw = mmap(NULL, TEST_PEER_RW_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *ro = mmap(NULL, TEST_PEER_RO_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (rw == MAP_FAILED || ro == MAP_FAILED)
+        return 1;
+    test_pattern_fill(rw, 0, TEST_PEER_RW_LEN, seed);
+    test_pattern_fill(ro, 0, TEST_PEER_RO_LEN, seed + 1);
+    if (kvb_register(e, rw, TEST_PEER_RW_LEN, "cpu:0", KVB_ACCESS_RW) ||
+        kvb_register(e, ro, TEST_PEER_RO_LEN, "cpu:0", KVB_ACCESS_READ))
+        return 1;
+    dprintf(report_fd, "%s %llu %llu\n", kvb_engine_segment_name(e),
+            (unsigned long long)(uintptr_t)rw, (unsigned long long)(uintptr_t)ro);
+    close(report_fd);
+    serve(e, rw, life_fd);
+    kvb_engine_destroy(e);
+    return 0;
+}
+
+int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed)
+{
+    int rep[2], life[2];
+    memset(p, 0, sizeof *p);
+    if (pipe2(rep, O_CLOEXEC) || pipe2(life, O_CLOEXEC))
+        return -1;
+    fflush(NULL);
+    p->pid = fork();
+    if (p->pid < 0)
+        return -1;
+    if (p->pid == 0) {
+        close(rep[0]);
+        close(life[1]);
+        _exit(child_main(port, seed, rep[1], life[0]));
+    }
+    close(rep[1]);
+    close(life[0]);
+    p->life_fd = life[1];
+    char line[512] = "";
+    size_t got = 0;
+    ssize_t n;
+    while (got < sizeof line - 1 && (n = read(rep[0], line + got, sizeof line - 1 - got)) > 0)
+        got += (size_t)n;
+    close(rep[0]);
+    unsigned long long rw, ro;
+    if (sscanf(line, "%255s %llu %llu", p->name, &rw, &ro) != 3) {
+        test_peer_signal(p, SIGKILL);
+        return -1;
+    }
+    p->rw_addr = rw;
+    p->ro_addr = ro;
+    return 0;
+}
+
+uint16_t test_peer_port(const test_peer_t *p)
+{
+    const char *c = strrchr(p->name, ':');
+    return c ? (uint16_t)atoi(c + 1) : 0;
+}
+
+void test_peer_signal(test_peer_t *p, int sig)
+{
+    if (p->pid <= 0)
+        return;
+    kill(p->pid, sig);
+    if (sig == SIGKILL) {
+        waitpid(p->pid, NULL, 0);
+        p->pid = 0;
+        if (p->life_fd > 0)
+            close(p->life_fd);
+        p->life_fd = -1;
+    }
+}
+
+void test_peer_stop(test_peer_t *p)
+{
+    if (p->pid <= 0)
+        return;
+    kill(p->pid, SIGCONT);
+    close(p->life_fd);
+    p->life_fd = -1;
+    for (int i = 0; i < 300; i++) {
+        if (waitpid(p->pid, NULL, WNOHANG) == p->pid) {
+            p->pid = 0;
+            return;
+        }
+        usleep(10000);
+    }
+    test_peer_signal(p, SIGKILL);
+}

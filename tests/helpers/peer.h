@@ -1,0 +1,40 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Test helpers: a real peer engine in a child process, and the seeded byte pattern the tests use
+ * to check every byte that moves. */
+#ifndef KVB_TESTS_PEER_H
+#define KVB_TESTS_PEER_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "kvbridge/engine.h"
+
+#define TEST_PEER_RW_LEN (32u << 20) /* read-write region, filled with pattern(seed) */
+#define TEST_PEER_RO_LEN (1u << 20)  /* read-only region, filled with pattern(seed + 1) */
+
+typedef struct {
+    pid_t pid;
+    int life_fd; /* closing it tells the child to exit */
+    char name[KVB_NAME_MAX + 1];
+    uint64_t rw_addr, ro_addr;
+} test_peer_t;
+
+/* Forks a peer engine listening on 127.0.0.1:port (0: any) and waits until it serves. It answers
+ * notifications "verify SEED OFF LEN" (checks its RW region at OFF against pattern SEED) with
+ * "ok" or "bad <offset>", and "ping" with "pong". Returns 0 on success. */
+int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed);
+/* Asks the child to exit and reaps it (SIGKILL after 3 s). */
+void test_peer_stop(test_peer_t *p);
+/* Sends `sig`; with SIGKILL also reaps the child. */
+void test_peer_signal(test_peer_t *p, int sig);
+uint16_t test_peer_port(const test_peer_t *p);
+
+/* Byte i of a buffer that holds the pattern starting at offset `off` of an infinite stream. */
+void test_pattern_fill(uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed);
+/* Offset of the first byte of buf[0..len) that differs from the stream at `off`, or -1. */
+int64_t test_pattern_check(const uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed);
+
+/* Deterministic xorshift generator for test inputs. */
+uint64_t test_rand(uint64_t *state);
+
+#endif
