@@ -1,0 +1,211 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Engine API semantics with engines in one process: configuration, ports, segments, batches with
+ * several lanes and progress threads, notifications and their limits. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "common/clock.h"
+#include "helpers/peer.h"
+#include "kvbridge/engine.h"
+
+TestSuite(engine, .timeout = 60);
+
+static kvb_engine_t *make(int threads, int lanes)
+{
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.progress_threads = threads;
+    c.lanes = lanes;
+    kvb_engine_t *e;
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    return e;
+}
+
+Test(engine, config_is_checked)
+{
+    kvb_config_t c;
+    kvb_engine_t *e = NULL;
+    kvb_config_init(&c);
+    c.progress_threads = 0;
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    kvb_config_init(&c);
+    c.lanes = 17;
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    kvb_config_init(&c);
+    c.metadata = "etcd://127.0.0.1:2379";
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_UNSUPPORTED);
+    kvb_config_init(&c);
+    c.port = 9000;
+    c.port_max = 8000;
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    kvb_config_init(&c);
+    c.bind_addr = "no-such-host.invalid";
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_RESOLVE);
+    cr_assert_null(e);
+    cr_expect_eq(kvb_engine_create(NULL, NULL), KVB_ERR_INVALID_ARG);
+}
+
+Test(engine, ports_and_names)
+{
+    kvb_engine_t *a = make(1, 1), *b, *c;
+    uint16_t port = kvb_engine_port(a);
+    char want[64];
+    snprintf(want, sizeof want, "127.0.0.1:%u", port);
+    cr_assert_str_eq(kvb_engine_segment_name(a), want);
+
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.port = port; /* taken */
+    cr_assert_eq(kvb_engine_create(&cfg, &b), KVB_ERR_ADDR_IN_USE);
+    cfg.port_max = (uint16_t)(port + 20); /* a range: the next free one */
+    cfg.segment_name = "prefill-0";
+    cr_assert_eq(kvb_engine_create(&cfg, &c), KVB_OK);
+    cr_assert_gt(kvb_engine_port(c), port);
+    cr_assert_leq(kvb_engine_port(c), port + 20);
+    cr_assert_str_eq(kvb_engine_segment_name(c), "prefill-0");
+    kvb_engine_destroy(c);
+    kvb_engine_destroy(a);
+}
+
+Test(engine, open_errors_are_prompt)
+{
+    kvb_engine_t *a = make(1, 1);
+    kvb_segment_t s;
+    cr_expect_eq(kvb_segment_open(a, "no-port", &s), KVB_ERR_INVALID_ARG);
+    cr_expect_eq(kvb_segment_open(a, "127.0.0.1:0", &s), KVB_ERR_INVALID_ARG);
+    cr_expect_eq(kvb_segment_open(a, "127.0.0.1:99999", &s), KVB_ERR_INVALID_ARG);
+    cr_expect_eq(kvb_segment_open(a, "host.invalid:80", &s), KVB_ERR_RESOLVE);
+    /* A port nobody listens on: refused at once. */
+    kvb_engine_t *tmp = make(1, 1);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%u", kvb_engine_port(tmp));
+    kvb_engine_destroy(tmp);
+    uint64_t t0 = kvb__now_ns();
+    cr_expect_eq(kvb_segment_open(a, name, &s), KVB_ERR_CONNECT);
+    cr_expect_lt(kvb__now_ns() - t0, 1000000000ull);
+    kvb_region_info_t r;
+    size_t n;
+    cr_expect_eq(kvb_segment_regions(a, 42, 0, &r, 1, &n), KVB_ERR_BAD_SEGMENT);
+    kvb_engine_destroy(a);
+}
+
+Test(engine, register_rules)
+{
+    kvb_engine_t *a = make(1, 1);
+    static uint8_t mem[8192];
+    cr_expect_eq(kvb_register(a, mem, 4096, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_expect_eq(kvb_register(a, mem + 100, 10, NULL, KVB_ACCESS_RW), KVB_ERR_OVERLAP);
+    cr_expect_eq(kvb_register(a, mem + 4096, 4096, "cpu:1", KVB_ACCESS_READ), KVB_OK);
+    cr_expect_eq(kvb_register(a, NULL, 10, NULL, KVB_ACCESS_RW), KVB_ERR_INVALID_ARG);
+    cr_expect_eq(kvb_register(a, mem, 0, NULL, KVB_ACCESS_RW), KVB_ERR_INVALID_ARG);
+    cr_expect_eq(kvb_unregister(a, mem + 1), KVB_ERR_NOT_FOUND);
+    cr_expect_eq(kvb_unregister(a, mem), KVB_OK);
+    cr_expect_eq(kvb_unregister(a, mem), KVB_ERR_NOT_FOUND);
+    kvb_engine_destroy(a);
+}
+
+/* Many small requests between two engines with several lanes and progress threads each. */
+Test(engine, many_small_requests_over_many_lanes)
+{
+    kvb_engine_t *a = make(3, 4), *b = make(2, 3);
+    size_t size = 4 << 20;
+    uint8_t *src = malloc(size), *dst = calloc(1, size);
+    test_pattern_fill(src, 0, size, 5);
+    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    enum { N = 2000 };
+    kvb_request_t *r = calloc(N, sizeof *r);
+    uint64_t rs = 99;
+    for (int i = 0; i < N; i++) {
+        uint64_t len = 1 + test_rand(&rs) % 2000, off = test_rand(&rs) % (size - len);
+        r[i] = (kvb_request_t){KVB_OP_READ, dst + off, s, (uintptr_t)src + off, len};
+    }
+    kvb_batch_t *batch;
+    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_size(batch), N);
+    cr_assert_eq(kvb_batch_wait(batch, 10000), KVB_OK);
+    kvb_req_status_t st;
+    cr_assert_eq(kvb_batch_status(batch, N, &st), KVB_ERR_INVALID_ARG);
+    for (int i = 0; i < N; i++) {
+        kvb_batch_status(batch, (size_t)i, &st);
+        cr_assert_eq(st.state, KVB_REQ_COMPLETED);
+        cr_assert_eq(st.bytes, r[i].len);
+        uint64_t off = (uint64_t)((uint8_t *)r[i].local - dst);
+        cr_assert_eq(memcmp(dst + off, src + off, r[i].len), 0, "request %d", i);
+    }
+    kvb_batch_free(batch);
+    /* Writing to a read-only region is refused by the target. */
+    kvb_request_t w = {KVB_OP_WRITE, dst, s, (uintptr_t)src, 16};
+    cr_assert_eq(kvb_batch_submit(a, &w, 1, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(batch, 5000), KVB_ERR_ACCESS_DENIED);
+    kvb_batch_free(batch);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(r);
+    free(src);
+    free(dst);
+}
+
+Test(engine, notifications_limits)
+{
+    kvb_engine_t *a = make(1, 1), *b = make(1, 1);
+    kvb_notification_t *n = malloc(sizeof *n);
+    cr_assert_eq(kvb_notify_recv(b, n, 0), KVB_ERR_AGAIN);
+    uint64_t t0 = kvb__now_ns();
+    cr_assert_eq(kvb_notify_recv(b, n, 100), KVB_ERR_TIMEOUT);
+    cr_assert_geq(kvb__now_ns() - t0, 99000000ull);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    static uint8_t big[KVB_NOTIFY_MAX + 1];
+    cr_assert_eq(kvb_notify_send(a, s, big, sizeof big, 1000), KVB_ERR_TOO_LARGE);
+    cr_assert_eq(kvb_notify_send(a, s, big, KVB_NOTIFY_MAX, 1000), KVB_OK);
+    cr_assert_eq(kvb_notify_send(a, s, NULL, 0, 1000), KVB_OK);
+    cr_assert_eq(kvb_notify_recv(b, n, 1000), KVB_OK);
+    cr_assert_eq(n->len, KVB_NOTIFY_MAX);
+    cr_assert_str_eq(n->from, kvb_engine_segment_name(a));
+    cr_assert_eq(kvb_notify_recv(b, n, 1000), KVB_OK);
+    cr_assert_eq(n->len, 0);
+    /* Nobody reads: the receiver's queue fills and the sender is told so. */
+    int rc = KVB_OK, sent = 0;
+    while (rc == KVB_OK && sent < 5000) {
+        rc = kvb_notify_send(a, s, "x", 1, 1000);
+        sent += rc == KVB_OK;
+    }
+    cr_assert_eq(rc, KVB_ERR_REMOTE_NO_SPACE);
+    cr_assert_gt(sent, 100);
+    cr_assert_eq(kvb_notify_recv(b, n, 0), KVB_OK);
+    cr_assert_eq(kvb_notify_send(a, s, "y", 1, 1000), KVB_OK, "room again after one is taken");
+    free(n);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+}
+
+Test(engine, destroyed_peer_fails_requests)
+{
+    kvb_engine_t *a = make(1, 2), *b = make(1, 2);
+    size_t size = 64 << 20;
+    uint8_t *src = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *dst = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    enum { N = 64 };
+    kvb_request_t r[N];
+    for (int i = 0; i < N; i++)
+        r[i] = (kvb_request_t){KVB_OP_READ, dst, s, (uintptr_t)src, size};
+    kvb_batch_t *batch;
+    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+    kvb_engine_destroy(b);
+    int rc = kvb_batch_wait(batch, 3000);
+    cr_assert_eq(rc, KVB_ERR_PEER_LOST, "got %s", kvb_status_name(rc));
+    kvb_batch_free(batch);
+    kvb_engine_destroy(a);
+    munmap(src, size);
+    munmap(dst, size);
+}
