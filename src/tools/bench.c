@@ -13,7 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -27,6 +30,7 @@ typedef struct {
     const char *mode;
     const char *segment;
     const char *bind;
+    const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
     bool loopback, verify, json;
     int write; /* operation */
     uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
@@ -99,7 +103,9 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
 
 static uint8_t *alloc_buffer(uint64_t len)
 {
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* Populated up front: first-touch page faults would otherwise be timed as transfer cost. */
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
@@ -473,6 +479,95 @@ static int run_loopback(bench_opts_t *o)
     return status;
 }
 
+/* ---- ceilings: what the hardware gives without kvbridge --------------------------------------- */
+
+static void report_baseline(const bench_opts_t *o, const char *what, uint64_t bytes, double secs)
+{
+    double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
+    printf("baseline %s: block %llu B, %.2f s, %.3f GB/s\n", what, (unsigned long long)o->block,
+           secs, gbps);
+    if (o->json)
+        printf("{\"baseline\":\"%s\",\"block_size\":%llu,\"duration_s\":%.3f,\"bytes\":%llu,"
+               "\"gbps\":%.6f}\n",
+               what, (unsigned long long)o->block, secs, (unsigned long long)bytes, gbps);
+    fflush(stdout);
+}
+
+/* Single-thread memcpy between two populated buffers of --buffer-size, block by block. */
+static int baseline_memcpy(const bench_opts_t *o)
+{
+    uint8_t *a = alloc_buffer(o->buffer), *b = alloc_buffer(o->buffer);
+    if (!a || !b) {
+        fprintf(stderr, "bench: cannot allocate 2 x %llu bytes\n", (unsigned long long)o->buffer);
+        return 1;
+    }
+    uint64_t nblocks = o->buffer / o->block, bytes = 0, i = 0;
+    uint64_t t0 = kvb__now_ns(), end = t0 + o->duration * 1000000000ull;
+    while (kvb__now_ns() < end)
+        for (int k = 0; k < 64; k++, i++) {
+            uint64_t off = (i % nblocks) * o->block;
+            memcpy(b + off, a + off, o->block);
+            bytes += o->block;
+        }
+    report_baseline(o, "memcpy", bytes, (double)(kvb__now_ns() - t0) / 1e9);
+    munmap(a, o->buffer);
+    munmap(b, o->buffer);
+    return 0;
+}
+
+/* Plain blocking sockets on loopback streaming the same blocks from a child to this process:
+ * no framing, no protocol, the kernel copies only. */
+static int baseline_tcp(const bench_opts_t *o)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        perror("bench: baseline socket");
+        return 1;
+    }
+    uint8_t *buf = alloc_buffer(o->buffer);
+    if (!buf)
+        return 1;
+    uint64_t nblocks = o->buffer / o->block;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) { /* sender */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa))
+            _exit(1);
+        for (uint64_t i = 0;; i++) {
+            uint64_t off = (i % nblocks) * o->block, done = 0;
+            while (done < o->block) {
+                ssize_t n = send(fd, buf + off + done, o->block - done, MSG_NOSIGNAL);
+                if (n <= 0)
+                    _exit(0);
+                done += (uint64_t)n;
+            }
+        }
+    }
+    int fd = accept(lfd, NULL, NULL);
+    close(lfd);
+    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + o->duration * 1000000000ull;
+    for (uint64_t i = 0; fd >= 0 && kvb__now_ns() < end; i++) {
+        uint64_t off = (i % nblocks) * o->block;
+        ssize_t n = recv(fd, buf + off, o->block, MSG_WAITALL);
+        if (n <= 0)
+            break;
+        bytes += (uint64_t)n;
+    }
+    double secs = (double)(kvb__now_ns() - t0) / 1e9;
+    if (fd >= 0)
+        close(fd);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    munmap(buf, o->buffer);
+    report_baseline(o, "tcp", bytes, secs);
+    return bytes ? 0 : 1;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -494,7 +589,9 @@ static void usage(FILE *f)
             "  --progress-threads N      engine progress threads (default 1)\n"
             "  --verify                  seeded pattern; check every byte that arrives\n"
             "  --seed N                  pattern seed (default 42)\n"
-            "  --json                    also print one JSON object as the last line\n");
+            "  --json                    also print one JSON object as the last line\n"
+            "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
+            "                            or single-thread memcpy, with the same block size\n");
 }
 
 static int parse_args(int argc, char **argv, bench_opts_t *o)
@@ -506,6 +603,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         {"protocol", 1, 0, 'P'},   {"verify", 0, 0, 'v'},   {"loopback", 0, 0, 'l'},
         {"json", 0, 0, 'j'},       {"seed", 1, 0, 'S'},     {"bind", 1, 0, 'i'},
         {"lanes", 1, 0, 'L'},      {"progress-threads", 1, 0, 'T'}, {"help", 0, 0, 'h'},
+        {"baseline", 1, 0, 'X'},
         {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL, .bind = "127.0.0.1", .block = 64 << 10, .batch = 128,
                         .threads = 1, .duration = 5, .buffer = 256 << 20, .seed = 42, .lanes = 2,
@@ -539,6 +637,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             break;
         case 'v': o->verify = true; break;
         case 'l': o->loopback = true; break;
+        case 'X':
+            bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy");
+            o->baseline = optarg;
+            break;
         case 'j': o->json = true; break;
         case 'h': usage(stdout); return 1;
         default: usage(stderr); return 2;
@@ -553,7 +655,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         fprintf(stderr, "kvbridge bench: unexpected argument '%s'\n", argv[optind]);
         return 2;
     }
-    if (!o->loopback && !o->mode) {
+    if (!o->loopback && !o->mode && !o->baseline) {
         fprintf(stderr, "kvbridge bench: give --mode target|initiator, or --loopback\n");
         return 2;
     }
@@ -582,6 +684,8 @@ int kvb_cmd_bench(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    if (o.baseline)
+        return !strcmp(o.baseline, "tcp") ? baseline_tcp(&o) : baseline_memcpy(&o);
     if (o.loopback)
         return run_loopback(&o);
     if (!strcmp(o.mode, "target"))
