@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* `kvbridge bench` as users run it: loopback READ and WRITE with --verify and --json, and
+ * rejection of bad options. */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+TestSuite(bench, .timeout = 120);
+
+/* Runs the command, returns its exit status and its last stdout line in `last`. */
+static int run(const char *args, char *last, size_t cap)
+{
+    const char *bin = getenv("KVB_BIN");
+    cr_assert_not_null(bin, "KVB_BIN is not set (run through ctest)");
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", bin, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    char line[4096];
+    last[0] = '\0';
+    while (fgets(line, sizeof line, p))
+        snprintf(last, cap, "%s", line);
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void check_json(const char *op)
+{
+    char args[256], last[4096];
+    snprintf(args, sizeof args,
+             "bench --loopback --verify --json --operation %s --duration 1 --buffer-size 32M "
+             "--block-size 256K --batch-size 16 --threads 2",
+             op);
+    cr_assert_eq(run(args, last, sizeof last), 0, "bench %s failed: %s", op, last);
+    json_error_t err;
+    json_t *j = json_loads(last, 0, &err);
+    cr_assert_not_null(j, "last line is not JSON: %s", last);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "operation")), op);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "protocol")), "tcp");
+    cr_assert_eq(json_integer_value(json_object_get(j, "block_size")), 256 << 10);
+    cr_assert_eq(json_integer_value(json_object_get(j, "batch_size")), 16);
+    cr_assert_eq(json_integer_value(json_object_get(j, "threads")), 2);
+    cr_assert_eq(json_integer_value(json_object_get(j, "errors")), 0);
+    cr_assert(json_is_true(json_object_get(j, "verified")));
+    cr_assert_gt(json_integer_value(json_object_get(j, "bytes")), 0);
+    const char *keys[] = {"duration_s", "gbps", "ops_per_s", "lat_p50_us", "lat_p99_us"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        cr_assert(json_is_number(json_object_get(j, keys[i])), "%s missing", keys[i]);
+    json_decref(j);
+}
+
+Test(bench, loopback_read_verified)
+{
+    check_json("read");
+}
+
+Test(bench, loopback_write_verified)
+{
+    check_json("write");
+}
+
+Test(bench, baseline_prints_json)
+{
+    char last[4096];
+    cr_assert_eq(run("bench --baseline tcp --duration 1 --buffer-size 8M --json", last, sizeof last), 0);
+    json_t *j = json_loads(last, 0, NULL);
+    cr_assert_not_null(j, "%s", last);
+    cr_assert_gt(json_real_value(json_object_get(j, "gbps")), 0);
+    json_decref(j);
+}
+
+Test(bench, bad_options_are_refused)
+{
+    char last[4096];
+    const char *bad[] = {"bench", "bench --mode sideways", "bench --mode initiator",
+                         "bench --loopback --block-size 0", "bench --loopback --block-size 12Q",
+                         "bench --loopback --batch-size -3", "bench --loopback --protocol rdma",
+                         "bench --loopback --operation copy", "bench --loopback --threads 99999",
+                         "bench --loopback --block-size 64M --buffer-size 1M", "bench --nope",
+                         "bench --loopback extra"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        cr_expect_eq(run(bad[i], last, sizeof last), 2, "'%s' was not refused", bad[i]);
+    cr_expect_eq(run("nonsense", last, sizeof last), 2);
+    cr_expect_eq(run("bench --help", last, sizeof last), 0);
+}
