@@ -29,15 +29,15 @@ typedef uint32_t kvb_segment_t;
 /* Engine configuration. Initialise with kvb_config_init() and change what you need; strings are
  * copied by kvb_engine_create() and need not outlive the call. */
 typedef struct {
-    const char *bind_addr;      /* IPv4/IPv6 literal or host name; default "127.0.0.1" */
-    const char *advertise_addr; /* what peers dial; default bind_addr ("0.0.0.0": the host name) */
-    uint16_t port;              /* 0: any free port; else the first port tried */
-    uint16_t port_max;          /* with port: try port..port_max; 0 means just port */
-    const char *segment_name;   /* default "advertise_addr:port" */
-    const char *metadata;       /* metadata mode; only "p2p" (peer-to-peer handshake) for now */
-    int progress_threads;       /* epoll progress threads; default 1, at most 64 */
-    int lanes;                  /* TCP connections per peer; default 2, at most 16 */
-    uint32_t timeout_ms;        /* default per-request deadline; default 30000 */
+    const char *bind_addr;       /* IPv4/IPv6 literal or host name; default "127.0.0.1" */
+    const char *advertise_addr;  /* what peers dial; default bind_addr ("0.0.0.0": the host name) */
+    uint16_t port;               /* 0: any free port; else the first port tried */
+    uint16_t port_max;           /* with port: try port..port_max; 0 means just port */
+    const char *segment_name;    /* default "advertise_addr:port" */
+    const char *metadata;        /* metadata mode; only "p2p" (peer-to-peer handshake) for now */
+    int progress_threads;        /* epoll progress threads; default 1, at most 64 */
+    int lanes;                   /* TCP connections per peer; default 2, at most 16 */
+    uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
 } kvb_config_t;
 
@@ -67,10 +67,13 @@ enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };
  * "cpu"). Returns KVB_ERR_OVERLAP if the range overlaps a registered one. The memory must stay
  * valid until kvb_unregister() returns. */
 KVB_API int kvb_register(kvb_engine_t *engine, void *addr, size_t len, const char *location,
-                 unsigned access);
+                         unsigned access);
 
-/* Unregisters the region that starts at `addr`. Blocks until transfers that are touching the
- * region right now have finished with it; later requests for it fail KVB_ERR_*_NOT_REGISTERED.
+/* Unregisters the region that starts at `addr`. New requests for it fail at once
+ * (KVB_ERR_LOCAL_NOT_REGISTERED here, KVB_ERR_REMOTE_NOT_REGISTERED at peers). Then blocks until
+ * nothing uses the memory any more: neither a local request in flight (one not yet ended, or
+ * cancelled with its bytes still queued) nor a peer's transfer being served. Gives up after the
+ * engine's timeout with KVB_ERR_BUSY (the memory may still be read or written: keep it valid).
  * Returns KVB_ERR_NOT_FOUND if no region starts at `addr`. */
 KVB_API int kvb_unregister(kvb_engine_t *engine, void *addr);
 
@@ -96,7 +99,7 @@ typedef struct {
  * the total number in *count. `refresh` non-zero fetches the list from the peer first (blocks);
  * otherwise the list cached at open time is returned. */
 KVB_API int kvb_segment_regions(kvb_engine_t *engine, kvb_segment_t seg, int refresh,
-                        kvb_region_info_t *out, size_t cap, size_t *count);
+                                kvb_region_info_t *out, size_t cap, size_t *count);
 
 /* The peer's incarnation id (random per engine start), as learnt at open. */
 KVB_API int kvb_segment_incarnation(kvb_engine_t *engine, kvb_segment_t seg, uint64_t *out);
@@ -124,32 +127,33 @@ typedef enum {
 
 typedef struct {
     kvb_req_state_t state;
-    int error;         /* KVB_OK unless FAILED/TIMEOUT/CANCELED: why */
-    uint64_t bytes;    /* bytes placed so far */
+    int error;      /* KVB_OK unless FAILED/TIMEOUT/CANCELED: why */
+    uint64_t bytes; /* bytes placed so far */
 } kvb_req_status_t;
 
 /* Optional batch settings; zero-initialise and set what you need. */
 typedef struct {
-    uint32_t timeout_ms;       /* per-request deadline; 0: the engine's default */
+    uint32_t timeout_ms;          /* per-request deadline; 0: the engine's default */
     kvb_segment_t notify_segment; /* non-zero: send `notify` to this segment once every request
                                    * of the batch has COMPLETED (so after all its data is placed);
                                    * it is not sent if any request fails */
     const void *notify;
-    size_t notify_len;         /* at most KVB_NOTIFY_MAX */
+    size_t notify_len; /* at most KVB_NOTIFY_MAX */
 } kvb_batch_opts_t;
 
 /* Submits `n` requests (n >= 1) as one batch; `opts` may be NULL. Requests are checked first:
- * on an invalid argument or an unregistered local range nothing is submitted and an error is
- * returned. Otherwise *out receives the batch; requests to a lost peer end FAILED at once.
- * `reqs` is copied; local buffers must stay valid until the batch is freed. Never blocks on the
- * network. */
+ * on an invalid argument, an unknown segment or an unregistered local range nothing is submitted
+ * and an error is returned. Otherwise *out receives the batch; requests to a lost peer end FAILED
+ * at once. `reqs` is copied. Local buffers must stay registered (and so valid) while requests use
+ * them: kvb_unregister() waits for that. Never blocks on the network. */
 KVB_API int kvb_batch_submit(kvb_engine_t *engine, const kvb_request_t *reqs, size_t n,
-                     const kvb_batch_opts_t *opts, kvb_batch_t **out);
+                             const kvb_batch_opts_t *opts, kvb_batch_t **out);
 
 /* Number of requests in the batch. */
 KVB_API size_t kvb_batch_size(const kvb_batch_t *batch);
 
-/* Status of request `i` without blocking. A PENDING request past its deadline turns TIMEOUT here. */
+/* Status of request `i` without blocking. A PENDING request past its deadline turns TIMEOUT here.
+ */
 KVB_API int kvb_batch_status(kvb_batch_t *batch, size_t i, kvb_req_status_t *out);
 
 /* Waits until every request (and the batch's notification) has ended or `timeout_ms` passes
@@ -177,7 +181,7 @@ typedef struct {
  * queued it, for at most `timeout_ms` (-1: the engine's default). Messages sent on one segment
  * arrive in order only if each call waits for the previous. */
 KVB_API int kvb_notify_send(kvb_engine_t *engine, kvb_segment_t seg, const void *msg, size_t len,
-                    int timeout_ms);
+                            int timeout_ms);
 
 /* Takes the oldest received notification into *out, waiting at most `timeout_ms` (0: poll;
  * -1: forever until the engine is destroyed). Returns KVB_OK, KVB_ERR_AGAIN (0 timeout, none) or

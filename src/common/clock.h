@@ -34,7 +34,8 @@ static inline int kvb__ms_left(uint64_t deadline)
 /* Absolute CLOCK_MONOTONIC timespec for pthread_cond_timedwait. */
 static inline struct timespec kvb__timespec_of(uint64_t ns)
 {
-    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull),
+                          .tv_nsec = (long)(ns % 1000000000ull)};
     return ts;
 }
 

@@ -104,6 +104,9 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
     if (batch_done(b))
         pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
+    if (op->pin)
+        kvb__region_unpin(&b->engine->registry, op->pin);
+    op->pin = NULL;
     /* Outside the lock: the transport may complete the op synchronously (peer lost). */
     if (notify)
         send_notify(b);
@@ -126,7 +129,9 @@ void kvb__op_dst_unlock(kvb_op_t *op)
     pthread_mutex_unlock(&op->batch->mu);
 }
 
-static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops)
+/* Checks request i and pins its local region into *pin. */
+static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops,
+                         kvb_region_t **pin)
 {
     uint64_t end, chunks;
     if ((r->opcode != KVB_OP_READ && r->opcode != KVB_OP_WRITE) || !r->local || r->len == 0 ||
@@ -134,20 +139,21 @@ static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint
         KVB_WARN("request %zu: invalid opcode, address, length or segment", i);
         return KVB_ERR_INVALID_ARG;
     }
-    if (kvb__add_u64(r->remote, r->len, &end) ||
-        kvb__add_u64((uintptr_t)r->local, r->len, &end)) {
+    if (kvb__add_u64(r->remote, r->len, &end) || kvb__add_u64((uintptr_t)r->local, r->len, &end)) {
         KVB_WARN("request %zu: address + length overflows", i);
         return KVB_ERR_OVERFLOW;
     }
     int rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
-                                 KVB_ERR_LOCAL_NOT_REGISTERED, NULL);
+                                 KVB_ERR_LOCAL_NOT_REGISTERED, pin);
     if (rc) {
         KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
         return rc;
     }
     chunks = (r->len + KVB_CHUNK_SIZE - 1) / KVB_CHUNK_SIZE;
-    if (kvb__add_u64(*nops, chunks, nops))
+    if (kvb__add_u64(*nops, chunks, nops)) {
+        kvb__region_unpin(&e->registry, *pin);
         return KVB_ERR_OVERFLOW;
+    }
     return KVB_OK;
 }
 
@@ -173,8 +179,11 @@ static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch
         }
         if (o->notify_len)
             memcpy(b->notify_buf, o->notify, o->notify_len);
-        b->notify_op = (kvb_op_t){.batch = b, .req = KVB_OP_NOTIFY_REQ, .kind = KVB_OPK_NOTIFY,
-                                  .local = b->notify_buf, .len = o->notify_len};
+        b->notify_op = (kvb_op_t){.batch = b,
+                                  .req = KVB_OP_NOTIFY_REQ,
+                                  .kind = KVB_OPK_NOTIFY,
+                                  .local = b->notify_buf,
+                                  .len = o->notify_len};
         b->notify_state = KVB_NOTIFY_WAITING;
     }
     pthread_condattr_t ca;
@@ -200,24 +209,28 @@ fail:
     return rc;
 }
 
-/* Builds the ops of request i and appends them to the list of its peer. */
-static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, size_t *next_op,
-                          kvb_op_t **head)
+/* Builds the ops of request i, each holding a pin on the local region (the request's own pin
+ * goes to its first op), and appends them in order to the list ending at *tail. */
+static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, kvb_region_t *pin,
+                          size_t *next_op, kvb_op_t ***tail)
 {
     uint64_t off = 0;
     b->reqs[i].state = KVB_REQ_PENDING;
     while (off < r->len) {
         uint64_t len = r->len - off < KVB_CHUNK_SIZE ? r->len - off : KVB_CHUNK_SIZE;
         kvb_op_t *op = &b->ops[(*next_op)++];
+        if (off > 0)
+            atomic_fetch_add(&pin->refs, 1);
         *op = (kvb_op_t){.batch = b,
                          .req = i,
                          .kind = r->opcode == KVB_OP_READ ? KVB_OPK_READ : KVB_OPK_WRITE,
                          .local = (uint8_t *)r->local + off,
                          .remote = r->remote + off,
-                         .len = len};
+                         .len = len,
+                         .pin = pin};
         b->reqs[i].ops_left++;
-        op->next = *head;
-        *head = op;
+        **tail = op;
+        *tail = &op->next;
         off += len;
     }
 }
@@ -229,21 +242,22 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
         return KVB_ERR_INVALID_ARG;
     if (o && o->notify_segment && ((o->notify_len && !o->notify) || o->notify_len > KVB_NOTIFY_MAX))
         return o->notify_len > KVB_NOTIFY_MAX ? KVB_ERR_TOO_LARGE : KVB_ERR_INVALID_ARG;
-    uint64_t nops = 0;
-    for (size_t i = 0; i < n; i++) {
-        int rc = check_request(e, &reqs[i], i, &nops);
-        if (rc)
-            return rc;
-    }
-    if (nops > UINT32_MAX)
-        return KVB_ERR_TOO_LARGE;
-
-    /* Resolve every segment before anything is queued, so a bad handle submits nothing. Requests
-     * come grouped by segment in practice: remember the last lookup. */
+    /* Check everything, pin local regions and resolve every segment before anything is queued,
+     * so that an error submits nothing. */
     kvb_peer_t **peers = n ? calloc(n, sizeof *peers) : NULL;
-    if (n && !peers)
+    kvb_region_t **pins = n ? calloc(n, sizeof *pins) : NULL;
+    if (n && (!peers || !pins)) {
+        free(peers);
+        free(pins);
         return KVB_ERR_NOMEM;
+    }
+    uint64_t nops = 0;
     int rc = KVB_OK;
+    for (size_t i = 0; i < n && rc == KVB_OK; i++)
+        rc = check_request(e, &reqs[i], i, &nops, &pins[i]);
+    if (rc == KVB_OK && nops > UINT32_MAX)
+        rc = KVB_ERR_TOO_LARGE;
+    /* Requests come grouped by segment in practice: reuse the previous lookup. */
     for (size_t i = 0; i < n && rc == KVB_OK; i++) {
         if (i > 0 && reqs[i].segment == reqs[i - 1].segment) {
             peers[i] = peers[i - 1];
@@ -261,10 +275,12 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
         /* Queue per run of requests to one peer; the transport spreads each list over lanes. */
         size_t next_op = 0;
         for (size_t i = 0; i < n;) {
-            kvb_op_t *head = NULL;
+            kvb_op_t *head = NULL, **tail = &head;
             size_t j = i;
-            for (; j < n && peers[j] == peers[i]; j++)
-                split_request(b, &reqs[j], (uint32_t)j, &next_op, &head);
+            for (; j < n && peers[j] == peers[i]; j++) {
+                split_request(b, &reqs[j], (uint32_t)j, pins[j], &next_op, &tail);
+                pins[j] = NULL; /* owned by the ops now */
+            }
             e->tp_ops->submit(e->tp, peers[i], head);
             i = j;
         }
@@ -275,10 +291,14 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
         }
         *out = b;
     }
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
+        if (pins[i])
+            kvb__region_unpin(&e->registry, pins[i]);
         if (peers[i] && (i == 0 || peers[i] != peers[i - 1]))
             kvb__peer_release(peers[i]);
+    }
     free(peers);
+    free(pins);
     return rc;
 }
 
@@ -367,8 +387,7 @@ void kvb_batch_free(kvb_batch_t *b)
     batch_release(b);
 }
 
-int kvb_notify_send(kvb_engine_t *e, kvb_segment_t seg, const void *msg, size_t len,
-                    int timeout_ms)
+int kvb_notify_send(kvb_engine_t *e, kvb_segment_t seg, const void *msg, size_t len, int timeout_ms)
 {
     if (!e || seg == 0 || (len && !msg))
         return KVB_ERR_INVALID_ARG;

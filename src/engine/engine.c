@@ -105,7 +105,8 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     }
     e->notify_cap = NOTIFY_QUEUE_CAP;
     e->cfg = cfg;
-    if ((rc = copy_str(e->bind_addr, sizeof e->bind_addr, cfg.bind_addr ? cfg.bind_addr : "127.0.0.1")))
+    if ((rc = copy_str(e->bind_addr, sizeof e->bind_addr,
+                       cfg.bind_addr ? cfg.bind_addr : "127.0.0.1")))
         goto fail_free;
     const char *adv = cfg.advertise_addr ? cfg.advertise_addr : e->bind_addr;
     char hostname[KVB_NAME_MAX + 1] = "localhost";
@@ -346,7 +347,8 @@ int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
             /* Reopen of a lost peer: the handle stays, the peer behind it is new. */
             if (old->hello.incarnation != p->hello.incarnation)
                 KVB_INFO("segment %s restarted (incarnation %016llx -> %016llx); cached "
-                         "descriptor dropped", name, (unsigned long long)old->hello.incarnation,
+                         "descriptor dropped",
+                         name, (unsigned long long)old->hello.incarnation,
                          (unsigned long long)p->hello.incarnation);
             e->segs[idx].peer = p;
             e->segs[idx].opens++;

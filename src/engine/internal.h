@@ -27,12 +27,13 @@ typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_
 typedef struct kvb_op {
     struct kvb_op *next; /* transport queue linkage */
     kvb_batch_t *batch;
-    uint32_t req;        /* request index; KVB_OP_NOTIFY_REQ for the batch's notification */
+    uint32_t req; /* request index; KVB_OP_NOTIFY_REQ for the batch's notification */
     uint8_t kind;
     uint8_t *local;
     uint64_t remote;
     uint64_t len;
-    uint64_t wire_id;    /* assigned by the transport */
+    uint64_t wire_id;  /* assigned by the transport */
+    kvb_region_t *pin; /* the local region, pinned until the op ends (kvb_unregister waits) */
 } kvb_op_t;
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
@@ -48,18 +49,18 @@ struct kvb_batch {
     kvb_engine_t *engine;
     pthread_mutex_t mu; /* guards everything below, and READ payloads landing in local memory */
     pthread_cond_t cv;
-    atomic_uint refs;   /* the caller's, plus one per op the transport still holds */
-    uint64_t deadline;  /* monotonic ns */
+    atomic_uint refs;  /* the caller's, plus one per op the transport still holds */
+    uint64_t deadline; /* monotonic ns */
     size_t n;
     kvb_req_t *reqs;
     kvb_op_t *ops;
     size_t nops;
-    size_t open;        /* requests not yet ended */
-    bool freed;         /* kvb_batch_free was called: discard whatever still arrives */
+    size_t open; /* requests not yet ended */
+    bool freed;  /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
     kvb_op_t notify_op;
-    int notify_state;   /* KVB_NOTIFY_* below */
+    int notify_state; /* KVB_NOTIFY_* below */
     int notify_error;
     unsigned char *notify_buf;
 };
@@ -71,15 +72,15 @@ enum { KVB_NOTIFY_NONE = 0, KVB_NOTIFY_WAITING, KVB_NOTIFY_SENT, KVB_NOTIFY_DONE
 struct kvb_peer {
     atomic_uint refs;
     kvb_engine_t *engine;
-    char name[KVB_NAME_MAX + 1];     /* the name it was opened by */
+    char name[KVB_NAME_MAX + 1]; /* the name it was opened by */
     char host[KVB_NAME_MAX + 1];
     uint16_t port;
-    kvb_hello_t hello;               /* the peer's stated identity */
-    atomic_int lost;                 /* 0 while usable, else the error that ended it */
-    pthread_mutex_t mu;              /* guards regions */
+    kvb_hello_t hello;  /* the peer's stated identity */
+    atomic_int lost;    /* 0 while usable, else the error that ended it */
+    pthread_mutex_t mu; /* guards regions */
     kvb_region_info_t *regions;
     size_t nregions;
-    void *tp;                        /* transport state */
+    void *tp; /* transport state */
     const kvb_transport_ops_t *tp_ops;
 };
 

@@ -4,7 +4,6 @@
  * freed while a socket is reading from or writing into it. */
 #include "engine/registry.h"
 
-#include <errno.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,7 +104,8 @@ int kvb__registry_remove(kvb_registry_t *r, uint64_t addr, int timeout_ms)
     ptrdiff_t i = find_floor(r, addr);
     if (i >= 0 && r->regions[i]->addr == addr) {
         reg = r->regions[i];
-        memmove(r->regions + i, r->regions + i + 1, (r->count - (size_t)i - 1) * sizeof *r->regions);
+        memmove(r->regions + i, r->regions + i + 1,
+                (r->count - (size_t)i - 1) * sizeof *r->regions);
         r->count--;
     }
     pthread_rwlock_unlock(&r->lock);
@@ -113,18 +113,21 @@ int kvb__registry_remove(kvb_registry_t *r, uint64_t addr, int timeout_ms)
         return KVB_ERR_NOT_FOUND;
     atomic_store(&reg->removed, true);
 
-    /* No new pins can start now. Wait for the ones in flight; the last unpin frees the region
-     * if we give up first. */
+    /* No new pins can start now. Wait for the ones in flight; if we give up first, the last
+     * unpin frees the region. Sleeps in slices of at most 10 ms: an unpin that read `removed`
+     * just before we set it does not signal, and must not cost us the whole timeout. */
     uint64_t deadline = kvb__deadline_ms(timeout_ms);
-    struct timespec ts = kvb__timespec_of(deadline == UINT64_MAX ? kvb__now_ns() + 3600000000000ull : deadline);
     int rc = KVB_OK;
     pthread_mutex_lock(&r->drain_mu);
     while (atomic_load(&reg->refs) > 1) {
-        if (pthread_cond_timedwait(&r->drain_cv, &r->drain_mu, &ts) == ETIMEDOUT &&
-            atomic_load(&reg->refs) > 1) {
+        uint64_t now = kvb__now_ns();
+        if (now >= deadline) {
             rc = KVB_ERR_BUSY;
             break;
         }
+        uint64_t until = now + 10000000ull < deadline ? now + 10000000ull : deadline;
+        struct timespec ts = kvb__timespec_of(until);
+        pthread_cond_timedwait(&r->drain_cv, &r->drain_mu, &ts);
     }
     pthread_mutex_unlock(&r->drain_mu);
     kvb__region_unpin(r, reg); /* drops the registration's own reference */
@@ -157,12 +160,13 @@ int kvb__registry_check(kvb_registry_t *r, uint64_t addr, uint64_t len, unsigned
 
 void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
 {
+    /* Read before the decrement: once it is done, a remover may free the region. */
+    bool removed = atomic_load(&reg->removed);
     unsigned prev = atomic_fetch_sub(&reg->refs, 1);
     if (prev == 1) {
         free(reg);
-    } else if (prev == 2 && atomic_load(&reg->removed)) {
-        /* Possibly the last pin of a region being unregistered: wake its remover. Taking the
-         * mutex orders this wakeup after the remover's check, so it cannot be lost. */
+    } else if (prev == 2 && removed) {
+        /* The last pin of a region being unregistered: wake its remover. */
         pthread_mutex_lock(&r->drain_mu);
         pthread_cond_broadcast(&r->drain_cv);
         pthread_mutex_unlock(&r->drain_mu);

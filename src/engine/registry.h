@@ -17,8 +17,8 @@ typedef struct kvb_region {
     uint64_t len;
     unsigned access;
     char location[KVB_LOCATION_MAX + 1];
-    atomic_uint refs;     /* 1 while registered, +1 per pin */
-    atomic_bool removed;  /* unregistered: a remover may be waiting for the pins to drop */
+    atomic_uint refs;    /* 1 while registered, +1 per pin */
+    atomic_bool removed; /* unregistered: a remover may be waiting for the pins to drop */
 } kvb_region_t;
 
 typedef struct kvb_registry {

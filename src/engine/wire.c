@@ -115,7 +115,8 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
         return fail(why, why_len, KVB_ERR_PROTOCOL, "frame length %llu over the limit",
                     (unsigned long long)h.len);
     if (h.status != 0 && h.type != KVB_FRAME_READ_RESP && h.type != KVB_FRAME_WRITE_ACK &&
-        h.type != KVB_FRAME_NOTIFY_ACK && h.type != KVB_FRAME_ERROR && h.type != KVB_FRAME_HELLO_ACK)
+        h.type != KVB_FRAME_NOTIFY_ACK && h.type != KVB_FRAME_ERROR &&
+        h.type != KVB_FRAME_HELLO_ACK)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "status on a request frame (type %llu)",
                     h.type);
     *out = h;
@@ -181,9 +182,12 @@ static int hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out, size_t 
 int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out)
 {
     size_t used;
-    int rc = hello_decode(in, len, out, &used);
+    kvb_hello_t h;
+    int rc = hello_decode(in, len, &h, &used);
     if (rc == KVB_OK && used != len)
         return KVB_ERR_PROTOCOL; /* trailing bytes */
+    if (rc == KVB_OK)
+        *out = h;
     return rc;
 }
 
@@ -243,8 +247,11 @@ int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
         r[i].addr = get_u64(in + off);
         r[i].len = get_u64(in + off + 8);
         r[i].access = get_u32(in + off + 16);
-        if (r[i].access & ~(unsigned)KVB_ACCESS_RW)
+        if (r[i].access == 0 || (r[i].access & ~(unsigned)KVB_ACCESS_RW))
             goto bad;
+        for (size_t k = 0; k < ll; k++)
+            if (in[off + 22 + k] < 0x20 || in[off + 22 + k] > 0x7e)
+                goto bad;
         memcpy(r[i].location, in + off + 22, ll);
         r[i].location[ll] = '\0';
         off += 22 + ll;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The kvbridge wire protocol: fixed 40-byte little-endian frame headers plus typed payloads. The
- * codecs here do no I/O: they turn bytes into messages or a precise error, checking every length. */
+ * codecs here do no I/O: they turn bytes into messages or a precise error, checking every length.
+ */
 #ifndef KVB_ENGINE_WIRE_H
 #define KVB_ENGINE_WIRE_H
 
@@ -29,7 +30,7 @@ typedef enum {
     KVB_FRAME_WRITE_ACK = 6, /* status, len placed */
     KVB_FRAME_NOTIFY = 7,    /* payload: len message bytes */
     KVB_FRAME_NOTIFY_ACK = 8,
-    KVB_FRAME_ERROR = 9,     /* status; the sender closes the connection after it */
+    KVB_FRAME_ERROR = 9, /* status; the sender closes the connection after it */
     KVB_FRAME_TYPE_MAX = 9,
 } kvb_frame_type_t;
 

@@ -40,7 +40,7 @@ typedef struct {
     bench_opts_t *o;
     kvb_engine_t *engine;
     kvb_segment_t seg;
-    uint8_t *local;       /* whole local buffer */
+    uint8_t *local;        /* whole local buffer */
     const uint8_t *expect; /* READ --verify: the target's pattern */
     uint64_t remote_base;
     uint64_t area_off, area_len; /* this thread's slice, same offsets locally and remotely */
@@ -60,7 +60,8 @@ static void on_signal(int sig)
     g_stop = 1;
 }
 
-/* ---- the data pattern: byte o of a buffer filled with seed s ----------------------------------- */
+/* ---- the data pattern: byte o of a buffer filled with seed s -----------------------------------
+ */
 
 static uint64_t splitmix64(uint64_t x)
 {
@@ -104,12 +105,13 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
 static uint8_t *alloc_buffer(uint64_t len)
 {
     /* Populated up front: first-touch page faults would otherwise be timed as transfer cost. */
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                   -1, 0);
+    void *p =
+        mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
-/* ---- target -------------------------------------------------------------------------------------- */
+/* ---- target
+ * -------------------------------------------------------------------------------------- */
 
 /* Answers "verify SEED OFF LEN" notifications: checks bytes that initiators wrote here. */
 static void answer_verify(kvb_engine_t *e, const kvb_notification_t *n, const uint8_t *buf,
@@ -186,7 +188,8 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     return 0;
 }
 
-/* ---- initiator ----------------------------------------------------------------------------------- */
+/* ---- initiator
+ * ----------------------------------------------------------------------------------- */
 
 static void record_latency(worker_t *w, double us)
 {
@@ -265,8 +268,7 @@ static int cmp_double(const void *a, const void *b)
 }
 
 /* Asks the target to check what each worker wrote; returns the number of bad areas. */
-static int verify_writes(kvb_engine_t *e, kvb_segment_t seg, worker_t *w, uint64_t n,
-                         uint64_t seed)
+static int verify_writes(kvb_engine_t *e, kvb_segment_t seg, worker_t *w, uint64_t n, uint64_t seed)
 {
     int bad = 0;
     for (uint64_t t = 0; t < n; t++) {
@@ -319,18 +321,19 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
            (unsigned long long)o->threads, secs, gbps, secs > 0 ? (double)reqs / secs : 0,
            (unsigned long long)bytes, p50, p99, (unsigned long long)errors,
            first_error ? " (first: " : "", first_error ? kvb_strerror(first_error) : "",
-           verified < 0 ? "n/a" : verified ? "yes" : "NO");
+           verified < 0 ? "n/a"
+           : verified   ? "yes"
+                        : "NO");
     if (first_error)
         printf(")\n");
     if (o->json) {
-        json_t *j = json_pack("{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}",
-                              "operation", op, "protocol", "tcp", "block_size", (json_int_t)o->block,
-                              "batch_size", (json_int_t)o->batch, "threads",
-                              (json_int_t)o->threads, "duration_s", secs, "bytes",
-                              (json_int_t)bytes, "gbps", gbps, "ops_per_s",
-                              secs > 0 ? (double)reqs / secs : 0.0, "lat_p50_us", p50,
-                              "lat_p99_us", p99, "errors", (json_int_t)errors, "verified",
-                              verified < 0 ? json_null() : json_boolean(verified));
+        json_t *j = json_pack(
+            "{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}", "operation", op,
+            "protocol", "tcp", "block_size", (json_int_t)o->block, "batch_size",
+            (json_int_t)o->batch, "threads", (json_int_t)o->threads, "duration_s", secs, "bytes",
+            (json_int_t)bytes, "gbps", gbps, "ops_per_s", secs > 0 ? (double)reqs / secs : 0.0,
+            "lat_p50_us", p50, "lat_p99_us", p99, "errors", (json_int_t)errors, "verified",
+            verified < 0 ? json_null() : json_boolean(verified));
         char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
         printf("%s\n", s ? s : "{}");
         free(s);
@@ -389,8 +392,14 @@ static int run_initiator(bench_opts_t *o)
     }
     uint64_t t0 = kvb__now_ns(), deadline = t0 + o->duration * 1000000000ull;
     for (uint64_t t = 0; t < o->threads; t++) {
-        w[t] = (worker_t){.o = o, .engine = e, .seg = seg, .local = local, .expect = expect,
-                          .remote_base = region.addr, .area_off = t * area, .area_len = area,
+        w[t] = (worker_t){.o = o,
+                          .engine = e,
+                          .seg = seg,
+                          .local = local,
+                          .expect = expect,
+                          .remote_base = region.addr,
+                          .area_off = t * area,
+                          .area_len = area,
                           .deadline = deadline};
         pthread_create(&tids[t], NULL, worker_main, &w[t]);
     }
@@ -479,7 +488,8 @@ static int run_loopback(bench_opts_t *o)
     return status;
 }
 
-/* ---- ceilings: what the hardware gives without kvbridge --------------------------------------- */
+/* ---- ceilings: what the hardware gives without kvbridge ---------------------------------------
+ */
 
 static void report_baseline(const bench_opts_t *o, const char *what, uint64_t bytes, double secs)
 {
@@ -596,54 +606,106 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, bench_opts_t *o)
 {
-    static const struct option longs[] = {
-        {"mode", 1, 0, 'm'},       {"segment", 1, 0, 's'},  {"port", 1, 0, 'p'},
-        {"operation", 1, 0, 'o'},  {"block-size", 1, 0, 'b'}, {"batch-size", 1, 0, 'B'},
-        {"threads", 1, 0, 't'},    {"duration", 1, 0, 'd'}, {"buffer-size", 1, 0, 'z'},
-        {"protocol", 1, 0, 'P'},   {"verify", 0, 0, 'v'},   {"loopback", 0, 0, 'l'},
-        {"json", 0, 0, 'j'},       {"seed", 1, 0, 'S'},     {"bind", 1, 0, 'i'},
-        {"lanes", 1, 0, 'L'},      {"progress-threads", 1, 0, 'T'}, {"help", 0, 0, 'h'},
-        {"baseline", 1, 0, 'X'},
-        {0, 0, 0, 0}};
-    *o = (bench_opts_t){.mode = NULL, .bind = "127.0.0.1", .block = 64 << 10, .batch = 128,
-                        .threads = 1, .duration = 5, .buffer = 256 << 20, .seed = 42, .lanes = 2,
+    static const struct option longs[] = {{"mode", 1, 0, 'm'},
+                                          {"segment", 1, 0, 's'},
+                                          {"port", 1, 0, 'p'},
+                                          {"operation", 1, 0, 'o'},
+                                          {"block-size", 1, 0, 'b'},
+                                          {"batch-size", 1, 0, 'B'},
+                                          {"threads", 1, 0, 't'},
+                                          {"duration", 1, 0, 'd'},
+                                          {"buffer-size", 1, 0, 'z'},
+                                          {"protocol", 1, 0, 'P'},
+                                          {"verify", 0, 0, 'v'},
+                                          {"loopback", 0, 0, 'l'},
+                                          {"json", 0, 0, 'j'},
+                                          {"seed", 1, 0, 'S'},
+                                          {"bind", 1, 0, 'i'},
+                                          {"lanes", 1, 0, 'L'},
+                                          {"progress-threads", 1, 0, 'T'},
+                                          {"help", 0, 0, 'h'},
+                                          {"baseline", 1, 0, 'X'},
+                                          {0, 0, 0, 0}};
+    *o = (bench_opts_t){.mode = NULL,
+                        .bind = "127.0.0.1",
+                        .block = 64 << 10,
+                        .batch = 128,
+                        .threads = 1,
+                        .duration = 5,
+                        .buffer = 256 << 20,
+                        .seed = 42,
+                        .lanes = 2,
                         .progress = 1};
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
         int bad = 0;
         switch (c) {
-        case 'm': o->mode = optarg; break;
-        case 's': o->segment = optarg; break;
-        case 'i': o->bind = optarg; break;
-        case 'p': bad = kvb_cli_parse_uint(optarg, 65535, &o->port); break;
+        case 'm':
+            o->mode = optarg;
+            break;
+        case 's':
+            o->segment = optarg;
+            break;
+        case 'i':
+            o->bind = optarg;
+            break;
+        case 'p':
+            bad = kvb_cli_parse_uint(optarg, 65535, &o->port);
+            break;
         case 'o':
             bad = strcmp(optarg, "read") && strcmp(optarg, "write");
             o->write = !strcmp(optarg, "write");
             break;
-        case 'b': bad = kvb_cli_parse_size(optarg, &o->block) || !o->block || o->block > (1ull << 30); break;
-        case 'B': bad = kvb_cli_parse_uint(optarg, 1 << 20, &o->batch) || !o->batch; break;
-        case 't': bad = kvb_cli_parse_uint(optarg, 256, &o->threads) || !o->threads; break;
-        case 'd': bad = kvb_cli_parse_uint(optarg, 86400, &o->duration) || !o->duration; break;
-        case 'z': bad = kvb_cli_parse_size(optarg, &o->buffer) || !o->buffer || o->buffer > (64ull << 30); break;
-        case 'S': bad = kvb_cli_parse_uint(optarg, UINT64_MAX, &o->seed); break;
-        case 'L': bad = kvb_cli_parse_uint(optarg, 16, &o->lanes) || !o->lanes; break;
-        case 'T': bad = kvb_cli_parse_uint(optarg, 64, &o->progress) || !o->progress; break;
+        case 'b':
+            bad = kvb_cli_parse_size(optarg, &o->block) || !o->block || o->block > (1ull << 30);
+            break;
+        case 'B':
+            bad = kvb_cli_parse_uint(optarg, 1 << 20, &o->batch) || !o->batch;
+            break;
+        case 't':
+            bad = kvb_cli_parse_uint(optarg, 256, &o->threads) || !o->threads;
+            break;
+        case 'd':
+            bad = kvb_cli_parse_uint(optarg, 86400, &o->duration) || !o->duration;
+            break;
+        case 'z':
+            bad = kvb_cli_parse_size(optarg, &o->buffer) || !o->buffer || o->buffer > (64ull << 30);
+            break;
+        case 'S':
+            bad = kvb_cli_parse_uint(optarg, UINT64_MAX, &o->seed);
+            break;
+        case 'L':
+            bad = kvb_cli_parse_uint(optarg, 16, &o->lanes) || !o->lanes;
+            break;
+        case 'T':
+            bad = kvb_cli_parse_uint(optarg, 64, &o->progress) || !o->progress;
+            break;
         case 'P':
             if (strcmp(optarg, "tcp")) {
                 fprintf(stderr, "kvbridge bench: protocol '%s' is not available (tcp)\n", optarg);
                 return 2;
             }
             break;
-        case 'v': o->verify = true; break;
-        case 'l': o->loopback = true; break;
+        case 'v':
+            o->verify = true;
+            break;
+        case 'l':
+            o->loopback = true;
+            break;
         case 'X':
             bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy");
             o->baseline = optarg;
             break;
-        case 'j': o->json = true; break;
-        case 'h': usage(stdout); return 1;
-        default: usage(stderr); return 2;
+        case 'j':
+            o->json = true;
+            break;
+        case 'h':
+            usage(stdout);
+            return 1;
+        default:
+            usage(stderr);
+            return 2;
         }
         if (bad) {
             fprintf(stderr, "kvbridge bench: invalid value '%s' for --%s\n", optarg,

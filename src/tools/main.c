@@ -33,10 +33,20 @@ int kvb_cli_parse_size(const char *s, uint64_t *out)
     unsigned shift = 0;
     if (*end) {
         switch (*end) {
-        case 'k': case 'K': shift = 10; break;
-        case 'm': case 'M': shift = 20; break;
-        case 'g': case 'G': shift = 30; break;
-        default: return -1;
+        case 'k':
+        case 'K':
+            shift = 10;
+            break;
+        case 'm':
+        case 'M':
+            shift = 20;
+            break;
+        case 'g':
+        case 'G':
+            shift = 30;
+            break;
+        default:
+            return -1;
         }
         end++;
         if (*end == 'i' || *end == 'I')
@@ -54,13 +64,15 @@ int kvb_cli_parse_size(const char *s, uint64_t *out)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "kvbridge %s - KV-cache transfer engine for PD-disaggregated LLM serving\n\n"
-               "usage: kvbridge <command> [options]\n\n"
-               "commands:\n"
-               "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
-               "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
-               "  version   print the version\n",
-            KVB_VERSION_STRING);
+    fprintf(
+        f,
+        "kvbridge %s - KV-cache transfer engine for PD-disaggregated LLM serving\n\n"
+        "usage: kvbridge <command> [options]\n\n"
+        "commands:\n"
+        "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
+        "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
+        "  version   print the version\n",
+        KVB_VERSION_STRING);
 }
 
 int main(int argc, char **argv)

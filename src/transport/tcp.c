@@ -25,9 +25,13 @@
 #define RXBUF_SIZE   (64u << 10) /* read-ahead for headers and small payloads */
 #define SMALL_RECV   (16u << 10) /* payload remainders below this are read through rxbuf */
 #define IOV_CAP      512
-#define TX_MAX_BYTES (8u << 20)  /* bytes offered to one sendmsg */
-#define LANE_SPREAD  (1u << 20)  /* a submit moves to the next lane after this many bytes */
+#define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
+#define LANE_SPREAD  (1u << 20) /* a submit moves to the next lane after this many bytes */
 #define MAX_EVENTS   64
+/* A peer that sends requests faster than it reads the answers is held off: past TXQ_HIGH queued
+ * frames we stop reading from it, and resume below TXQ_LOW. Bounds a target's memory per peer. */
+#define TXQ_HIGH 8192
+#define TXQ_LOW  1024
 
 typedef struct tcp_thread tcp_thread_t;
 typedef struct tcp_conn tcp_conn_t;
@@ -51,23 +55,25 @@ struct tcp_conn {
     int fd;
     int role;
     tcp_thread_t *th;
-    kvb_peer_t *peer;          /* ROLE_INIT: the peer this lane belongs to (ref held) */
-    struct tcp_conn *next;     /* the owning thread's list */
+    kvb_peer_t *peer;      /* ROLE_INIT: the peer this lane belongs to (ref held) */
+    struct tcp_conn *next; /* the owning thread's list */
 
-    pthread_mutex_t mu;        /* guards pend list and the flags below it */
+    pthread_mutex_t mu; /* guards pend list and the flags below it */
     kvb_op_t *pend_head, *pend_tail;
-    bool dead;                 /* closed: submissions fail at once */
-    atomic_bool close_req;     /* someone asked the owner thread to close it (read unlocked) */
+    bool dead;             /* closed: submissions fail at once */
+    atomic_bool close_req; /* someone asked the owner thread to close it (read unlocked) */
     int close_err;
 
     /* Everything below belongs to the owner thread. */
     kvb_op_t *inflight_head, *inflight_tail; /* sent requests, in wire order */
     uint64_t next_id;
     tcp_frame_t *txq_head, *txq_tail;
-    uint64_t tx_off;           /* bytes of txq_head already sent */
-    bool want_out;             /* EPOLLOUT armed */
-    bool hello_done;           /* ROLE_TARGET: handshake received */
-    bool rx_more;              /* read budget ran out with bytes left: read again on the scan */
+    size_t txq_count;
+    uint64_t tx_off; /* bytes of txq_head already sent */
+    bool want_out;   /* EPOLLOUT armed */
+    bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
+    bool hello_done; /* ROLE_TARGET: handshake received */
+    bool rx_more;    /* read budget ran out with bytes left: read again on the scan */
     char from[KVB_NAME_MAX + 1];
     uint8_t *rxbuf;
     size_t rx_len, rx_pos;
@@ -75,9 +81,9 @@ struct tcp_conn {
     kvb_frame_hdr_t rx_hdr;
     uint64_t rx_plen, rx_got;
     int rx_sink, rx_status;
-    uint8_t *rx_dst;           /* SINK_REGION / SINK_BUF */
+    uint8_t *rx_dst; /* SINK_REGION / SINK_BUF */
     kvb_region_t *rx_pin;
-    kvb_op_t *rx_op;           /* SINK_OP */
+    kvb_op_t *rx_op; /* SINK_OP */
 };
 
 struct tcp_thread {
@@ -85,12 +91,12 @@ struct tcp_thread {
     pthread_t tid;
     int epfd, evfd;
     atomic_bool wake_pending;
-    pthread_mutex_t mu;        /* guards incoming */
-    tcp_conn_t *incoming;      /* new connections handed to this thread */
-    tcp_conn_t *conns;         /* owner only */
-    bool need_scan;            /* owner only: some conn wants closing */
-    tcp_frame_t *free_frames;  /* owner only */
-    uint8_t *scratch;          /* owner only: where discarded payload bytes go */
+    pthread_mutex_t mu;       /* guards incoming */
+    tcp_conn_t *incoming;     /* new connections handed to this thread */
+    tcp_conn_t *conns;        /* owner only */
+    bool need_scan;           /* owner only: some conn wants closing */
+    tcp_frame_t *free_frames; /* owner only */
+    uint8_t *scratch;         /* owner only: where discarded payload bytes go */
 };
 
 struct kvb_transport {
@@ -204,7 +210,8 @@ static void conn_fail(tcp_conn_t *c, int err, const char *what)
             KVB_ERROR("connection to %s: %s", c->peer->name, what);
         kvb__peer_fail(c->peer, err); /* closes every lane of the peer, this one included */
     } else if (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION) {
-        KVB_ERROR("connection from %s closed: %s", c->hello_done ? c->from : "(no handshake)", what);
+        KVB_ERROR("connection from %s closed: %s", c->hello_done ? c->from : "(no handshake)",
+                  what);
     } else {
         KVB_DEBUG("connection from %s closed: %s", c->hello_done ? c->from : "?", what);
     }
@@ -251,6 +258,7 @@ static void conn_close(tcp_conn_t *c)
         frame_release(c->th, f);
     }
     c->txq_tail = NULL;
+    c->txq_count = 0;
     if (c->rx_pin)
         kvb__region_unpin(&c->th->tp->engine->registry, c->rx_pin);
     c->rx_pin = NULL;
@@ -283,6 +291,7 @@ static tcp_frame_t *frame_get(tcp_thread_t *th)
 
 static void txq_push(tcp_conn_t *c, tcp_frame_t *f)
 {
+    c->txq_count++;
     f->next = NULL;
     if (c->txq_tail)
         c->txq_tail->next = f;
@@ -310,16 +319,18 @@ static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *d
     return KVB_OK;
 }
 
-static void set_want_out(tcp_conn_t *c, bool on)
+static void set_events(tcp_conn_t *c, bool want_out, bool rx_paused)
 {
-    if (c->want_out == on)
+    if (c->want_out == want_out && c->rx_paused == rx_paused)
         return;
-    struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.ptr = c};
+    struct epoll_event ev = {.events = (rx_paused ? 0 : EPOLLIN) | (want_out ? EPOLLOUT : 0),
+                             .data.ptr = c};
     if (epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) != 0) {
         conn_fail(c, KVB_ERR_SYSTEM, "epoll_ctl failed");
         return;
     }
-    c->want_out = on;
+    c->want_out = want_out;
+    c->rx_paused = rx_paused;
 }
 
 /* Sends as much of the queue as the socket takes, many frames per sendmsg. */
@@ -350,7 +361,7 @@ static void conn_flush(tcp_conn_t *c)
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                set_want_out(c, true);
+                set_events(c, true, c->rx_paused);
                 return;
             }
             conn_fail(c, KVB_ERR_PEER_LOST, strerror(errno));
@@ -369,11 +380,17 @@ static void conn_flush(tcp_conn_t *c)
             c->txq_head = f->next;
             if (!c->txq_head)
                 c->txq_tail = NULL;
+            c->txq_count--;
             frame_release(c->th, f);
+        }
+        if (c->rx_paused && c->txq_count < TXQ_LOW && !c->close_req) {
+            set_events(c, c->want_out, false);
+            c->rx_more = true; /* frames may wait in rxbuf with nothing new on the socket */
+            c->th->need_scan = true;
         }
     }
     if (!c->txq_head && c->want_out && !c->close_req)
-        set_want_out(c, false);
+        set_events(c, false, c->rx_paused);
 }
 
 /* Owner thread: turns newly submitted ops into request frames, in order. */
@@ -387,8 +404,8 @@ static void conn_take_pending(tcp_conn_t *c)
     while (op) {
         kvb_op_t *next = op->next;
         op->wire_id = c->next_id++;
-        kvb_frame_hdr_t h = {.type = type_of[op->kind], .id = op->wire_id, .addr = op->remote,
-                             .len = op->len};
+        kvb_frame_hdr_t h = {
+            .type = type_of[op->kind], .id = op->wire_id, .addr = op->remote, .len = op->len};
         int rc = queue_frame(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL);
         if (rc) {
             op->next = NULL;
@@ -426,8 +443,8 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         kvb_region_t *pin = NULL;
         int st = kvb__registry_check(reg, h->addr, h->len, KVB_ACCESS_READ,
                                      KVB_ERR_REMOTE_NOT_REGISTERED, &pin);
-        kvb_frame_hdr_t r = {.type = KVB_FRAME_READ_RESP, .status = st, .id = h->id,
-                             .len = st ? 0 : h->len};
+        kvb_frame_hdr_t r = {
+            .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
         return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
     }
     case KVB_FRAME_WRITE_REQ:
@@ -483,7 +500,9 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         if (c->rx_pin)
             kvb__region_unpin(&e->registry, c->rx_pin);
         c->rx_pin = NULL;
-        kvb_frame_hdr_t r = {.type = KVB_FRAME_WRITE_ACK, .status = c->rx_status, .id = h->id,
+        kvb_frame_hdr_t r = {.type = KVB_FRAME_WRITE_ACK,
+                             .status = c->rx_status,
+                             .id = h->id,
                              .len = c->rx_status ? 0 : h->len};
         return queue_frame(c, &r, NULL, NULL, NULL);
     }
@@ -637,6 +656,10 @@ static void conn_read(tcp_conn_t *c)
             c->rx_got += (uint64_t)n;
             continue;
         }
+        if (c->txq_count >= TXQ_HIGH) {
+            set_events(c, true, true); /* resumed by conn_flush once the answers drain */
+            return;
+        }
         if (c->rx_len - c->rx_pos >= KVB_WIRE_HDR_SIZE) {
             if (on_header(c))
                 return;
@@ -769,8 +792,10 @@ static void *thread_main(void *arg)
 
 static int listen_on(kvb_transport_t *tp, const kvb_config_t *cfg)
 {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV}, *res;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                    *res;
     uint16_t first = cfg->port, last = cfg->port_max ? cfg->port_max : cfg->port;
     int gai = getaddrinfo(cfg->bind_addr, "0", &hints, &res);
     if (gai) {
@@ -964,8 +989,10 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
 {
     char port[8];
     snprintf(port, sizeof port, "%u", p->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICSERV}, *res;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV},
+                    *res;
     int gai = getaddrinfo(p->host, port, &hints, &res);
     if (gai) {
         KVB_ERROR("segment %s: cannot resolve %s: %s", p->name, p->host, gai_strerror(gai));

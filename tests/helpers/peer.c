@@ -75,9 +75,8 @@ static void serve(kvb_engine_t *e, uint8_t *rw, int life_fd)
         if (!strcmp(msg, "ping")) {
             reply(e, n->from, "pong");
         } else if (sscanf(msg, "verify %llu %llu %llu", &seed, &off, &len) == 3) {
-            int64_t bad = off + len <= TEST_PEER_RW_LEN
-                              ? test_pattern_check(rw + off, off, len, seed)
-                              : 0;
+            int64_t bad =
+                off + len <= TEST_PEER_RW_LEN ? test_pattern_check(rw + off, off, len, seed) : 0;
             if (bad < 0)
                 snprintf(out, sizeof out, "ok");
             else
@@ -98,8 +97,10 @@ static int child_main(uint16_t port, uint64_t seed, int report_fd, int life_fd)
     kvb_engine_t *e;
     if (kvb_engine_create(&cfg, &e) != KVB_OK)
         return 1;
-    uint8_t *rw = mmap(NULL, TEST_PEER_RW_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    uint8_t *ro = mmap(NULL, TEST_PEER_RO_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *rw =
+        mmap(NULL, TEST_PEER_RW_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *ro =
+        mmap(NULL, TEST_PEER_RO_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (rw == MAP_FAILED || ro == MAP_FAILED)
         return 1;
     test_pattern_fill(rw, 0, TEST_PEER_RW_LEN, seed);

@@ -131,7 +131,8 @@ Test(tcp_peer, random_reads_from_threads_verified)
     pthread_t tid[T];
     area_t a[T];
     for (int t = 0; t < T; t++) {
-        a[t] = (area_t){.off = (uint64_t)t * (TEST_PEER_RW_LEN / T), .len = TEST_PEER_RW_LEN / T,
+        a[t] = (area_t){.off = (uint64_t)t * (TEST_PEER_RW_LEN / T),
+                        .len = TEST_PEER_RW_LEN / T,
                         .seed = 77 + (uint64_t)t};
         pthread_create(&tid[t], NULL, reader, &a[t]);
     }
@@ -180,7 +181,8 @@ Test(tcp_peer, random_writes_from_threads_verified)
     pthread_t tid[T];
     area_t a[T];
     for (int t = 0; t < T; t++) {
-        a[t] = (area_t){.off = (uint64_t)t * (TEST_PEER_RW_LEN / T), .len = TEST_PEER_RW_LEN / T,
+        a[t] = (area_t){.off = (uint64_t)t * (TEST_PEER_RW_LEN / T),
+                        .len = TEST_PEER_RW_LEN / T,
                         .seed = 900 + (uint64_t)t};
         pthread_create(&tid[t], NULL, writer, &a[t]);
     }
@@ -217,13 +219,14 @@ Test(tcp_peer, bad_remote_ranges_fail_only_their_request)
     kvb_request_t r[] = {
         {KVB_OP_READ, buf, seg, peer.rw_addr, 4096},
         {KVB_OP_READ, buf + 8192, seg, peer.rw_addr + TEST_PEER_RW_LEN - 10, 11}, /* 1 B past */
-        {KVB_OP_READ, buf + 16384, seg, 0x1000, 64},                             /* unregistered */
-        {KVB_OP_WRITE, buf + 32768, seg, peer.ro_addr, 64},                      /* read-only */
-        {KVB_OP_READ, buf + 65536, seg, ro_end - 100, 100},                      /* ok */
-        {KVB_OP_WRITE, buf + 131072, seg, UINT64_MAX - 10, 10},                  /* wraps */
+        {KVB_OP_READ, buf + 16384, seg, 0x1000, 64},                              /* unregistered */
+        {KVB_OP_WRITE, buf + 32768, seg, peer.ro_addr, 64},                       /* read-only */
+        {KVB_OP_READ, buf + 65536, seg, ro_end - 100, 100},                       /* ok */
+        {KVB_OP_WRITE, buf + 131072, seg, UINT64_MAX - 10, 10},                   /* wraps */
     };
-    const int want[] = {KVB_OK, KVB_ERR_REMOTE_NOT_REGISTERED, KVB_ERR_REMOTE_NOT_REGISTERED,
-                        KVB_ERR_ACCESS_DENIED, KVB_OK, KVB_ERR_REMOTE_NOT_REGISTERED};
+    const int want[] = {
+        KVB_OK, KVB_ERR_REMOTE_NOT_REGISTERED, KVB_ERR_REMOTE_NOT_REGISTERED, KVB_ERR_ACCESS_DENIED,
+        KVB_OK, KVB_ERR_REMOTE_NOT_REGISTERED};
     size_t n = sizeof r / sizeof r[0];
     kvb_batch_t *b;
     cr_assert_eq(kvb_batch_submit(eng, r, n, NULL, &b), KVB_OK);

@@ -65,7 +65,8 @@ Test(bench, loopback_write_verified)
 Test(bench, baseline_prints_json)
 {
     char last[4096];
-    cr_assert_eq(run("bench --baseline tcp --duration 1 --buffer-size 8M --json", last, sizeof last), 0);
+    cr_assert_eq(
+        run("bench --baseline tcp --duration 1 --buffer-size 8M --json", last, sizeof last), 0);
     json_t *j = json_loads(last, 0, NULL);
     cr_assert_not_null(j, "%s", last);
     cr_assert_gt(json_real_value(json_object_get(j, "gbps")), 0);
@@ -75,11 +76,17 @@ Test(bench, baseline_prints_json)
 Test(bench, bad_options_are_refused)
 {
     char last[4096];
-    const char *bad[] = {"bench", "bench --mode sideways", "bench --mode initiator",
-                         "bench --loopback --block-size 0", "bench --loopback --block-size 12Q",
-                         "bench --loopback --batch-size -3", "bench --loopback --protocol rdma",
-                         "bench --loopback --operation copy", "bench --loopback --threads 99999",
-                         "bench --loopback --block-size 64M --buffer-size 1M", "bench --nope",
+    const char *bad[] = {"bench",
+                         "bench --mode sideways",
+                         "bench --mode initiator",
+                         "bench --loopback --block-size 0",
+                         "bench --loopback --block-size 12Q",
+                         "bench --loopback --batch-size -3",
+                         "bench --loopback --protocol rdma",
+                         "bench --loopback --operation copy",
+                         "bench --loopback --threads 99999",
+                         "bench --loopback --block-size 64M --buffer-size 1M",
+                         "bench --nope",
                          "bench --loopback extra"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         cr_expect_eq(run(bad[i], last, sizeof last), 2, "'%s' was not refused", bad[i]);

@@ -177,7 +177,8 @@ Test(tcp, per_request_errors_keep_the_connection)
     close(fd);
 }
 
-/* ---- a broken target -------------------------------------------------------------------------- */
+/* ---- a broken target --------------------------------------------------------------------------
+ */
 
 typedef struct {
     int listen_fd;
@@ -278,4 +279,47 @@ Test(tcp, reply_to_unknown_request_is_a_protocol_error)
 {
     kvb_segment_t s;
     cr_assert_eq(open_fake(2, &s), KVB_ERR_PROTOCOL);
+}
+
+/* A peer that floods requests and reads no answers is held off (its sends start to block), and
+ * every answer still arrives, in order, once it reads. */
+Test(tcp, flooding_peer_is_held_off_then_served)
+{
+    int fd = raw_connect(kvb_engine_port(eng));
+    uint8_t hello[KVB_WIRE_HDR_SIZE + 128];
+    cr_assert_gt(send(fd, hello, hello_frame(hello), 0), 0);
+    enum { MAX = 1000000 };
+    uint64_t sent = 0;
+    bool blocked = false;
+    /* One frame per send, each after POLLOUT, so that no send is partial. */
+    while (sent < MAX && !blocked) {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        if (poll(&p, 1, 1000) == 0) { /* no room for 1 s: the engine holds us off */
+            blocked = true;
+            break;
+        }
+        uint8_t f[KVB_WIRE_HDR_SIZE];
+        put_hdr(f, KVB_FRAME_READ_REQ, 0, sent + 1, (uintptr_t)mem, 4);
+        cr_assert_eq(send(fd, f, sizeof f, MSG_DONTWAIT), (ssize_t)sizeof f);
+        sent++;
+    }
+    cr_assert(blocked, "the engine queued answers for %llu unread requests",
+              (unsigned long long)sent);
+    /* Now read: HELLO_ACK, then one 4-byte READ_RESP per request, in order. */
+    uint8_t h[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t hdr;
+    cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+    cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
+    uint8_t *body = malloc(hdr.len);
+    cr_assert_eq(recv(fd, body, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
+    free(body);
+    for (uint64_t id = 1; id <= sent; id++) {
+        uint8_t r[KVB_WIRE_HDR_SIZE + 4];
+        cr_assert_eq(recv(fd, r, sizeof r, MSG_WAITALL), (ssize_t)sizeof r, "answer %llu",
+                     (unsigned long long)id);
+        cr_assert_eq(kvb__wire_decode_hdr(r, &hdr, NULL, 0), KVB_OK);
+        cr_assert_eq(hdr.id, id);
+        cr_assert_eq(hdr.status, 0);
+    }
+    close(fd);
 }
