@@ -39,6 +39,10 @@ typedef struct {
     int lanes;                   /* TCP connections per peer; default 2, at most 16 */
     uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
+    const char
+        *protocol;    /* "auto" (default): shared memory with same-host peers, else TCP;
+                       * "tcp": TCP only; "shm": shared memory, opening a peer elsewhere fails */
+    int copy_threads; /* extra threads splitting large same-host copies; default 1, max 16 */
 } kvb_config_t;
 
 /* Fills *cfg with the defaults listed above. */
@@ -61,6 +65,18 @@ KVB_API uint16_t kvb_engine_port(const kvb_engine_t *engine);
 
 /* Access rights granted to peers on a registered region. */
 enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };
+
+enum { KVB_ALLOC_HUGE = 1u }; /* kvb_alloc flag: back with huge pages (fails if none are free) */
+
+/* Allocates `len` bytes that same-host peers can map directly (memfd-backed, zero-filled). The
+ * memory is not registered: register it to use it in requests. It stays valid until kvb_free()
+ * or kvb_engine_destroy(). Local buffers in kvb_alloc memory move by one memcpy with same-host
+ * peers; other memory needs cross-memory attach, or goes over TCP where the kernel refuses it. */
+KVB_API int kvb_alloc(kvb_engine_t *engine, size_t len, unsigned flags, void **out);
+
+/* Frees kvb_alloc memory, after telling same-host peers to unmap it. Returns KVB_ERR_BUSY if a
+ * registered region still lies inside it, KVB_ERR_NOT_FOUND if `ptr` is not an allocation. */
+KVB_API int kvb_free(kvb_engine_t *engine, void *ptr);
 
 /* Registers [addr, addr+len) so that peers may READ and/or WRITE it as `access` allows, and so
  * that local requests may use it. `location` names where the memory lives ("cpu:0"; NULL means
@@ -100,6 +116,9 @@ typedef struct {
  * otherwise the list cached at open time is returned. */
 KVB_API int kvb_segment_regions(kvb_engine_t *engine, kvb_segment_t seg, int refresh,
                                 kvb_region_info_t *out, size_t cap, size_t *count);
+
+/* The data path in use to `seg`: "shm" or "tcp" (static string). */
+KVB_API int kvb_segment_transport(kvb_engine_t *engine, kvb_segment_t seg, const char **out);
 
 /* The peer's incarnation id (random per engine start), as learnt at open. */
 KVB_API int kvb_segment_incarnation(kvb_engine_t *engine, kvb_segment_t seg, uint64_t *out);

@@ -41,7 +41,8 @@ extern "C" {
     XX(ERR_RESOLVE, -105, "cannot resolve segment address")                                        \
     XX(ERR_REMOTE_NOT_REGISTERED, -200, "remote address range is not registered")                  \
     XX(ERR_ACCESS_DENIED, -201, "remote region does not grant this access")                        \
-    XX(ERR_REMOTE_NO_SPACE, -202, "peer's notification queue is full")
+    XX(ERR_REMOTE_NO_SPACE, -202, "peer's notification queue is full")                             \
+    XX(ERR_SHM_COPY, -203, "same-host copy to or from the initiator's memory failed")
 
 typedef enum {
 #define KVB_STATUS_ENUM(name, value, msg) KVB_##name = value,

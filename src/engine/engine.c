@@ -13,6 +13,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "transport/shm.h"
 
 #define NOTIFY_QUEUE_CAP 1024
 
@@ -27,6 +28,8 @@ void kvb_config_init(kvb_config_t *cfg)
     cfg->lanes = 2;
     cfg->timeout_ms = 30000;
     cfg->connect_timeout_ms = 5000;
+    cfg->protocol = "auto";
+    cfg->copy_threads = 1;
 }
 
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN])
@@ -63,7 +66,13 @@ static int check_config(const kvb_config_t *c)
         KVB_ERROR("metadata mode '%s' is not supported (only 'p2p')", c->metadata);
         return KVB_ERR_UNSUPPORTED;
     }
-    if (c->progress_threads < 1 || c->progress_threads > 64 || c->lanes < 1 || c->lanes > 16 ||
+    if (c->protocol && strcmp(c->protocol, "auto") && strcmp(c->protocol, "tcp") &&
+        strcmp(c->protocol, "shm")) {
+        KVB_ERROR("protocol '%s' is not one of auto, tcp, shm", c->protocol);
+        return KVB_ERR_INVALID_ARG;
+    }
+    if (c->copy_threads < 0 || c->copy_threads > 16 || c->progress_threads < 1 ||
+        c->progress_threads > 64 || c->lanes < 1 || c->lanes > 16 ||
         (c->port_max && c->port_max < c->port) || c->timeout_ms == 0 ||
         c->connect_timeout_ms == 0) {
         KVB_ERROR("invalid engine configuration (threads %d, lanes %d, ports %u..%u)",
@@ -129,9 +138,15 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     e->hello.pid = (uint32_t)getpid();
     kvb__host_id(e->hello.host_id);
 
+    e->protocol = !cfg.protocol || !strcmp(cfg.protocol, "auto") ? KVB_PROTO_AUTO
+                  : !strcmp(cfg.protocol, "tcp")                 ? KVB_PROTO_TCP
+                                                                 : KVB_PROTO_SHM;
+    e->cfg.protocol = NULL;
+    if ((rc = kvb__shm_create(e, e->protocol != KVB_PROTO_TCP, cfg.copy_threads, &e->shm)))
+        goto fail_registry;
     e->tp_ops = &kvb__tcp_ops;
     if ((rc = e->tp_ops->create(e, &e->tp)))
-        goto fail_registry;
+        goto fail_shm;
     if (cfg.segment_name) {
         rc = copy_str(e->segment_name, sizeof e->segment_name, cfg.segment_name);
     } else {
@@ -148,6 +163,8 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     return KVB_OK;
 fail_tp:
     e->tp_ops->destroy(e->tp);
+fail_shm:
+    kvb__shm_destroy(e->shm);
 fail_registry:
     kvb__registry_fini(&e->registry);
 fail_free:
@@ -181,6 +198,7 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_mutex_unlock(&e->seg_mu);
     pthread_mutex_unlock(&e->open_mu);
     e->tp_ops->destroy(e->tp);
+    kvb__shm_destroy(e->shm); /* after the transport: its connections hold same-host peers */
     free(e->segs);
     kvb__registry_fini(&e->registry);
     pthread_mutex_destroy(&e->open_mu);
@@ -209,6 +227,27 @@ int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, 
     if (rc)
         KVB_WARN("register %p+%zu failed: %s", addr, len, kvb_strerror(rc));
     return rc;
+}
+
+int kvb_alloc(kvb_engine_t *e, size_t len, unsigned flags, void **out)
+{
+    if (!e || !out || (flags & ~(unsigned)KVB_ALLOC_HUGE))
+        return KVB_ERR_INVALID_ARG;
+    return kvb__shm_alloc(e->shm, len, flags, out);
+}
+
+int kvb_free(kvb_engine_t *e, void *ptr)
+{
+    uint64_t id, base, len;
+    if (!e || !ptr)
+        return KVB_ERR_INVALID_ARG;
+    if (!kvb__shm_alloc_of(e->shm, (uintptr_t)ptr, 1, &id, &base, &len) || base != (uintptr_t)ptr)
+        return KVB_ERR_NOT_FOUND;
+    if (kvb__registry_overlaps(&e->registry, base, len)) {
+        KVB_WARN("kvb_free(%p): memory inside it is still registered", ptr);
+        return KVB_ERR_BUSY;
+    }
+    return kvb__shm_free(e->shm, ptr);
 }
 
 int kvb_unregister(kvb_engine_t *e, void *addr)
@@ -448,6 +487,18 @@ int kvb_segment_regions(kvb_engine_t *e, kvb_segment_t seg, int refresh, kvb_reg
     }
     kvb__peer_release(p);
     return rc;
+}
+
+int kvb_segment_transport(kvb_engine_t *e, kvb_segment_t seg, const char **out)
+{
+    if (!e || !out)
+        return KVB_ERR_INVALID_ARG;
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    *out = e->tp_ops->peer_path(p);
+    kvb__peer_release(p);
+    return KVB_OK;
 }
 
 int kvb_segment_incarnation(kvb_engine_t *e, kvb_segment_t seg, uint64_t *out)

@@ -34,6 +34,7 @@ typedef struct kvb_op {
     uint64_t len;
     uint64_t wire_id;  /* assigned by the transport */
     kvb_region_t *pin; /* the local region, pinned until the op ends (kvb_unregister waits) */
+    bool shm;          /* the transport moves its bytes through shared memory */
 } kvb_op_t;
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
@@ -105,9 +106,13 @@ struct kvb_transport_ops {
     /* Frees peer->tp when the peer's last reference goes; must not touch the transport itself,
      * which may be gone already. */
     void (*peer_free)(kvb_peer_t *peer);
+    /* The data path to the peer, for humans: "tcp" or "shm". */
+    const char *(*peer_path)(const kvb_peer_t *peer);
 };
 
 extern const kvb_transport_ops_t kvb__tcp_ops;
+
+enum { KVB_PROTO_AUTO = 0, KVB_PROTO_TCP, KVB_PROTO_SHM };
 
 typedef struct kvb_segment_slot {
     kvb_peer_t *peer; /* NULL: free slot */
@@ -123,6 +128,8 @@ struct kvb_engine {
     kvb_registry_t registry;
     const kvb_transport_ops_t *tp_ops;
     kvb_transport_t *tp;
+    struct kvb_shm *shm; /* kvb_alloc memory and the same-host data path */
+    int protocol;        /* KVB_PROTO_* */
 
     pthread_mutex_t open_mu; /* serialises open/close so two opens of one name agree */
     pthread_mutex_t seg_mu;  /* the segment table; held only briefly */

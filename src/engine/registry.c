@@ -173,6 +173,16 @@ void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
     }
 }
 
+bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len)
+{
+    bool hit = false;
+    pthread_rwlock_rdlock(&r->lock);
+    for (size_t i = 0; i < r->count && !hit; i++)
+        hit = r->regions[i]->addr < addr + len && addr < r->regions[i]->addr + r->regions[i]->len;
+    pthread_rwlock_unlock(&r->lock);
+    return hit;
+}
+
 int kvb__registry_list(kvb_registry_t *r, kvb_region_info_t **out, size_t *n)
 {
     pthread_rwlock_rdlock(&r->lock);

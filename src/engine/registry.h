@@ -46,6 +46,9 @@ int kvb__registry_check(kvb_registry_t *r, uint64_t addr, uint64_t len, unsigned
                         int missing, kvb_region_t **pin);
 void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *region);
 
+/* True if any registered region overlaps [addr, addr+len). */
+bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len);
+
 /* Snapshot of all regions (malloc'd; caller frees). */
 int kvb__registry_list(kvb_registry_t *r, kvb_region_info_t **out, size_t *n);
 

@@ -3,6 +3,7 @@
  * length a peer sends is checked against the limits in wire.h before anything is read or sized. */
 #include "engine/wire.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,7 +88,9 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     };
     if (h.type < KVB_FRAME_HELLO || h.type > KVB_FRAME_TYPE_MAX)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "unknown frame type %llu", h.type);
-    if (h.flags != 0 || get_u32(in + 12) != 0)
+    bool data_frame = h.type == KVB_FRAME_READ_REQ || h.type == KVB_FRAME_READ_RESP ||
+                      h.type == KVB_FRAME_WRITE_REQ || h.type == KVB_FRAME_WRITE_ACK;
+    if ((h.flags & ~KVB_FRAME_F_SHM) || (h.flags && !data_frame) || get_u32(in + 12) != 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "reserved bits set (flags 0x%llx)", h.flags);
     if (h.status > 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "positive status %llu", (unsigned)h.status);
@@ -125,6 +128,8 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
 
 uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
 {
+    if (h->flags & KVB_FRAME_F_SHM)
+        return h->type == KVB_FRAME_READ_REQ || h->type == KVB_FRAME_WRITE_REQ ? 8 : 0;
     switch (h->type) {
     case KVB_FRAME_HELLO:
     case KVB_FRAME_WRITE_REQ:

@@ -34,6 +34,10 @@ typedef enum {
     KVB_FRAME_TYPE_MAX = 9,
 } kvb_frame_type_t;
 
+/* Header flag: the data moves through shared memory, not this connection (same host). Requests
+ * then carry 8 payload bytes, the initiator's local address; answers carry none. */
+#define KVB_FRAME_F_SHM 0x1u
+
 typedef struct {
     uint8_t type;
     uint8_t version;

@@ -31,6 +31,8 @@ typedef struct {
     const char *segment;
     const char *bind;
     const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
+    const char *protocol; /* tcp, shm or auto */
+    const char *path;     /* what the initiator's engine chose: "tcp" or "shm" */
     bool loopback, verify, json;
     int write; /* operation */
     uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
@@ -102,6 +104,28 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
     return -1;
 }
 
+/* The benchmark's registered buffers: kvb_alloc memory (what same-host peers map) unless the run
+ * is TCP-only. kvb_alloc memory belongs to the engine and goes with it. */
+static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t len)
+{
+    void *p = NULL;
+    if (strcmp(o->protocol, "tcp") != 0) {
+        int rc = kvb_alloc(e, len, 0, &p);
+        if (rc)
+            fprintf(stderr, "bench: kvb_alloc(%llu): %s\n", (unsigned long long)len,
+                    kvb_strerror(rc));
+        return p;
+    }
+    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void engine_buffer_free(const bench_opts_t *o, uint8_t *p, uint64_t len)
+{
+    if (p && strcmp(o->protocol, "tcp") == 0)
+        munmap(p, len);
+}
+
 static uint8_t *alloc_buffer(uint64_t len)
 {
     /* Populated up front: first-touch page faults would otherwise be timed as transfer cost. */
@@ -148,6 +172,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     kvb_config_init(&cfg);
     cfg.bind_addr = o->bind;
     cfg.port = (uint16_t)o->port;
+    cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
     kvb_engine_t *e;
@@ -156,7 +181,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         fprintf(stderr, "bench target: engine: %s\n", kvb_strerror(rc));
         return 1;
     }
-    uint8_t *buf = alloc_buffer(o->buffer);
+    uint8_t *buf = engine_buffer(e, o, o->buffer);
     if (!buf || (rc = kvb_register(e, buf, o->buffer, "cpu:0", KVB_ACCESS_RW))) {
         fprintf(stderr, "bench target: buffer of %llu bytes: %s\n", (unsigned long long)o->buffer,
                 buf ? kvb_strerror(rc) : strerror(errno));
@@ -184,7 +209,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         }
     }
     kvb_engine_destroy(e);
-    munmap(buf, o->buffer);
+    engine_buffer_free(o, buf, o->buffer);
     return 0;
 }
 
@@ -314,10 +339,10 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
     free(lat);
     double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
     const char *op = o->write ? "write" : "read";
-    printf("kvbridge bench: %s tcp, block %llu B, batch %llu, %llu thread(s), %.2f s\n"
+    printf("kvbridge bench: %s %s, block %llu B, batch %llu, %llu thread(s), %.2f s\n"
            "  %.3f GB/s, %.0f requests/s, %llu bytes, batch latency p50 %.1f us p99 %.1f us\n"
            "  errors %llu%s%s, verified %s\n",
-           op, (unsigned long long)o->block, (unsigned long long)o->batch,
+           op, o->path, (unsigned long long)o->block, (unsigned long long)o->batch,
            (unsigned long long)o->threads, secs, gbps, secs > 0 ? (double)reqs / secs : 0,
            (unsigned long long)bytes, p50, p99, (unsigned long long)errors,
            first_error ? " (first: " : "", first_error ? kvb_strerror(first_error) : "",
@@ -329,7 +354,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
     if (o->json) {
         json_t *j = json_pack(
             "{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}", "operation", op,
-            "protocol", "tcp", "block_size", (json_int_t)o->block, "batch_size",
+            "protocol", o->path, "block_size", (json_int_t)o->block, "batch_size",
             (json_int_t)o->batch, "threads", (json_int_t)o->threads, "duration_s", secs, "bytes",
             (json_int_t)bytes, "gbps", gbps, "ops_per_s", secs > 0 ? (double)reqs / secs : 0.0,
             "lat_p50_us", p50, "lat_p99_us", p99, "errors", (json_int_t)errors, "verified",
@@ -347,6 +372,7 @@ static int run_initiator(bench_opts_t *o)
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.bind_addr = o->bind;
+    cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
     kvb_engine_t *e;
@@ -365,6 +391,7 @@ static int run_initiator(bench_opts_t *o)
         fprintf(stderr, "bench: cannot open segment %s: %s\n", o->segment, kvb_strerror(rc));
         goto out;
     }
+    kvb_segment_transport(e, seg, &o->path);
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
         goto out;
@@ -376,7 +403,7 @@ static int run_initiator(bench_opts_t *o)
                 (unsigned long long)size, (unsigned long long)o->block);
         goto out;
     }
-    local = alloc_buffer(size);
+    local = engine_buffer(e, o, size);
     if (!w || !tids || !local || (rc = kvb_register(e, local, size, "cpu:0", KVB_ACCESS_RW))) {
         fprintf(stderr, "bench: local buffer: %s\n", rc ? kvb_strerror(rc) : "out of memory");
         goto out;
@@ -428,8 +455,7 @@ out:
     free(w);
     free(tids);
     kvb_engine_destroy(e);
-    if (local)
-        munmap(local, size);
+    engine_buffer_free(o, local, size);
     if (expect)
         munmap(expect, size);
     return status;
@@ -594,7 +620,7 @@ static void usage(FILE *f)
             "  --threads N               submitting threads (default 1)\n"
             "  --duration S              seconds to run (default 5)\n"
             "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
-            "  --protocol tcp            transport (tcp only for now)\n"
+            "  --protocol tcp|shm|auto   data path (default tcp; auto: shared memory on one host)\n"
             "  --lanes N                 connections per peer (default 2)\n"
             "  --progress-threads N      engine progress threads (default 1)\n"
             "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -627,6 +653,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"baseline", 1, 0, 'X'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
+                        .protocol = "tcp",
+                        .path = "tcp",
                         .bind = "127.0.0.1",
                         .block = 64 << 10,
                         .batch = 128,
@@ -682,10 +710,12 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = kvb_cli_parse_uint(optarg, 64, &o->progress) || !o->progress;
             break;
         case 'P':
-            if (strcmp(optarg, "tcp")) {
-                fprintf(stderr, "kvbridge bench: protocol '%s' is not available (tcp)\n", optarg);
+            if (strcmp(optarg, "tcp") && strcmp(optarg, "shm") && strcmp(optarg, "auto")) {
+                fprintf(stderr, "kvbridge bench: protocol '%s' is not one of tcp, shm, auto\n",
+                        optarg);
                 return 2;
             }
+            o->protocol = optarg;
             break;
         case 'v':
             o->verify = true;

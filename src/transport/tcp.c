@@ -21,6 +21,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "engine/internal.h"
+#include "transport/shm.h"
 
 #define RXBUF_SIZE   (64u << 10) /* read-ahead for headers and small payloads */
 #define SMALL_RECV   (16u << 10) /* payload remainders below this are read through rxbuf */
@@ -44,11 +45,12 @@ typedef struct tcp_frame {
     uint64_t len;
     kvb_region_t *pin; /* target side: region `data` points into, unpinned once sent */
     void *owned;       /* heap payload freed once sent */
+    uint8_t inl[8];    /* small inline payload (a same-host request's local address) */
 } tcp_frame_t;
 
 enum { ROLE_INIT, ROLE_TARGET };
 enum { RX_HDR, RX_PAYLOAD };
-enum { SINK_DRAIN, SINK_OP, SINK_REGION, SINK_BUF };
+enum { SINK_DRAIN, SINK_OP, SINK_REGION, SINK_BUF, SINK_INLINE };
 
 struct tcp_conn {
     atomic_uint refs;
@@ -75,6 +77,9 @@ struct tcp_conn {
     bool hello_done; /* ROLE_TARGET: handshake received */
     bool rx_more;    /* read budget ran out with bytes left: read again on the scan */
     char from[KVB_NAME_MAX + 1];
+    uint64_t their_incarnation; /* ROLE_TARGET: the initiator's, from its hello */
+    kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link, once it used one */
+    uint8_t inl[8];             /* SINK_INLINE */
     uint8_t *rxbuf;
     size_t rx_len, rx_pos;
     int rx_state;
@@ -113,6 +118,7 @@ typedef struct {
     int nlanes;
     atomic_uint rr;
     tcp_conn_t *lanes[16];
+    kvb_shm_link_t *link; /* same-host data path; NULL: bytes go over the lanes */
 } tcp_peer_t;
 
 static char listen_tag, wake_tag; /* epoll data.ptr markers */
@@ -264,6 +270,8 @@ static void conn_close(tcp_conn_t *c)
     c->rx_pin = NULL;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
+    kvb__shm_peer_put(c->shm_peer);
+    c->shm_peer = NULL;
     c->rx_dst = NULL;
     c->rx_sink = SINK_DRAIN;
     kvb_op_t *inflight = c->inflight_head;
@@ -403,21 +411,30 @@ static void conn_take_pending(tcp_conn_t *c)
     static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
     while (op) {
         kvb_op_t *next = op->next;
+        op->next = NULL;
         op->wire_id = c->next_id++;
-        kvb_frame_hdr_t h = {
-            .type = type_of[op->kind], .id = op->wire_id, .addr = op->remote, .len = op->len};
+        kvb_frame_hdr_t h = {.type = type_of[op->kind],
+                             .flags = op->shm ? KVB_FRAME_F_SHM : 0,
+                             .id = op->wire_id,
+                             .addr = op->remote,
+                             .len = op->len};
         int rc = queue_frame(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL);
         if (rc) {
-            op->next = NULL;
             kvb__op_done(op, rc, 0);
-        } else {
-            op->next = NULL;
-            if (c->inflight_tail)
-                c->inflight_tail->next = op;
-            else
-                c->inflight_head = op;
-            c->inflight_tail = op;
+            op = next;
+            continue;
         }
+        if (op->shm) { /* the payload is our address; the target copies the data itself */
+            tcp_frame_t *f = c->txq_tail;
+            for (int i = 0; i < 8; i++)
+                f->inl[i] = (uint8_t)((uintptr_t)op->local >> (8 * i));
+            f->data = f->inl;
+        }
+        if (c->inflight_tail)
+            c->inflight_tail->next = op;
+        else
+            c->inflight_head = op;
+        c->inflight_tail = op;
         op = next;
     }
 }
@@ -430,34 +447,37 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     kvb_registry_t *reg = &c->th->tp->engine->registry;
     if (!c->hello_done && h->type != KVB_FRAME_HELLO)
         return KVB_ERR_PROTOCOL;
+    bool shm = h->flags & KVB_FRAME_F_SHM;
+    unsigned access = h->type == KVB_FRAME_READ_REQ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
     switch (h->type) {
     case KVB_FRAME_HELLO:
-        if (c->hello_done || h->len == 0)
-            return KVB_ERR_PROTOCOL;
-        c->rx_dst = malloc(h->len);
-        if (!c->rx_dst)
-            return KVB_ERR_NOMEM;
-        c->rx_sink = SINK_BUF;
-        return KVB_OK;
-    case KVB_FRAME_READ_REQ: {
-        kvb_region_t *pin = NULL;
-        int st = kvb__registry_check(reg, h->addr, h->len, KVB_ACCESS_READ,
-                                     KVB_ERR_REMOTE_NOT_REGISTERED, &pin);
-        kvb_frame_hdr_t r = {
-            .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
-        return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
-    }
-    case KVB_FRAME_WRITE_REQ:
-        c->rx_status = kvb__registry_check(reg, h->addr, h->len, KVB_ACCESS_WRITE,
-                                           KVB_ERR_REMOTE_NOT_REGISTERED, &c->rx_pin);
-        c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
-        c->rx_dst = c->rx_status ? NULL : (uint8_t *)(uintptr_t)h->addr;
-        return KVB_OK;
     case KVB_FRAME_NOTIFY:
+        if (h->type == KVB_FRAME_HELLO && (c->hello_done || h->len == 0))
+            return KVB_ERR_PROTOCOL;
         c->rx_dst = malloc(h->len ? h->len : 1);
         if (!c->rx_dst)
             return KVB_ERR_NOMEM;
         c->rx_sink = SINK_BUF;
+        return KVB_OK;
+    case KVB_FRAME_READ_REQ:
+        if (!shm) { /* answered right away, straight from the region */
+            kvb_region_t *pin = NULL;
+            int st = kvb__registry_check(reg, h->addr, h->len, access,
+                                         KVB_ERR_REMOTE_NOT_REGISTERED, &pin);
+            kvb_frame_hdr_t r = {
+                .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
+            return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
+        }
+        /* a same-host READ is answered once its address payload is in */
+        __attribute__((fallthrough));
+    case KVB_FRAME_WRITE_REQ:
+        c->rx_status = kvb__registry_check(reg, h->addr, h->len, access,
+                                           KVB_ERR_REMOTE_NOT_REGISTERED, &c->rx_pin);
+        if (shm)
+            c->rx_sink = SINK_INLINE;
+        else
+            c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
+        c->rx_dst = c->rx_status || shm ? NULL : (uint8_t *)(uintptr_t)h->addr;
         return KVB_OK;
     default:
         return KVB_ERR_PROTOCOL;
@@ -479,15 +499,46 @@ static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
     if (rc)
         return rc;
     snprintf(c->from, sizeof c->from, "%s", their->name);
+    c->their_incarnation = their->incarnation;
     c->hello_done = true;
     kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO_ACK, .len = len};
     return queue_frame(c, &h, buf, NULL, buf);
 }
 
 /* Target side: a request's payload is complete (or it had none). */
+/* Target side: a same-host request's address payload is in; copy, then answer. */
+static int answer_shm(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    kvb_engine_t *e = c->th->tp->engine;
+    bool read = h->type == KVB_FRAME_READ_REQ;
+    int st = c->rx_status;
+    if (st == KVB_OK && !c->shm_peer)
+        c->shm_peer = kvb__shm_peer_get(e->shm, c->their_incarnation);
+    if (st == KVB_OK) {
+        uint64_t theirs = 0;
+        for (int i = 7; i >= 0; i--)
+            theirs = (theirs << 8) | c->inl[i];
+        st = c->shm_peer ? kvb__shm_copy(e->shm, c->shm_peer, read, theirs,
+                                         (uint8_t *)(uintptr_t)h->addr, h->len)
+                         : KVB_ERR_SHM_COPY;
+    }
+    if (c->rx_pin)
+        kvb__region_unpin(&e->registry, c->rx_pin);
+    c->rx_pin = NULL;
+    kvb_frame_hdr_t r = {.type = read ? KVB_FRAME_READ_RESP : KVB_FRAME_WRITE_ACK,
+                         .flags = KVB_FRAME_F_SHM,
+                         .status = st,
+                         .id = h->id,
+                         .len = st ? 0 : h->len};
+    return queue_frame(c, &r, NULL, NULL, NULL);
+}
+
+/* Target side: a request's payload is complete (or it had none). */
 static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_engine_t *e = c->th->tp->engine;
+    if (h->flags & KVB_FRAME_F_SHM)
+        return answer_shm(c, h);
     switch (h->type) {
     case KVB_FRAME_HELLO: {
         kvb_hello_t their;
@@ -526,7 +577,8 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     if (h->type == KVB_FRAME_ERROR)
         return h->status < 0 ? h->status : KVB_ERR_PROTOCOL;
     kvb_op_t *op = c->inflight_head;
-    if (!op || h->id != op->wire_id || h->type != resp_of[op->kind])
+    if (!op || h->id != op->wire_id || h->type != resp_of[op->kind] ||
+        !(h->flags & KVB_FRAME_F_SHM) != !op->shm)
         return KVB_ERR_PROTOCOL;
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && h->len != op->len)
         return KVB_ERR_PROTOCOL;
@@ -562,6 +614,8 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
             dst += c->rx_got;
     } else if (c->rx_sink == SINK_REGION || c->rx_sink == SINK_BUF) {
         dst = c->rx_dst + c->rx_got;
+    } else if (c->rx_sink == SINK_INLINE) {
+        dst = c->inl + c->rx_got;
     }
     ssize_t got;
     if (!dst) { /* discard: the request ended meanwhile, or the target refused it */
@@ -1084,8 +1138,38 @@ static void tcp_peer_free(kvb_peer_t *p)
         return;
     for (int i = 0; i < tpp->nlanes; i++)
         conn_release(tpp->lanes[i]);
+    kvb__shm_link_close(tpp->link);
     free(tpp);
     p->tp = NULL;
+}
+
+static const char *tcp_peer_path(const kvb_peer_t *p)
+{
+    const tcp_peer_t *tpp = p->tp;
+    return tpp && tpp->link ? "shm" : "tcp";
+}
+
+/* Sets up the same-host data path to a peer whose lanes are connected, as the engine's protocol
+ * asks: "auto" falls back to TCP quietly, "shm" makes it an error. */
+static int link_same_host(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
+{
+    kvb_engine_t *e = tp->engine;
+    tcp_peer_t *tpp = p->tp;
+    if (e->protocol == KVB_PROTO_TCP)
+        return KVB_OK;
+    int rc = kvb__shm_link_open(e->shm, &p->hello, deadline, &tpp->link);
+    if (rc == KVB_OK) {
+        KVB_INFO("segment %s: same host, data through shared memory%s", p->name,
+                 kvb__shm_link_cma(tpp->link) ? "" : " (kvb_alloc memory only)");
+        return KVB_OK;
+    }
+    if (e->protocol == KVB_PROTO_SHM) {
+        KVB_ERROR("segment %s: shared memory required but unavailable: %s", p->name,
+                  rc == KVB_ERR_UNSUPPORTED ? "the peer is on another host" : kvb_strerror(rc));
+        return KVB_ERR_UNSUPPORTED;
+    }
+    KVB_DEBUG("segment %s: no shared memory (%s); using TCP", p->name, kvb_strerror(rc));
+    return KVB_OK;
 }
 
 static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
@@ -1120,6 +1204,8 @@ static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
         tpp->lanes[tpp->nlanes++] = c;
         thread_adopt(tp, c);
     }
+    if (rc == KVB_OK)
+        rc = link_same_host(tp, p, deadline);
     if (rc) {
         for (int i = 0; i < tpp->nlanes; i++)
             conn_request_close(tpp->lanes[i], KVB_ERR_CANCELED);
@@ -1156,6 +1242,10 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
         fail_op_list(ops, lost ? lost : KVB_ERR_PEER_LOST);
         return;
     }
+    if (tpp->link) /* may block once per allocation, to share it with the peer */
+        for (kvb_op_t *op = ops; op; op = op->next)
+            op->shm = op->kind != KVB_OPK_NOTIFY &&
+                      kvb__shm_link_reaches(tpp->link, (uintptr_t)op->local, op->len);
     /* Consecutive ops stay on one lane until LANE_SPREAD bytes, so small requests coalesce into
      * few large writes while big transfers spread over every lane. */
     unsigned lane = atomic_fetch_add(&tpp->rr, 1) % (unsigned)tpp->nlanes;
@@ -1193,4 +1283,5 @@ const kvb_transport_ops_t kvb__tcp_ops = {
     .submit = tcp_submit,
     .disconnect = tcp_disconnect,
     .peer_free = tcp_peer_free,
+    .peer_path = tcp_peer_path,
 };

@@ -331,11 +331,37 @@ Test(wire_hdr, unknown_type_rejected)
 
 Test(wire_hdr, flags_set_rejected)
 {
-    for (int bit = 0; bit < 16; bit++) {
+    for (int bit = 1; bit < 16; bit++) {
         kvb_frame_hdr_t h = mkhdr(KVB_FRAME_WRITE_REQ, 0, 8);
         h.flags = (uint16_t)(1u << bit);
         kvb_frame_hdr_t out;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "flag bit %d", bit);
+    }
+    /* The shared-memory flag only on data frames. */
+    const uint8_t control[] = {KVB_FRAME_HELLO, KVB_FRAME_HELLO_ACK, KVB_FRAME_NOTIFY,
+                               KVB_FRAME_NOTIFY_ACK, KVB_FRAME_ERROR};
+    for (size_t i = 0; i < sizeof control; i++) {
+        kvb_frame_hdr_t h = mkhdr(control[i], 0, 0);
+        h.flags = KVB_FRAME_F_SHM;
+        kvb_frame_hdr_t out;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", control[i]);
+    }
+}
+
+Test(wire_hdr, shm_flag_changes_payload)
+{
+    const uint8_t req[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ};
+    const uint8_t resp[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK};
+    for (int i = 0; i < 2; i++) {
+        kvb_frame_hdr_t h = mkhdr(req[i], 0, 1 << 20), out;
+        h.flags = KVB_FRAME_F_SHM;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
+        cr_assert_eq(out.flags, KVB_FRAME_F_SHM);
+        cr_assert_eq(kvb__wire_payload_len(&out), 8, "a request carries the local address");
+        h = mkhdr(resp[i], 0, 1 << 20);
+        h.flags = KVB_FRAME_F_SHM;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
+        cr_assert_eq(kvb__wire_payload_len(&out), 0, "an answer carries no data");
     }
 }
 

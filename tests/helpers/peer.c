@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,12 +88,17 @@ static void serve(kvb_engine_t *e, uint8_t *rw, int life_fd)
     free(n);
 }
 
-static int child_main(uint16_t port, uint64_t seed, int report_fd, int life_fd)
+static int child_main(uint16_t port, uint64_t seed, const char *protocol, int report_fd,
+                      int life_fd)
 {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    bool nobody = !strcmp(protocol, "shm-nobody");
+    if (nobody && (setgid(65534) != 0 || setuid(65534) != 0))
+        return 1;
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.port = port;
+    cfg.protocol = nobody ? "shm" : protocol;
     cfg.timeout_ms = 5000;
     kvb_engine_t *e;
     if (kvb_engine_create(&cfg, &e) != KVB_OK)
@@ -116,7 +122,7 @@ static int child_main(uint16_t port, uint64_t seed, int report_fd, int life_fd)
     return 0;
 }
 
-int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed)
+int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *protocol)
 {
     int rep[2], life[2];
     memset(p, 0, sizeof *p);
@@ -129,7 +135,7 @@ int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed)
     if (p->pid == 0) {
         close(rep[0]);
         close(life[1]);
-        _exit(child_main(port, seed, rep[1], life[0]));
+        _exit(child_main(port, seed, protocol, rep[1], life[0]));
     }
     close(rep[1]);
     close(life[0]);

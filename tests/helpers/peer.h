@@ -19,10 +19,12 @@ typedef struct {
     uint64_t rw_addr, ro_addr;
 } test_peer_t;
 
-/* Forks a peer engine listening on 127.0.0.1:port (0: any) and waits until it serves. It answers
+/* Forks a peer engine listening on 127.0.0.1:port (0: any) with the given protocol ("tcp",
+ * "shm", "auto"; "shm-nobody": shm, and the child drops to uid 65534 first, so that the kernel
+ * refuses it cross-memory attach to us) and waits until it serves. It answers
  * notifications "verify SEED OFF LEN" (checks its RW region at OFF against pattern SEED) with
  * "ok" or "bad <offset>", and "ping" with "pong". Returns 0 on success. */
-int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed);
+int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *protocol);
 /* Asks the child to exit and reaps it (SIGKILL after 3 s). */
 void test_peer_stop(test_peer_t *p);
 /* Sends `sig`; with SIGKILL also reaps the child. */

@@ -24,10 +24,11 @@ static kvb_segment_t seg;
 
 static void start(void)
 {
-    cr_assert_eq(test_peer_start(&peer, 0, SEED), 0, "peer did not start");
+    cr_assert_eq(test_peer_start(&peer, 0, SEED, "tcp"), 0, "peer did not start");
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.timeout_ms = 10000;
+    cfg.protocol = "tcp"; /* same host: without this, the data would go through shared memory */
     cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
     buf = mmap(NULL, TEST_PEER_RW_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     cr_assert_neq(buf, MAP_FAILED);
@@ -300,7 +301,7 @@ Test(tcp_peer, peer_killed_mid_batch_fails_fast_and_reopen_works)
     cr_assert_lt(kvb__now_ns() - t0, 200000000ull);
 
     /* A new process under the same name: reopening links to the new incarnation. */
-    cr_assert_eq(test_peer_start(&peer, port, SEED + 7), 0);
+    cr_assert_eq(test_peer_start(&peer, port, SEED + 7, "tcp"), 0);
     kvb_segment_t again;
     cr_assert_eq(kvb_segment_open(eng, peer.name, &again), KVB_OK);
     cr_assert_eq(again, seg);

@@ -1,0 +1,815 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Same-host data path: memfd-backed allocations that peers map, the Unix-socket side channel that
+ * passes their descriptors (and probes whether cross-memory attach is allowed), and the copies
+ * themselves, split over a small thread pool when large. */
+#include "transport/shm.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common/checked.h"
+#include "common/clock.h"
+#include "common/log.h"
+
+#define MSG_MAGIC      0x5342564Bu /* "KVBS" */
+#define MSG_VERSION    1
+#define MAX_CLIENTS    1024
+#define MAX_MAPPINGS   4096
+#define SPLIT_MIN      (1u << 20) /* copies below this stay on the calling thread */
+#define SPLIT_PART_MIN (256u << 10)
+
+enum { M_HELLO = 1, M_HELLO_ACK, M_SHARE, M_SHARE_ACK, M_UNSHARE, M_UNSHARE_ACK };
+
+/* Side-channel message; fixed size, host byte order (both ends are on this host). */
+typedef struct {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t type;
+    int32_t status;
+    uint32_t pid;
+    uint64_t a, b, c;
+} shm_msg_t;
+_Static_assert(sizeof(shm_msg_t) == 40, "shm_msg_t is a wire format");
+
+typedef struct shm_alloc {
+    struct shm_alloc *next;
+    uint64_t id, addr, len;
+    int fd;
+} shm_alloc_t;
+
+typedef struct {
+    uint64_t id, addr, len; /* the initiator's allocation */
+    uint8_t *ptr;           /* our mapping of it */
+} shm_map_t;
+
+struct kvb_shm_peer {
+    atomic_uint refs;
+    uint64_t incarnation;
+    pid_t pid;
+    bool cma_ok;
+    pthread_rwlock_t lock; /* copies hold it shared; unshare takes it exclusive before munmap */
+    shm_map_t *maps;
+    size_t nmaps;
+};
+
+struct kvb_shm_link {
+    kvb_shm_t *shm;
+    struct kvb_shm_link *next;
+    pthread_mutex_t mu; /* one request at a time on the socket */
+    int fd;
+    bool cma_ok, broken;
+    uint64_t *shared;
+    size_t nshared, cap;
+};
+
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t len;
+    atomic_int *left;
+} copy_part_t;
+
+struct kvb_shm {
+    kvb_engine_t *engine;
+    pthread_mutex_t mu; /* allocations, links, peers */
+    shm_alloc_t *allocs;
+    uint64_t next_id;
+    kvb_shm_link_t *links;
+    kvb_shm_peer_t **peers;
+    size_t npeers, cap_peers;
+    /* control thread */
+    int listen_fd, stop_fd;
+    pthread_t ctl;
+    bool ctl_started;
+    /* copy pool */
+    int nthreads;
+    pthread_t *threads;
+    pthread_mutex_t pool_mu;
+    pthread_cond_t pool_cv, done_cv;
+    copy_part_t *queue;
+    size_t qhead, qcount, qcap;
+    bool pool_stop;
+    uint64_t probe; /* its address and value let a peer test cross-memory attach on us */
+};
+
+/* ---- allocations -------------------------------------------------------------------------- */
+
+int kvb__shm_alloc(kvb_shm_t *s, size_t len, unsigned flags, void **out)
+{
+    if (len == 0 || !out)
+        return KVB_ERR_INVALID_ARG;
+    unsigned mf = MFD_CLOEXEC | ((flags & KVB_ALLOC_HUGE) ? MFD_HUGETLB : 0);
+    int fd = memfd_create("kvbridge", mf);
+    if (fd < 0 || ftruncate(fd, (off_t)len) != 0) {
+        int err = errno;
+        if (fd >= 0)
+            close(fd);
+        KVB_WARN("kvb_alloc(%zu%s): %s", len, (flags & KVB_ALLOC_HUGE) ? ", huge" : "",
+                 strerror(err));
+        return err == ENOMEM || err == ENOSPC ? KVB_ERR_NOMEM : KVB_ERR_SYSTEM;
+    }
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    shm_alloc_t *a = p == MAP_FAILED ? NULL : calloc(1, sizeof *a);
+    if (!a) {
+        if (p != MAP_FAILED)
+            munmap(p, len);
+        close(fd);
+        return KVB_ERR_NOMEM;
+    }
+    pthread_mutex_lock(&s->mu);
+    *a = (shm_alloc_t){
+        .next = s->allocs, .id = ++s->next_id, .addr = (uintptr_t)p, .len = len, .fd = fd};
+    s->allocs = a;
+    pthread_mutex_unlock(&s->mu);
+    *out = p;
+    return KVB_OK;
+}
+
+bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, uint64_t *base,
+                       uint64_t *alloc_len)
+{
+    bool found = false;
+    pthread_mutex_lock(&s->mu);
+    for (shm_alloc_t *a = s->allocs; a && !found; a = a->next)
+        if (kvb__range_within(addr, len, a->addr, a->len)) {
+            *id = a->id;
+            *base = a->addr;
+            if (alloc_len)
+                *alloc_len = a->len;
+            found = true;
+        }
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline);
+
+int kvb__shm_free(kvb_shm_t *s, void *ptr)
+{
+    pthread_mutex_lock(&s->mu);
+    shm_alloc_t **pp = &s->allocs;
+    while (*pp && (*pp)->addr != (uintptr_t)ptr)
+        pp = &(*pp)->next;
+    shm_alloc_t *a = *pp;
+    if (a)
+        *pp = a->next;
+    /* Peers that mapped it must drop their mapping first: the address may be reused by a new
+     * allocation, and a stale mapping would take its bytes. */
+    for (kvb_shm_link_t *l = a ? s->links : NULL; l; l = l->next) {
+        pthread_mutex_lock(&l->mu);
+        for (size_t i = 0; i < l->nshared; i++) {
+            if (l->shared[i] != a->id)
+                continue;
+            shm_msg_t m = {.type = M_UNSHARE, .a = a->id};
+            if (link_call(l, &m, -1, kvb__deadline_ms(2000)) != KVB_OK)
+                l->broken = true; /* the peer is gone or stuck; its mapping goes with it */
+            l->shared[i] = l->shared[--l->nshared];
+            break;
+        }
+        pthread_mutex_unlock(&l->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!a)
+        return KVB_ERR_NOT_FOUND;
+    munmap((void *)(uintptr_t)a->addr, a->len);
+    close(a->fd);
+    free(a);
+    return KVB_OK;
+}
+
+/* ---- copies -----------------------------------------------------------------------------------
+ */
+
+static void *pool_main(void *arg)
+{
+    kvb_shm_t *s = arg;
+    pthread_mutex_lock(&s->pool_mu);
+    for (;;) {
+        while (!s->pool_stop && s->qcount == 0)
+            pthread_cond_wait(&s->pool_cv, &s->pool_mu);
+        if (s->pool_stop)
+            break;
+        copy_part_t p = s->queue[s->qhead];
+        s->qhead = (s->qhead + 1) % s->qcap;
+        s->qcount--;
+        pthread_mutex_unlock(&s->pool_mu);
+        memcpy(p.dst, p.src, p.len);
+        pthread_mutex_lock(&s->pool_mu);
+        if (atomic_fetch_sub(p.left, 1) == 1)
+            pthread_cond_broadcast(&s->done_cv);
+    }
+    pthread_mutex_unlock(&s->pool_mu);
+    return NULL;
+}
+
+/* memcpy, split over the pool (and this thread) when large. */
+static void copy_split(kvb_shm_t *s, uint8_t *dst, const uint8_t *src, size_t len)
+{
+    size_t parts = len / SPLIT_PART_MIN;
+    if (parts > (size_t)s->nthreads + 1)
+        parts = (size_t)s->nthreads + 1;
+    if (len < SPLIT_MIN || parts < 2) {
+        memcpy(dst, src, len);
+        return;
+    }
+    size_t each = (len / parts + 63) & ~(size_t)63, off = each;
+    atomic_int left;
+    atomic_init(&left, 0);
+    pthread_mutex_lock(&s->pool_mu);
+    for (size_t i = 1; i < parts && off < len && s->qcount < s->qcap; i++) {
+        size_t n = len - off < each ? len - off : each;
+        s->queue[(s->qhead + s->qcount++) % s->qcap] =
+            (copy_part_t){.dst = dst + off, .src = src + off, .len = n, .left = &left};
+        atomic_fetch_add(&left, 1);
+        off += n;
+    }
+    pthread_cond_broadcast(&s->pool_cv);
+    pthread_mutex_unlock(&s->pool_mu);
+    memcpy(dst, src, each < len ? each : len);
+    if (off < len) /* queue was full: the rest here */
+        memcpy(dst + off, src + off, len - off);
+    pthread_mutex_lock(&s->pool_mu);
+    while (atomic_load(&left) > 0)
+        pthread_cond_wait(&s->done_cv, &s->pool_mu);
+    pthread_mutex_unlock(&s->pool_mu);
+}
+
+static int cma_copy(pid_t pid, bool to_peer, uint64_t theirs, uint8_t *mine, uint64_t len)
+{
+    while (len > 0) {
+        struct iovec l = {.iov_base = mine, .iov_len = len};
+        struct iovec r = {.iov_base = (void *)(uintptr_t)theirs, .iov_len = len};
+        ssize_t n = to_peer ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (n <= 0) {
+            KVB_WARN("cross-memory %s of %llu bytes at 0x%llx in pid %d: %s",
+                     to_peer ? "write" : "read", (unsigned long long)len,
+                     (unsigned long long)theirs, (int)pid, n < 0 ? strerror(errno) : "no progress");
+            return KVB_ERR_SHM_COPY;
+        }
+        mine += n;
+        theirs += (uint64_t)n;
+        len -= (uint64_t)n;
+    }
+    return KVB_OK;
+}
+
+int kvb__shm_copy(kvb_shm_t *s, kvb_shm_peer_t *p, bool to_peer, uint64_t theirs, uint8_t *mine,
+                  uint64_t len)
+{
+    pthread_rwlock_rdlock(&p->lock);
+    for (size_t i = 0; i < p->nmaps; i++) {
+        shm_map_t *m = &p->maps[i];
+        if (!kvb__range_within(theirs, len, m->addr, m->len))
+            continue;
+        uint8_t *at = m->ptr + (theirs - m->addr);
+        if (to_peer)
+            copy_split(s, at, mine, len);
+        else
+            copy_split(s, mine, at, len);
+        pthread_rwlock_unlock(&p->lock);
+        return KVB_OK;
+    }
+    pthread_rwlock_unlock(&p->lock);
+    return p->cma_ok ? cma_copy(p->pid, to_peer, theirs, mine, len) : KVB_ERR_SHM_COPY;
+}
+
+/* ---- the side channel: messages with an optional descriptor ---------------------------------- */
+
+static int msg_send(int fd, shm_msg_t *m, int pass_fd)
+{
+    m->magic = MSG_MAGIC;
+    m->version = MSG_VERSION;
+    struct iovec iov = {.iov_base = m, .iov_len = sizeof *m};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (pass_fd >= 0) {
+        mh.msg_control = u.buf;
+        mh.msg_controllen = sizeof u.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+    }
+    ssize_t n;
+    do
+        n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n == (ssize_t)sizeof *m ? KVB_OK : KVB_ERR_PEER_LOST;
+}
+
+/* Receives one message; *got_fd is the passed descriptor or -1 (extra ones are closed). */
+static int msg_recv(int fd, shm_msg_t *m, int *got_fd)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } u;
+    struct iovec iov = {.iov_base = m, .iov_len = sizeof *m};
+    struct msghdr mh = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    ssize_t n;
+    do
+        n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
+    while (n < 0 && errno == EINTR);
+    *got_fd = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < nfd; i++) {
+            int f;
+            memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+            if (*got_fd < 0)
+                *got_fd = f;
+            else
+                close(f); /* one descriptor per message, no more */
+        }
+    }
+    if (n != (ssize_t)sizeof *m || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
+        m->magic != MSG_MAGIC || m->version != MSG_VERSION) {
+        if (*got_fd >= 0)
+            close(*got_fd);
+        *got_fd = -1;
+        return n == 0 ? KVB_ERR_PEER_LOST : KVB_ERR_PROTOCOL;
+    }
+    return KVB_OK;
+}
+
+static void sock_name(uint64_t incarnation, struct sockaddr_un *sa, socklen_t *len)
+{
+    memset(sa, 0, sizeof *sa);
+    sa->sun_family = AF_UNIX;
+    /* Abstract namespace: nothing on disk to clean up, gone when the engine's socket closes. */
+    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "kvbridge-%016llx",
+                     (unsigned long long)incarnation);
+    *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* ---- target side: the control thread ----------------------------------------------------------
+ */
+
+static void peer_put(kvb_shm_peer_t *p)
+{
+    if (!p || atomic_fetch_sub(&p->refs, 1) != 1)
+        return;
+    for (size_t i = 0; i < p->nmaps; i++)
+        munmap(p->maps[i].ptr, p->maps[i].len);
+    free(p->maps);
+    pthread_rwlock_destroy(&p->lock);
+    free(p);
+}
+
+void kvb__shm_peer_put(kvb_shm_peer_t *p)
+{
+    peer_put(p);
+}
+
+kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation)
+{
+    kvb_shm_peer_t *found = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->npeers && !found; i++)
+        if (s->peers[i]->incarnation == incarnation) {
+            found = s->peers[i];
+            atomic_fetch_add(&found->refs, 1);
+        }
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+static void peer_remove(kvb_shm_t *s, kvb_shm_peer_t *p)
+{
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->npeers; i++)
+        if (s->peers[i] == p) {
+            s->peers[i] = s->peers[--s->npeers];
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+    peer_put(p);
+}
+
+static int on_hello(kvb_shm_t *s, const shm_msg_t *m, kvb_shm_peer_t **slot)
+{
+    if (*slot)
+        return KVB_ERR_PROTOCOL;
+    kvb_shm_peer_t *p = calloc(1, sizeof *p);
+    if (!p)
+        return KVB_ERR_NOMEM;
+    atomic_init(&p->refs, 1);
+    pthread_rwlock_init(&p->lock, NULL);
+    p->incarnation = m->a;
+    p->pid = (pid_t)m->pid;
+    /* Probe cross-memory attach: read 8 bytes whose address and value the initiator told us. */
+    uint64_t v = 0;
+    struct iovec l = {.iov_base = &v, .iov_len = sizeof v};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)m->b, .iov_len = sizeof v};
+    ssize_t n = process_vm_readv(p->pid, &l, 1, &r, 1, 0);
+    p->cma_ok = n == (ssize_t)sizeof v && v == m->c;
+    if (!p->cma_ok)
+        KVB_WARN("cross-memory attach to pid %d refused (%s): only its kvb_alloc memory goes "
+                 "through shared memory, the rest over TCP",
+                 (int)p->pid, n < 0 ? strerror(errno) : "probe mismatch");
+    pthread_mutex_lock(&s->mu);
+    if (s->npeers == s->cap_peers) {
+        size_t ncap = s->cap_peers ? s->cap_peers * 2 : 8;
+        kvb_shm_peer_t **np = realloc(s->peers, ncap * sizeof *np);
+        if (!np) {
+            pthread_mutex_unlock(&s->mu);
+            peer_put(p);
+            return KVB_ERR_NOMEM;
+        }
+        s->peers = np;
+        s->cap_peers = ncap;
+    }
+    s->peers[s->npeers++] = p;
+    atomic_fetch_add(&p->refs, 1); /* the table's and the connection's */
+    pthread_mutex_unlock(&s->mu);
+    *slot = p;
+    return KVB_OK;
+}
+
+static int on_share(kvb_shm_peer_t *p, const shm_msg_t *m, int fd)
+{
+    uint64_t end;
+    struct stat st;
+    if (!p || fd < 0 || m->c == 0 || kvb__add_u64(m->b, m->c, &end) || fstat(fd, &st) != 0 ||
+        (uint64_t)st.st_size < m->c || p->nmaps >= MAX_MAPPINGS)
+        return KVB_ERR_PROTOCOL;
+    void *ptr = mmap(NULL, m->c, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (ptr == MAP_FAILED)
+        return KVB_ERR_NOMEM;
+    shm_map_t *nm = realloc(p->maps, (p->nmaps + 1) * sizeof *nm);
+    if (!nm) {
+        munmap(ptr, m->c);
+        return KVB_ERR_NOMEM;
+    }
+    pthread_rwlock_wrlock(&p->lock);
+    p->maps = nm;
+    p->maps[p->nmaps++] = (shm_map_t){.id = m->a, .addr = m->b, .len = m->c, .ptr = ptr};
+    pthread_rwlock_unlock(&p->lock);
+    return KVB_OK;
+}
+
+static int on_unshare(kvb_shm_peer_t *p, const shm_msg_t *m)
+{
+    if (!p)
+        return KVB_ERR_PROTOCOL;
+    pthread_rwlock_wrlock(&p->lock); /* waits for copies using it */
+    for (size_t i = 0; i < p->nmaps; i++)
+        if (p->maps[i].id == m->a) {
+            munmap(p->maps[i].ptr, p->maps[i].len);
+            p->maps[i] = p->maps[--p->nmaps];
+            break;
+        }
+    pthread_rwlock_unlock(&p->lock);
+    return KVB_OK;
+}
+
+/* Handles one message from client i; false if the connection must close. */
+static bool ctl_handle(kvb_shm_t *s, int fd, kvb_shm_peer_t **slot)
+{
+    shm_msg_t m, r = {0};
+    int pfd, rc = msg_recv(fd, &m, &pfd);
+    if (rc)
+        return false;
+    switch (m.type) {
+    case M_HELLO:
+        rc = on_hello(s, &m, slot);
+        r = (shm_msg_t){.type = M_HELLO_ACK, .status = rc, .a = *slot && (*slot)->cma_ok};
+        break;
+    case M_SHARE:
+        rc = on_share(*slot, &m, pfd);
+        r = (shm_msg_t){.type = M_SHARE_ACK, .status = rc, .a = m.a};
+        break;
+    case M_UNSHARE:
+        rc = on_unshare(*slot, &m);
+        r = (shm_msg_t){.type = M_UNSHARE_ACK, .status = rc, .a = m.a};
+        break;
+    default:
+        rc = KVB_ERR_PROTOCOL;
+    }
+    if (pfd >= 0)
+        close(pfd); /* mapped (or refused); the mapping keeps the memory */
+    if (rc == KVB_ERR_PROTOCOL) {
+        KVB_ERROR("shared-memory side channel: malformed message (type %u); closing", m.type);
+        return false;
+    }
+    return msg_send(fd, &r, -1) == KVB_OK;
+}
+
+static void *ctl_main(void *arg)
+{
+    kvb_shm_t *s = arg;
+    struct pollfd *pf = calloc(MAX_CLIENTS + 2, sizeof *pf);
+    kvb_shm_peer_t **peer = calloc(MAX_CLIENTS + 2, sizeof *peer);
+    if (!pf || !peer) {
+        free(pf);
+        free(peer);
+        return NULL;
+    }
+    size_t n = 2;
+    pf[0] = (struct pollfd){.fd = s->stop_fd, .events = POLLIN};
+    pf[1] = (struct pollfd){.fd = s->listen_fd, .events = POLLIN};
+    for (;;) {
+        if (poll(pf, n, -1) < 0 && errno != EINTR)
+            break;
+        if (pf[0].revents)
+            break;
+        if (pf[1].revents & POLLIN) {
+            int c = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            if (c >= 0 && n < MAX_CLIENTS + 2) {
+                pf[n] = (struct pollfd){.fd = c, .events = POLLIN};
+                peer[n++] = NULL;
+            } else if (c >= 0) {
+                close(c);
+            }
+        }
+        for (size_t i = 2; i < n; i++) {
+            if (!pf[i].revents || ctl_handle(s, pf[i].fd, &peer[i]))
+                continue;
+            close(pf[i].fd);
+            if (peer[i])
+                peer_remove(s, peer[i]);
+            pf[i] = pf[n - 1];
+            peer[i] = peer[n - 1];
+            n--;
+            i--;
+        }
+    }
+    for (size_t i = 2; i < n; i++) {
+        close(pf[i].fd);
+        if (peer[i])
+            peer_remove(s, peer[i]);
+    }
+    free(pf);
+    free(peer);
+    return NULL;
+}
+
+/* ---- initiator side: links --------------------------------------------------------------------
+ */
+
+/* One request/answer on the link, bounded by `deadline`. Caller holds l->mu. */
+static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline)
+{
+    if (l->broken)
+        return KVB_ERR_PEER_LOST;
+    uint16_t want = (uint16_t)(m->type + 1);
+    int rc = msg_send(l->fd, m, fd);
+    struct pollfd p = {.fd = l->fd, .events = POLLIN};
+    if (rc == KVB_OK && poll(&p, 1, kvb__ms_left(deadline)) != 1)
+        rc = KVB_ERR_TIMEOUT;
+    int extra = -1;
+    if (rc == KVB_OK)
+        rc = msg_recv(l->fd, m, &extra);
+    if (extra >= 0)
+        close(extra);
+    if (rc == KVB_OK && m->type != want)
+        rc = KVB_ERR_PROTOCOL;
+    if (rc == KVB_OK)
+        rc = m->status;
+    if (rc == KVB_ERR_PEER_LOST || rc == KVB_ERR_TIMEOUT || rc == KVB_ERR_PROTOCOL)
+        l->broken = true;
+    return rc;
+}
+
+int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadline,
+                       kvb_shm_link_t **out)
+{
+    if (memcmp(target->host_id, s->engine->hello.host_id, KVB_HOST_ID_LEN) != 0)
+        return KVB_ERR_UNSUPPORTED;
+    struct sockaddr_un sa;
+    socklen_t sl;
+    sock_name(target->incarnation, &sa, &sl);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return KVB_ERR_CONNECT; /* not on our host after all, or another network namespace */
+    }
+    kvb_shm_link_t *l = calloc(1, sizeof *l);
+    if (!l) {
+        close(fd);
+        return KVB_ERR_NOMEM;
+    }
+    l->shm = s;
+    l->fd = fd;
+    pthread_mutex_init(&l->mu, NULL);
+    shm_msg_t m = {.type = M_HELLO,
+                   .pid = (uint32_t)getpid(),
+                   .a = s->engine->hello.incarnation,
+                   .b = (uintptr_t)&s->probe,
+                   .c = s->probe};
+    int rc = link_call(l, &m, -1, deadline);
+    if (rc) {
+        close(fd);
+        pthread_mutex_destroy(&l->mu);
+        free(l);
+        return rc;
+    }
+    l->cma_ok = m.a != 0;
+    pthread_mutex_lock(&s->mu);
+    l->next = s->links;
+    s->links = l;
+    pthread_mutex_unlock(&s->mu);
+    *out = l;
+    return KVB_OK;
+}
+
+void kvb__shm_link_close(kvb_shm_link_t *l)
+{
+    if (!l)
+        return;
+    kvb_shm_t *s = l->shm;
+    if (s) {
+        pthread_mutex_lock(&s->mu);
+        for (kvb_shm_link_t **pp = &s->links; *pp; pp = &(*pp)->next)
+            if (*pp == l) {
+                *pp = l->next;
+                break;
+            }
+        pthread_mutex_unlock(&s->mu);
+    }
+    close(l->fd); /* the target unmaps everything we shared with it */
+    pthread_mutex_destroy(&l->mu);
+    free(l->shared);
+    free(l);
+}
+
+bool kvb__shm_link_cma(const kvb_shm_link_t *l)
+{
+    return l->cma_ok;
+}
+
+static int share(kvb_shm_link_t *l, uint64_t id)
+{
+    kvb_shm_t *s = l->shm;
+    int fd = -1;
+    uint64_t base = 0, len = 0;
+    pthread_mutex_lock(&s->mu);
+    for (shm_alloc_t *a = s->allocs; a; a = a->next)
+        if (a->id == id) {
+            fd = a->fd;
+            base = a->addr;
+            len = a->len;
+        }
+    pthread_mutex_unlock(&s->mu);
+    if (fd < 0)
+        return KVB_ERR_NOT_FOUND;
+    if (l->nshared == l->cap) {
+        size_t ncap = l->cap ? l->cap * 2 : 8;
+        uint64_t *n = realloc(l->shared, ncap * sizeof *n);
+        if (!n)
+            return KVB_ERR_NOMEM;
+        l->shared = n;
+        l->cap = ncap;
+    }
+    shm_msg_t m = {.type = M_SHARE, .a = id, .b = base, .c = len};
+    int rc = link_call(l, &m, fd, kvb__deadline_ms(2000));
+    if (rc == KVB_OK)
+        l->shared[l->nshared++] = id;
+    return rc;
+}
+
+bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
+{
+    uint64_t id, base;
+    if (!l->shm || !kvb__shm_alloc_of(l->shm, addr, len, &id, &base, NULL))
+        return l->cma_ok;
+    bool ok = false;
+    pthread_mutex_lock(&l->mu);
+    for (size_t i = 0; i < l->nshared && !ok; i++)
+        ok = l->shared[i] == id;
+    if (!ok && !l->broken)
+        ok = share(l, id) == KVB_OK;
+    pthread_mutex_unlock(&l->mu);
+    return ok || l->cma_ok;
+}
+
+/* ---- lifecycle --------------------------------------------------------------------------------
+ */
+
+static int start_listener(kvb_shm_t *s)
+{
+    struct sockaddr_un sa;
+    socklen_t sl;
+    sock_name(s->engine->hello.incarnation, &sa, &sl);
+    s->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    s->stop_fd = eventfd(0, EFD_CLOEXEC);
+    if (s->listen_fd < 0 || s->stop_fd < 0 || bind(s->listen_fd, (struct sockaddr *)&sa, sl) ||
+        listen(s->listen_fd, 64)) {
+        KVB_WARN("shared-memory listener: %s; same-host peers will use TCP", strerror(errno));
+        return KVB_ERR_SYSTEM;
+    }
+    if (pthread_create(&s->ctl, NULL, ctl_main, s) != 0)
+        return KVB_ERR_SYSTEM;
+    s->ctl_started = true;
+    return KVB_OK;
+}
+
+static int start_pool(kvb_shm_t *s, int n)
+{
+    pthread_mutex_init(&s->pool_mu, NULL);
+    pthread_cond_init(&s->pool_cv, NULL);
+    pthread_cond_init(&s->done_cv, NULL);
+    s->qcap = 256;
+    s->queue = calloc(s->qcap, sizeof *s->queue);
+    s->threads = n ? calloc((size_t)n, sizeof *s->threads) : NULL;
+    if (!s->queue || (n && !s->threads))
+        return KVB_ERR_NOMEM;
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&s->threads[i], NULL, pool_main, s) != 0)
+            return KVB_ERR_SYSTEM;
+        s->nthreads = i + 1;
+    }
+    return KVB_OK;
+}
+
+int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **out)
+{
+    kvb_shm_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return KVB_ERR_NOMEM;
+    s->engine = e;
+    s->listen_fd = s->stop_fd = -1;
+    s->probe = e->hello.incarnation ^ 0x70726f6265ull;
+    pthread_mutex_init(&s->mu, NULL);
+    int rc = start_pool(s, copy_threads);
+    if (rc == KVB_OK && listen && start_listener(s) != KVB_OK) {
+        if (s->listen_fd >= 0)
+            close(s->listen_fd);
+        s->listen_fd = -1; /* no same-host path into this engine; not fatal */
+    }
+    if (rc) {
+        kvb__shm_destroy(s);
+        return rc;
+    }
+    *out = s;
+    return KVB_OK;
+}
+
+bool kvb__shm_listening(const kvb_shm_t *s)
+{
+    return s && s->ctl_started;
+}
+
+void kvb__shm_destroy(kvb_shm_t *s)
+{
+    if (!s)
+        return;
+    if (s->ctl_started) {
+        uint64_t one = 1;
+        if (write(s->stop_fd, &one, sizeof one) < 0)
+            KVB_ERROR("eventfd write: %s", strerror(errno));
+        pthread_join(s->ctl, NULL);
+    }
+    if (s->listen_fd >= 0)
+        close(s->listen_fd);
+    if (s->stop_fd >= 0)
+        close(s->stop_fd);
+    pthread_mutex_lock(&s->pool_mu);
+    s->pool_stop = true;
+    pthread_cond_broadcast(&s->pool_cv);
+    pthread_mutex_unlock(&s->pool_mu);
+    for (int i = 0; i < s->nthreads; i++)
+        pthread_join(s->threads[i], NULL);
+    free(s->threads);
+    free(s->queue);
+    /* Links belong to peers, which may outlive us (a batch can hold one): detach them. */
+    for (kvb_shm_link_t *l = s->links; l; l = l->next) {
+        l->shm = NULL;
+        l->broken = true;
+    }
+    while (s->allocs) {
+        shm_alloc_t *a = s->allocs;
+        s->allocs = a->next;
+        munmap((void *)(uintptr_t)a->addr, a->len);
+        close(a->fd);
+        free(a);
+    }
+    for (size_t i = 0; i < s->npeers; i++)
+        peer_put(s->peers[i]);
+    free(s->peers);
+    pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->pool_mu);
+    pthread_cond_destroy(&s->pool_cv);
+    pthread_cond_destroy(&s->done_cv);
+    free(s);
+}

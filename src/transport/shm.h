@@ -1,0 +1,49 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Same-host data path. Control stays on the TCP lanes (so requests are validated and pinned by
+ * the target exactly as over TCP); the bytes move by one copy: the target maps the initiator's
+ * kvb_alloc memory (memfd, passed over a Unix socket) or reaches any other registered memory with
+ * cross-memory attach (process_vm_readv/writev). */
+#ifndef KVB_TRANSPORT_SHM_H
+#define KVB_TRANSPORT_SHM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "engine/internal.h"
+
+typedef struct kvb_shm kvb_shm_t;
+typedef struct kvb_shm_link kvb_shm_link_t;
+typedef struct kvb_shm_peer kvb_shm_peer_t;
+
+/* Engine-wide state: allocations, the Unix listener and its control thread, the copy pool, and
+ * (target side) the initiators that linked to us. `listen` false: allocations only. */
+int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **out);
+void kvb__shm_destroy(kvb_shm_t *s);
+bool kvb__shm_listening(const kvb_shm_t *s);
+
+int kvb__shm_alloc(kvb_shm_t *s, size_t len, unsigned flags, void **out);
+int kvb__shm_free(kvb_shm_t *s, void *ptr);
+/* The allocation holding [addr, addr+len), as (id, base); false if none. */
+bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, uint64_t *base,
+                       uint64_t *alloc_len);
+
+/* Initiator side: links to a same-host target named by its hello. Blocks until `deadline`.
+ * Fails (and the caller stays on TCP) if the target is elsewhere or refuses. */
+int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadline,
+                       kvb_shm_link_t **out);
+void kvb__shm_link_close(kvb_shm_link_t *l);
+/* True if the target can reach local [addr, addr+len): kvb_alloc memory (shared with it on first
+ * use, which blocks for one local round trip) or, where the kernel allows, any memory. */
+bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len);
+bool kvb__shm_link_cma(const kvb_shm_link_t *l);
+
+/* Target side: the linked initiator with this incarnation (a reference), or NULL. */
+kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation);
+void kvb__shm_peer_put(kvb_shm_peer_t *p);
+/* Copies len bytes between our `mine` and the initiator's `theirs` (to_peer: mine -> theirs).
+ * Returns KVB_OK or the error to answer. */
+int kvb__shm_copy(kvb_shm_t *s, kvb_shm_peer_t *p, bool to_peer, uint64_t theirs, uint8_t *mine,
+                  uint64_t len);
+
+#endif
