@@ -57,6 +57,16 @@ KVB_API int kvb_engine_create(const kvb_config_t *cfg, kvb_engine_t **out);
  * Blocks until the threads have exited. NULL is ignored. */
 KVB_API void kvb_engine_destroy(kvb_engine_t *engine);
 
+/* Counters of this engine's own requests (as initiator), since it was created. */
+typedef struct {
+    uint64_t requests_completed;
+    uint64_t requests_failed; /* FAILED or TIMEOUT; cancelled ones are not counted */
+    uint64_t bytes_tcp;       /* bytes of completed requests moved over TCP */
+    uint64_t bytes_shm;       /* ... and through shared memory */
+} kvb_stats_t;
+
+KVB_API int kvb_engine_stats(kvb_engine_t *engine, kvb_stats_t *out);
+
 /* This engine's segment name (what peers pass to kvb_segment_open). Valid while the engine is. */
 const char *kvb_engine_segment_name(const kvb_engine_t *engine);
 

@@ -39,6 +39,8 @@ static void end_pending(kvb_batch_t *b, kvb_req_state_t state, int error)
             b->reqs[i].state = state;
             b->reqs[i].error = error;
             b->open--;
+            if (state == KVB_REQ_TIMEOUT)
+                atomic_fetch_add_explicit(&b->engine->st_failed, 1, memory_order_relaxed);
         }
     }
     if (b->notify_state == KVB_NOTIFY_WAITING || b->notify_state == KVB_NOTIFY_SENT) {
@@ -74,16 +76,21 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
         }
     } else {
         kvb_req_t *r = &b->reqs[op->req];
+        kvb_engine_t *e = b->engine;
         if (r->state == KVB_REQ_PENDING) {
             if (status < 0) {
                 r->state = KVB_REQ_FAILED;
                 r->error = status;
                 b->open--;
+                atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
             } else {
                 r->bytes += bytes;
+                atomic_fetch_add_explicit(op->shm ? &e->st_bytes_shm : &e->st_bytes_tcp, bytes,
+                                          memory_order_relaxed);
                 if (--r->ops_left == 0) {
                     r->state = KVB_REQ_COMPLETED;
                     b->open--;
+                    atomic_fetch_add_explicit(&e->st_completed, 1, memory_order_relaxed);
                 }
             }
         }

@@ -209,6 +209,17 @@ void kvb_engine_destroy(kvb_engine_t *e)
     free(e);
 }
 
+int kvb_engine_stats(kvb_engine_t *e, kvb_stats_t *out)
+{
+    if (!e || !out)
+        return KVB_ERR_INVALID_ARG;
+    *out = (kvb_stats_t){.requests_completed = atomic_load(&e->st_completed),
+                         .requests_failed = atomic_load(&e->st_failed),
+                         .bytes_tcp = atomic_load(&e->st_bytes_tcp),
+                         .bytes_shm = atomic_load(&e->st_bytes_shm)};
+    return KVB_OK;
+}
+
 const char *kvb_engine_segment_name(const kvb_engine_t *e)
 {
     return e ? e->segment_name : "";

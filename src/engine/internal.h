@@ -142,6 +142,8 @@ struct kvb_engine {
     size_t notify_head, notify_count, notify_cap;
     bool stopping;
     atomic_long live_batches;
+    /* kvb_engine_stats counters, initiator side */
+    atomic_ullong st_completed, st_failed, st_bytes_tcp, st_bytes_shm;
 };
 
 /* Returns the peer behind `seg` with a reference taken, or NULL. */

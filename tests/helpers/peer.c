@@ -91,10 +91,10 @@ static void serve(kvb_engine_t *e, uint8_t *rw, int life_fd)
 static int child_main(uint16_t port, uint64_t seed, const char *protocol, int report_fd,
                       int life_fd)
 {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
     bool nobody = !strcmp(protocol, "shm-nobody");
     if (nobody && (setgid(65534) != 0 || setuid(65534) != 0))
         return 1;
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* after setuid, which clears it */
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.port = port;

@@ -27,19 +27,19 @@ static int run(const char *args, char *last, size_t cap)
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-static void check_json(const char *op)
+static void check_json(const char *op, const char *protocol)
 {
     char args[256], last[4096];
     snprintf(args, sizeof args,
-             "bench --loopback --verify --json --operation %s --duration 1 --buffer-size 32M "
-             "--block-size 256K --batch-size 16 --threads 2",
-             op);
+             "bench --loopback --verify --json --operation %s --protocol %s --duration 1 "
+             "--buffer-size 32M --block-size 256K --batch-size 16 --threads 2",
+             op, protocol);
     cr_assert_eq(run(args, last, sizeof last), 0, "bench %s failed: %s", op, last);
     json_error_t err;
     json_t *j = json_loads(last, 0, &err);
     cr_assert_not_null(j, "last line is not JSON: %s", last);
     cr_assert_str_eq(json_string_value(json_object_get(j, "operation")), op);
-    cr_assert_str_eq(json_string_value(json_object_get(j, "protocol")), "tcp");
+    cr_assert_str_eq(json_string_value(json_object_get(j, "protocol")), protocol);
     cr_assert_eq(json_integer_value(json_object_get(j, "block_size")), 256 << 10);
     cr_assert_eq(json_integer_value(json_object_get(j, "batch_size")), 16);
     cr_assert_eq(json_integer_value(json_object_get(j, "threads")), 2);
@@ -54,12 +54,22 @@ static void check_json(const char *op)
 
 Test(bench, loopback_read_verified)
 {
-    check_json("read");
+    check_json("read", "tcp");
 }
 
 Test(bench, loopback_write_verified)
 {
-    check_json("write");
+    check_json("write", "tcp");
+}
+
+Test(bench, loopback_shm_read_verified)
+{
+    check_json("read", "shm");
+}
+
+Test(bench, loopback_shm_write_verified)
+{
+    check_json("write", "shm");
 }
 
 Test(bench, baseline_prints_json)
@@ -83,6 +93,7 @@ Test(bench, bad_options_are_refused)
                          "bench --loopback --block-size 12Q",
                          "bench --loopback --batch-size -3",
                          "bench --loopback --protocol rdma",
+                         "bench --loopback --protocol",
                          "bench --loopback --operation copy",
                          "bench --loopback --threads 99999",
                          "bench --loopback --block-size 64M --buffer-size 1M",

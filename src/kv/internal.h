@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Helpers shared by the KV modules: reason strings, enum names, head arithmetic and the
+ * (layer, slot) index of a layout. Private to src/kv/ and its tests. */
+#ifndef KVB_KV_INTERNAL_H
+#define KVB_KV_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvbridge/kv.h"
+
+/* Writes a formatted reason (when reason/cap allow) and returns `status`, so that a check reads
+ * `return kvb__kv_fail(r, cap, KVB_ERR_INVALID_ARG, "...", ...)`. */
+int kvb__kv_fail(char *reason, size_t cap, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Like kvb__kv_fail, prefixed with "layer L slot S: ". */
+int kvb__kv_slot_fail(char *reason, size_t cap, int status, const kvb_kv_slot_t *slot,
+                      const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* Empties the reason buffer (success). */
+void kvb__kv_clear(char *reason, size_t cap);
+
+/* Names for the enums; NULL if the value is unknown. Parsers return 0 on success. */
+const char *kvb__kv_dtype_name(kvb_kv_dtype_t dtype);
+const char *kvb__kv_attn_name(kvb_kv_attn_t attn);
+const char *kvb__kv_order_name(kvb_kv_order_t order);
+int kvb__kv_dtype_parse(const char *s, kvb_kv_dtype_t *out);
+int kvb__kv_attn_parse(const char *s, kvb_kv_attn_t *out);
+int kvb__kv_order_parse(const char *s, kvb_kv_order_t *out);
+int kvb__kv_slot_parse(const char *s, kvb_kv_slot_kind_t *out);
+
+/* KV heads one rank holds with `heads` heads over `tp` ranks: heads/tp, or 1 when tp > heads
+ * (replicated). Callers pass a valid topology (tp > 0, heads > 0). */
+static inline uint32_t kvb__kv_heads_held(int32_t tp, uint32_t heads)
+{
+    return (uint32_t)tp > heads ? 1 : heads / (uint32_t)tp;
+}
+
+/* The first model-wide head that TP rank `rank` of `tp` holds. */
+static inline uint32_t kvb__kv_first_head(int32_t rank, int32_t tp, uint32_t heads)
+{
+    return (uint32_t)((uint64_t)(uint32_t)rank * heads / (uint32_t)tp);
+}
+
+/* Checks dp, tp, attention kind and head count of a topology (not its order): KVB_OK or
+ * KVB_ERR_INVALID_ARG with a reason. */
+int kvb__kv_topo_check(const kvb_kv_topo_t *t, char *reason, size_t cap);
+
+/* The topology of a valid layout (kvb_kv_layout_topo without the validation). */
+void kvb__kv_topo_of(const kvb_kv_layout_t *layout, kvb_kv_topo_t *out);
+
+/* Index of a valid layout's slots: idx[layer * KVB_KV_SLOT_COUNT + kind] is the slot's position
+ * in layout->slots plus one, 0 where the layer has no such slot. malloc'd; the caller frees. */
+int kvb__kv_slot_index(const kvb_kv_layout_t *layout, uint32_t **out);
+
+static inline const kvb_kv_slot_t *kvb__kv_slot_at(const kvb_kv_layout_t *l, const uint32_t *idx,
+                                                   uint32_t layer, unsigned kind)
+{
+    uint32_t i = idx[(size_t)layer * KVB_KV_SLOT_COUNT + kind];
+    return i ? &l->slots[i - 1] : NULL;
+}
+
+#endif

@@ -1,0 +1,243 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Two real processes on one host over the shared-memory data path: kvb_alloc (memfd) buffers and
+ * plain buffers (cross-memory attach), every byte verified; the fallback to TCP when the kernel
+ * refuses cross-memory attach; a peer killed mid-batch; unregister and free while in use. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "helpers/peer.h"
+#include "kvbridge/engine.h"
+
+#define SEED 555
+#define BUF  TEST_PEER_RW_LEN
+
+static test_peer_t peer;
+static kvb_engine_t *eng;
+static kvb_segment_t seg;
+
+static void start_with(const char *peer_protocol)
+{
+    cr_assert_eq(test_peer_start(&peer, 0, SEED, peer_protocol), 0, "peer did not start");
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = "shm";
+    cfg.timeout_ms = 1000;
+    cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
+    cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_OK);
+    const char *path;
+    cr_assert_eq(kvb_segment_transport(eng, seg, &path), KVB_OK);
+    cr_assert_str_eq(path, "shm");
+}
+
+static void start(void)
+{
+    start_with("shm");
+}
+
+static void stop(void)
+{
+    kvb_engine_destroy(eng);
+    test_peer_stop(&peer);
+}
+
+static int run_batch(const kvb_request_t *r, size_t n, const kvb_batch_opts_t *o)
+{
+    kvb_batch_t *b;
+    int rc = kvb_batch_submit(eng, r, n, o, &b);
+    if (rc)
+        return rc;
+    rc = kvb_batch_wait(b, -1);
+    kvb_batch_free(b);
+    return rc;
+}
+
+static void expect_reply(const char *want)
+{
+    kvb_notification_t *n = malloc(sizeof *n);
+    cr_assert_eq(kvb_notify_recv(eng, n, 5000), KVB_OK, "no reply");
+    cr_assert_eq(n->len, strlen(want), "got '%.*s'", (int)n->len, n->data);
+    cr_assert_eq(memcmp(n->data, want, n->len), 0, "got '%.*s'", (int)n->len, n->data);
+    free(n);
+}
+
+/* Random READs checked against the peer's pattern, random WRITEs checked by the peer itself. */
+static void exercise(uint8_t *buf)
+{
+    uint64_t rs = 31337;
+    for (int round = 0; round < 20; round++) {
+        kvb_request_t r[6];
+        size_t n = 1 + test_rand(&rs) % 6;
+        uint64_t slot = BUF / n;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t len = 1 + test_rand(&rs) % (test_rand(&rs) % 2 ? 4096 : (3 << 20));
+            uint64_t off = i * slot + test_rand(&rs) % (slot - len);
+            memset(buf + off, 0x3C, len);
+            r[i] = (kvb_request_t){KVB_OP_READ, buf + off, seg, peer.rw_addr + off, len};
+        }
+        cr_assert_eq(run_batch(r, n, NULL), KVB_OK);
+        for (size_t i = 0; i < n; i++) {
+            uint64_t off = (uint64_t)((uint8_t *)r[i].local - buf);
+            cr_assert_eq(test_pattern_check(buf + off, off, r[i].len, SEED), -1, "read %zu", i);
+        }
+    }
+    /* One WRITE batch of 8 MiB in 3 requests, checked by the peer on the batch's notification. */
+    uint64_t off = 4 << 20, len = 8 << 20, wseed = 99;
+    test_pattern_fill(buf + off, off, len, wseed);
+    kvb_request_t w[3] = {
+        {KVB_OP_WRITE, buf + off, seg, peer.rw_addr + off, 1},
+        {KVB_OP_WRITE, buf + off + 1, seg, peer.rw_addr + off + 1, (4 << 20) - 1},
+        {KVB_OP_WRITE, buf + off + (4 << 20), seg, peer.rw_addr + off + (4 << 20), 4 << 20}};
+    char msg[80];
+    snprintf(msg, sizeof msg, "verify %d %llu %llu", (int)wseed, (unsigned long long)off,
+             (unsigned long long)len);
+    kvb_batch_opts_t o = {.notify_segment = seg, .notify = msg, .notify_len = strlen(msg)};
+    cr_assert_eq(run_batch(w, 3, &o), KVB_OK);
+    expect_reply("ok");
+}
+
+TestSuite(shm_peer, .init = start, .fini = stop, .timeout = 120);
+
+Test(shm_peer, kvb_alloc_memory_is_mapped_and_verified)
+{
+    uint8_t *buf;
+    cr_assert_eq(kvb_alloc(eng, BUF, 0, (void **)&buf), KVB_OK);
+    cr_assert_eq(kvb_register(eng, buf, BUF, "cpu:0", KVB_ACCESS_RW), KVB_OK);
+    exercise(buf);
+    kvb_stats_t st;
+    cr_assert_eq(kvb_engine_stats(eng, &st), KVB_OK);
+    cr_assert_gt(st.bytes_shm, 8u << 20);
+    cr_assert_eq(st.bytes_tcp, 0);
+    cr_assert_eq(kvb_free(eng, buf), KVB_ERR_BUSY, "still registered");
+    cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
+    cr_assert_eq(kvb_free(eng, buf), KVB_OK);
+    cr_assert_eq(kvb_free(eng, buf), KVB_ERR_NOT_FOUND);
+    /* A new allocation, possibly at the same address, is shared afresh and reads right. */
+    cr_assert_eq(kvb_alloc(eng, BUF, 0, (void **)&buf), KVB_OK);
+    cr_assert_eq(kvb_register(eng, buf, BUF, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_request_t r = {KVB_OP_READ, buf + 100, seg, peer.rw_addr + 100, 1 << 20};
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK);
+    cr_assert_eq(test_pattern_check(buf + 100, 100, 1 << 20, SEED), -1);
+}
+
+Test(shm_peer, plain_memory_goes_by_cross_memory_attach)
+{
+    if (geteuid() != 0 && access("/proc/sys/kernel/yama/ptrace_scope", F_OK) == 0) {
+        FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+        int scope = f && fscanf(f, "%d", &scope) == 1 ? scope : 1;
+        if (f)
+            fclose(f);
+        if (scope > 0)
+            cr_skip_test("the kernel refuses cross-memory attach here (yama scope %d)", scope);
+    }
+    uint8_t *buf = mmap(NULL, BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_eq(kvb_register(eng, buf, BUF, "cpu:0", KVB_ACCESS_RW), KVB_OK);
+    exercise(buf);
+    kvb_stats_t st;
+    kvb_engine_stats(eng, &st);
+    cr_assert_gt(st.bytes_shm, 8u << 20);
+    cr_assert_eq(st.bytes_tcp, 0);
+    cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
+    munmap(buf, BUF);
+}
+
+Test(shm_peer, peer_killed_mid_batch)
+{
+    uint8_t *buf;
+    cr_assert_eq(kvb_alloc(eng, BUF, 0, (void **)&buf), KVB_OK);
+    cr_assert_eq(kvb_register(eng, buf, BUF, NULL, KVB_ACCESS_RW), KVB_OK);
+    enum { N = 512 };
+    kvb_request_t *r = calloc(N, sizeof *r);
+    for (int i = 0; i < N; i++)
+        r[i] = (kvb_request_t){KVB_OP_READ, buf, seg, peer.rw_addr, BUF};
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(eng, r, N, NULL, &b), KVB_OK);
+    usleep(20000);
+    uint64_t t0 = kvb__now_ns();
+    test_peer_signal(&peer, SIGKILL);
+    int rc = kvb_batch_wait(b, 5000);
+    cr_assert_eq(rc, KVB_ERR_PEER_LOST, "wait gave %s", kvb_status_name(rc));
+    cr_assert_lt(kvb__now_ns() - t0, 2000000000ull);
+    kvb_batch_free(b);
+    cr_assert_eq(run_batch(r, 1, NULL), KVB_ERR_PEER_LOST);
+    free(r);
+}
+
+Test(shm_peer, unregister_waits_for_a_copy_in_flight)
+{
+    uint8_t *buf;
+    cr_assert_eq(kvb_alloc(eng, BUF, 0, (void **)&buf), KVB_OK);
+    cr_assert_eq(kvb_register(eng, buf, BUF, NULL, KVB_ACCESS_RW), KVB_OK);
+    test_peer_signal(&peer, SIGSTOP);
+    kvb_request_t r = {KVB_OP_READ, buf, seg, peer.rw_addr, 1 << 20};
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(eng, &r, 1, NULL, &b), KVB_OK);
+    cr_assert_eq(kvb_batch_cancel(b), KVB_OK);
+    kvb_batch_free(b);
+    /* The stopped peer may still copy into buf: unregister must not pretend otherwise. */
+    cr_assert_eq(kvb_unregister(eng, buf), KVB_ERR_BUSY);
+    test_peer_signal(&peer, SIGCONT);
+    /* The region is already unregistered; its last pin goes once the peer answers. */
+    cr_assert_eq(kvb_notify_send(eng, seg, "ping", 4, 2000), KVB_OK);
+    expect_reply("pong");
+}
+
+/* The peer runs as another user: the kernel refuses it cross-memory attach into this process.
+ * kvb_alloc memory still goes through shared memory; plain memory falls back to TCP. */
+static void start_nobody(void)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to start a peer under another uid");
+    start_with("shm-nobody");
+}
+
+Test(shm_nobody, cross_memory_attach_refused_falls_back_to_tcp, .init = start_nobody, .fini = stop,
+     .timeout = 120)
+{
+    uint8_t *plain = mmap(NULL, BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_eq(kvb_register(eng, plain, BUF, NULL, KVB_ACCESS_RW), KVB_OK);
+    exercise(plain);
+    kvb_stats_t st;
+    kvb_engine_stats(eng, &st);
+    cr_assert_gt(st.bytes_tcp, 8u << 20, "plain memory must have gone over TCP");
+    cr_assert_eq(st.bytes_shm, 0);
+
+    uint8_t *shared;
+    cr_assert_eq(kvb_alloc(eng, 8 << 20, 0, (void **)&shared), KVB_OK);
+    cr_assert_eq(kvb_register(eng, shared, 8 << 20, NULL, KVB_ACCESS_RW), KVB_OK);
+    /* Past what exercise() wrote (4..12 MiB), so the peer's original pattern is there. */
+    uint64_t off = (16 << 20) + 7;
+    kvb_request_t r = {KVB_OP_READ, shared, seg, peer.rw_addr + off, 8 << 20};
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK);
+    cr_assert_eq(test_pattern_check(shared, off, 8 << 20, SEED), -1);
+    kvb_engine_stats(eng, &st);
+    cr_assert_eq(st.bytes_shm, 8u << 20, "kvb_alloc memory goes through shared memory");
+    cr_assert_eq(kvb_unregister(eng, plain), KVB_OK);
+    munmap(plain, BUF);
+}
+
+Test(shm_only, peer_elsewhere_is_refused_with_protocol_shm)
+{
+    /* Same host, but the peer serves TCP only: "shm" cannot be honoured, and says so. */
+    cr_assert_eq(test_peer_start(&peer, 0, SEED, "tcp"), 0);
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = "shm";
+    cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
+    cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_ERR_UNSUPPORTED);
+    kvb_engine_destroy(eng);
+    /* "auto" quietly uses TCP. */
+    cfg.protocol = "auto";
+    cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
+    cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_OK);
+    const char *path;
+    kvb_segment_transport(eng, seg, &path);
+    cr_assert_str_eq(path, "tcp");
+    kvb_engine_destroy(eng);
+    test_peer_stop(&peer);
+}
