@@ -127,6 +127,22 @@ typedef struct {
 KVB_API int kvb_segment_regions(kvb_engine_t *engine, kvb_segment_t seg, int refresh,
                                 kvb_region_info_t *out, size_t cap, size_t *count);
 
+/* Publishes a named attribute with this engine's segment (a KV layout descriptor, for example):
+ * peers see it when they open or refresh the segment. `key`: 1..63 printable characters; `value`:
+ * at most 4 MiB, copied; NULL removes the key. At most 64 attributes. */
+KVB_API int kvb_engine_set_attr(kvb_engine_t *engine, const char *key, const void *value,
+                                size_t len);
+
+/* Copies up to `cap` bytes of the segment's attribute `key`, as learnt at open or refresh, into
+ * `buf` and stores its full length in *len. KVB_ERR_NOT_FOUND if the peer did not publish it. */
+KVB_API int kvb_segment_attr(kvb_engine_t *engine, kvb_segment_t seg, const char *key, void *buf,
+                             size_t cap, size_t *len);
+
+/* Fetches the segment's current region list and attributes again (a handshake on a connection
+ * of its own; blocks up to the connect timeout). KVB_ERR_PEER_RESTARTED if the peer restarted:
+ * reopen it. */
+KVB_API int kvb_segment_refresh(kvb_engine_t *engine, kvb_segment_t seg);
+
 /* The data path in use to `seg`: "shm" or "tcp" (static string). */
 KVB_API int kvb_segment_transport(kvb_engine_t *engine, kvb_segment_t seg, const char **out);
 

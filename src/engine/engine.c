@@ -88,7 +88,8 @@ static int init_locks(kvb_engine_t *e)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     int rc = pthread_mutex_init(&e->open_mu, NULL) || pthread_mutex_init(&e->seg_mu, NULL) ||
-             pthread_mutex_init(&e->notify_mu, NULL) || pthread_cond_init(&e->notify_cv, &ca);
+             pthread_mutex_init(&e->attr_mu, NULL) || pthread_mutex_init(&e->notify_mu, NULL) ||
+             pthread_cond_init(&e->notify_cv, &ca);
     pthread_condattr_destroy(&ca);
     return rc ? KVB_ERR_SYSTEM : KVB_OK;
 }
@@ -205,6 +206,8 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_mutex_destroy(&e->seg_mu);
     pthread_mutex_destroy(&e->notify_mu);
     pthread_cond_destroy(&e->notify_cv);
+    pthread_mutex_destroy(&e->attr_mu);
+    kvb__attrs_free(e->attrs, e->nattrs);
     free(e->notify_ring);
     free(e);
 }
@@ -277,6 +280,7 @@ void kvb__peer_release(kvb_peer_t *p)
     if (p->tp_ops && p->tp_ops->peer_free)
         p->tp_ops->peer_free(p);
     free(p->regions);
+    kvb__attrs_free(p->attrs, p->nattrs);
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
@@ -457,46 +461,138 @@ kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg)
     return p;
 }
 
+int kvb_segment_refresh(kvb_engine_t *e, kvb_segment_t seg)
+{
+    if (!e)
+        return KVB_ERR_INVALID_ARG;
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    /* A fresh handshake on connections of its own returns the current lists. */
+    kvb_peer_t *probe;
+    int rc = connect_peer(e, p->name, &probe);
+    if (rc == KVB_OK) {
+        if (probe->hello.incarnation != p->hello.incarnation) {
+            rc = KVB_ERR_PEER_RESTARTED;
+            kvb__peer_fail(p, rc);
+        } else {
+            pthread_mutex_lock(&p->mu);
+            kvb_region_info_t *r = p->regions;
+            size_t nr = p->nregions;
+            kvb_attr_t *a = p->attrs;
+            size_t na = p->nattrs;
+            p->regions = probe->regions;
+            p->nregions = probe->nregions;
+            p->attrs = probe->attrs;
+            p->nattrs = probe->nattrs;
+            probe->regions = r;
+            probe->nregions = nr;
+            probe->attrs = a;
+            probe->nattrs = na;
+            pthread_mutex_unlock(&p->mu);
+        }
+        kvb__peer_fail(probe, KVB_ERR_CANCELED);
+        kvb__peer_release(probe);
+    }
+    kvb__peer_release(p);
+    return rc;
+}
+
 int kvb_segment_regions(kvb_engine_t *e, kvb_segment_t seg, int refresh, kvb_region_info_t *out,
                         size_t cap, size_t *count)
 {
     if (!e || !count || (cap && !out))
         return KVB_ERR_INVALID_ARG;
+    int rc = refresh ? kvb_segment_refresh(e, seg) : KVB_OK;
+    kvb_peer_t *p = rc ? NULL : kvb__segment_peer(e, seg);
+    if (!p)
+        return rc ? rc : KVB_ERR_BAD_SEGMENT;
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->nregions < cap ? p->nregions : cap;
+    if (n)
+        memcpy(out, p->regions, n * sizeof *out);
+    *count = p->nregions;
+    pthread_mutex_unlock(&p->mu);
+    kvb__peer_release(p);
+    return KVB_OK;
+}
+
+int kvb_segment_attr(kvb_engine_t *e, kvb_segment_t seg, const char *key, void *buf, size_t cap,
+                     size_t *len)
+{
+    if (!e || !key || !len || (cap && !buf))
+        return KVB_ERR_INVALID_ARG;
     kvb_peer_t *p = kvb__segment_peer(e, seg);
     if (!p)
         return KVB_ERR_BAD_SEGMENT;
+    int rc = KVB_ERR_NOT_FOUND;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->nattrs; i++) {
+        if (strcmp(p->attrs[i].key, key))
+            continue;
+        *len = p->attrs[i].len;
+        memcpy(buf, p->attrs[i].value, p->attrs[i].len < cap ? p->attrs[i].len : cap);
+        rc = KVB_OK;
+        break;
+    }
+    pthread_mutex_unlock(&p->mu);
+    kvb__peer_release(p);
+    return rc;
+}
+
+int kvb_engine_set_attr(kvb_engine_t *e, const char *key, const void *value, size_t len)
+{
+    if (!e || !key || !*key || strlen(key) > KVB_ATTR_KEY_MAX || (len && !value) ||
+        len > KVB_ATTR_VALUE_MAX)
+        return KVB_ERR_INVALID_ARG;
+    for (const char *k = key; *k; k++)
+        if (*k < 0x21 || *k > 0x7e)
+            return KVB_ERR_INVALID_ARG;
+    uint8_t *copy = NULL;
+    if (value && !(copy = malloc(len ? len : 1)))
+        return KVB_ERR_NOMEM;
+    if (copy && len)
+        memcpy(copy, value, len);
     int rc = KVB_OK;
-    if (refresh) {
-        /* A fresh handshake on its own connection returns the current list. */
-        kvb_peer_t *probe;
-        rc = connect_peer(e, p->name, &probe);
-        if (rc == KVB_OK) {
-            if (probe->hello.incarnation != p->hello.incarnation) {
-                rc = KVB_ERR_PEER_RESTARTED;
-                kvb__peer_fail(p, rc);
-            } else {
-                pthread_mutex_lock(&p->mu);
-                kvb_region_info_t *t = p->regions;
-                p->regions = probe->regions;
-                probe->regions = t;
-                size_t tn = p->nregions;
-                p->nregions = probe->nregions;
-                probe->nregions = tn;
-                pthread_mutex_unlock(&p->mu);
-            }
-            kvb__peer_fail(probe, KVB_ERR_CANCELED);
-            kvb__peer_release(probe);
+    pthread_mutex_lock(&e->attr_mu);
+    size_t i = 0;
+    while (i < e->nattrs && strcmp(e->attrs[i].key, key))
+        i++;
+    if (!value) { /* remove */
+        if (i < e->nattrs) {
+            free(e->attrs[i].value);
+            e->attrs[i] = e->attrs[--e->nattrs];
+        }
+    } else if (i < e->nattrs) {
+        free(e->attrs[i].value);
+        e->attrs[i].value = copy;
+        e->attrs[i].len = len;
+    } else if (e->nattrs == KVB_ATTRS_MAX) {
+        rc = KVB_ERR_TOO_LARGE;
+    } else {
+        kvb_attr_t *n = realloc(e->attrs, (e->nattrs + 1) * sizeof *n);
+        if (!n) {
+            rc = KVB_ERR_NOMEM;
+        } else {
+            e->attrs = n;
+            memset(&n[e->nattrs], 0, sizeof *n);
+            strcpy(n[e->nattrs].key, key);
+            n[e->nattrs].value = copy;
+            n[e->nattrs].len = len;
+            e->nattrs++;
         }
     }
-    if (rc == KVB_OK) {
-        pthread_mutex_lock(&p->mu);
-        size_t n = p->nregions < cap ? p->nregions : cap;
-        if (n)
-            memcpy(out, p->regions, n * sizeof *out);
-        *count = p->nregions;
-        pthread_mutex_unlock(&p->mu);
-    }
-    kvb__peer_release(p);
+    pthread_mutex_unlock(&e->attr_mu);
+    if (rc)
+        free(copy);
+    return rc;
+}
+
+int kvb__engine_attrs_encode(kvb_engine_t *e, uint8_t **out, size_t *len)
+{
+    pthread_mutex_lock(&e->attr_mu);
+    int rc = kvb__wire_attrs_encode(e->attrs, e->nattrs, out, len);
+    pthread_mutex_unlock(&e->attr_mu);
     return rc;
 }
 

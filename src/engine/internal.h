@@ -81,6 +81,8 @@ struct kvb_peer {
     pthread_mutex_t mu; /* guards regions */
     kvb_region_info_t *regions;
     size_t nregions;
+    kvb_attr_t *attrs; /* published by the peer; guarded by mu */
+    size_t nattrs;
     void *tp; /* transport state */
     const kvb_transport_ops_t *tp_ops;
 };
@@ -142,9 +144,15 @@ struct kvb_engine {
     size_t notify_head, notify_count, notify_cap;
     bool stopping;
     atomic_long live_batches;
+    pthread_mutex_t attr_mu; /* our published attributes */
+    kvb_attr_t *attrs;
+    size_t nattrs;
     /* kvb_engine_stats counters, initiator side */
     atomic_ullong st_completed, st_failed, st_bytes_tcp, st_bytes_shm;
 };
+
+/* Our published attributes, encoded for the wire (malloc'd). */
+int kvb__engine_attrs_encode(kvb_engine_t *e, uint8_t **out, size_t *len);
 
 /* Returns the peer behind `seg` with a reference taken, or NULL. */
 kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);

@@ -102,6 +102,9 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     case KVB_FRAME_HELLO_ACK:
         limit = KVB_WIRE_MAX_HELLO_ACK;
         break;
+    case KVB_FRAME_ATTRS:
+        limit = KVB_WIRE_MAX_ATTRS;
+        break;
     case KVB_FRAME_NOTIFY:
         limit = KVB_NOTIFY_MAX;
         break;
@@ -134,6 +137,7 @@ uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
     case KVB_FRAME_HELLO:
     case KVB_FRAME_WRITE_REQ:
     case KVB_FRAME_NOTIFY:
+    case KVB_FRAME_ATTRS:
         return h->len;
     case KVB_FRAME_HELLO_ACK:
     case KVB_FRAME_READ_RESP:
@@ -269,5 +273,94 @@ int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
     return KVB_OK;
 bad:
     free(r);
+    return KVB_ERR_PROTOCOL;
+}
+
+static bool key_ok(const uint8_t *k, size_t n)
+{
+    if (n == 0 || n > KVB_ATTR_KEY_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (k[i] < 0x21 || k[i] > 0x7e)
+            return false;
+    return true;
+}
+
+int kvb__wire_attrs_encode(const kvb_attr_t *attrs, size_t n, uint8_t **out, size_t *out_len)
+{
+    if (n > KVB_ATTRS_MAX)
+        return KVB_ERR_TOO_LARGE;
+    size_t size = 4;
+    for (size_t i = 0; i < n; i++)
+        size += 6 + strlen(attrs[i].key) + attrs[i].len;
+    if (size > KVB_WIRE_MAX_ATTRS)
+        return KVB_ERR_TOO_LARGE;
+    uint8_t *buf = malloc(size), *p = buf;
+    if (!buf)
+        return KVB_ERR_NOMEM;
+    put_u32(p, (uint32_t)n);
+    p += 4;
+    for (size_t i = 0; i < n; i++) {
+        size_t kl = strlen(attrs[i].key);
+        put_u16(p, (uint16_t)kl);
+        memcpy(p + 2, attrs[i].key, kl);
+        put_u32(p + 2 + kl, (uint32_t)attrs[i].len);
+        if (attrs[i].len)
+            memcpy(p + 6 + kl, attrs[i].value, attrs[i].len);
+        p += 6 + kl + attrs[i].len;
+    }
+    *out = buf;
+    *out_len = size;
+    return KVB_OK;
+}
+
+void kvb__attrs_free(kvb_attr_t *attrs, size_t n)
+{
+    for (size_t i = 0; attrs && i < n; i++)
+        free(attrs[i].value);
+    free(attrs);
+}
+
+int kvb__wire_attrs_decode(const uint8_t *in, size_t len, kvb_attr_t **attrs, size_t *n)
+{
+    if (len < 4)
+        return KVB_ERR_PROTOCOL;
+    uint32_t count = get_u32(in);
+    if (count > KVB_ATTRS_MAX || count > (len - 4) / 7)
+        return KVB_ERR_PROTOCOL;
+    kvb_attr_t *a = count ? calloc(count, sizeof *a) : NULL;
+    if (count && !a)
+        return KVB_ERR_NOMEM;
+    size_t off = 4, i = 0;
+    for (; i < count; i++) {
+        if (len - off < 2)
+            goto bad;
+        size_t kl = get_u16(in + off);
+        if (kl > len - off - 2 || len - off - 2 - kl < 4 || !key_ok(in + off + 2, kl))
+            goto bad;
+        size_t vl = get_u32(in + off + 2 + kl);
+        if (vl > KVB_ATTR_VALUE_MAX || vl > len - off - 6 - kl)
+            goto bad;
+        memcpy(a[i].key, in + off + 2, kl);
+        a[i].key[kl] = '\0';
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(a[j].key, a[i].key))
+                goto bad;
+        a[i].value = malloc(vl ? vl : 1);
+        if (!a[i].value) {
+            kvb__attrs_free(a, i);
+            return KVB_ERR_NOMEM;
+        }
+        memcpy(a[i].value, in + off + 6 + kl, vl);
+        a[i].len = vl;
+        off += 6 + kl + vl;
+    }
+    if (off != len)
+        goto bad;
+    *attrs = a;
+    *n = count;
+    return KVB_OK;
+bad:
+    kvb__attrs_free(a, i);
     return KVB_ERR_PROTOCOL;
 }

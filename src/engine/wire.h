@@ -30,8 +30,9 @@ typedef enum {
     KVB_FRAME_WRITE_ACK = 6, /* status, len placed */
     KVB_FRAME_NOTIFY = 7,    /* payload: len message bytes */
     KVB_FRAME_NOTIFY_ACK = 8,
-    KVB_FRAME_ERROR = 9, /* status; the sender closes the connection after it */
-    KVB_FRAME_TYPE_MAX = 9,
+    KVB_FRAME_ERROR = 9,  /* status; the sender closes the connection after it */
+    KVB_FRAME_ATTRS = 10, /* target -> initiator after HELLO_ACK on lane 0; payload: attrs */
+    KVB_FRAME_TYPE_MAX = 10,
 } kvb_frame_type_t;
 
 /* Header flag: the data moves through shared memory, not this connection (same host). Requests
@@ -71,6 +72,25 @@ typedef struct {
 size_t kvb__wire_hello_size(const kvb_hello_t *h);
 size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out);
 int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out);
+
+/* Segment attributes: small named blobs an engine publishes with its segment (a KV layout
+ * descriptor, say). */
+#define KVB_ATTR_KEY_MAX   63
+#define KVB_ATTR_VALUE_MAX (4u << 20)
+#define KVB_ATTRS_MAX      64
+#define KVB_WIRE_MAX_ATTRS (16u << 20)
+
+typedef struct {
+    char key[KVB_ATTR_KEY_MAX + 1];
+    uint8_t *value; /* malloc'd */
+    size_t len;
+} kvb_attr_t;
+
+/* attrs: count u32 | count x (key_len u16 | key | value_len u32 | value). Encode allocates *out;
+ * decode allocates *attrs (free with kvb__attrs_free). Keys are printable, unique, not empty. */
+int kvb__wire_attrs_encode(const kvb_attr_t *attrs, size_t n, uint8_t **out, size_t *out_len);
+int kvb__wire_attrs_decode(const uint8_t *in, size_t len, kvb_attr_t **attrs, size_t *n);
+void kvb__attrs_free(kvb_attr_t *attrs, size_t n);
 
 /* HELLO_ACK = hello + region list. Encode allocates *out (caller frees). Decode allocates
  * *regions (caller frees; NULL when there are none). */

@@ -393,15 +393,19 @@ kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation)
     return found;
 }
 
+/* Its side channel closed: drop the table's reference and the connection's. */
 static void peer_remove(kvb_shm_t *s, kvb_shm_peer_t *p)
 {
+    bool listed = false;
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->npeers; i++)
+    for (size_t i = 0; i < s->npeers && !listed; i++)
         if (s->peers[i] == p) {
             s->peers[i] = s->peers[--s->npeers];
-            break;
+            listed = true;
         }
     pthread_mutex_unlock(&s->mu);
+    if (listed)
+        peer_put(p);
     peer_put(p);
 }
 

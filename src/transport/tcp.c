@@ -488,9 +488,8 @@ static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
 {
     kvb_engine_t *e = c->th->tp->engine;
     kvb_region_info_t *regions;
-    size_t n;
-    uint8_t *buf;
-    size_t len;
+    size_t n, len, alen;
+    uint8_t *buf, *attrs;
     int rc = kvb__registry_list(&e->registry, &regions, &n);
     if (rc)
         return rc;
@@ -502,7 +501,14 @@ static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
     c->their_incarnation = their->incarnation;
     c->hello_done = true;
     kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO_ACK, .len = len};
-    return queue_frame(c, &h, buf, NULL, buf);
+    rc = queue_frame(c, &h, buf, NULL, buf);
+    if (rc || their->lane != 0)
+        return rc;
+    /* Lane 0 also learns what we publish with the segment. */
+    if ((rc = kvb__engine_attrs_encode(e, &attrs, &alen)))
+        return rc;
+    h = (kvb_frame_hdr_t){.type = KVB_FRAME_ATTRS, .len = alen};
+    return queue_frame(c, &h, attrs, NULL, attrs);
 }
 
 /* Target side: a request's payload is complete (or it had none). */
@@ -1080,6 +1086,31 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
 
 /* Connects one lane and runs the handshake on it. Lane 0 records the peer's identity and
  * regions; the others must meet the same incarnation. */
+/* Reads one whole frame of type `want` (or an ERROR frame's status) before `deadline`. */
+static int recv_frame(int fd, uint8_t want, uint64_t deadline, uint8_t **body, size_t *len,
+                      char *why, size_t why_len)
+{
+    uint8_t rh[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t h;
+    int rc = io_all(fd, rh, sizeof rh, false, deadline);
+    if (!rc)
+        rc = kvb__wire_decode_hdr(rh, &h, why, why_len);
+    if (!rc && h.type == KVB_FRAME_ERROR)
+        return h.status < 0 ? h.status : KVB_ERR_PROTOCOL;
+    if (!rc && (h.type != want || h.status != 0 || h.len == 0))
+        rc = KVB_ERR_PROTOCOL;
+    if (!rc && !(*body = malloc(h.len)))
+        rc = KVB_ERR_NOMEM;
+    if (!rc && (rc = io_all(fd, *body, h.len, false, deadline))) {
+        free(*body);
+        *body = NULL;
+    }
+    *len = rc ? 0 : h.len;
+    return rc;
+}
+
+/* Connects one lane and runs the handshake on it. Lane 0 records the peer's identity, regions
+ * and attributes; the others must meet the same incarnation. */
 static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t deadline, int *out)
 {
     int fd, rc = dial(p, deadline, &fd);
@@ -1087,36 +1118,30 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t
         return rc;
     kvb_hello_t me = tp->engine->hello;
     me.lane = lane;
-    uint8_t msg[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO];
-    size_t hl = kvb__wire_hello_encode(&me, msg + KVB_WIRE_HDR_SIZE);
+    uint8_t msg[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO], *body = NULL;
+    size_t hl = kvb__wire_hello_encode(&me, msg + KVB_WIRE_HDR_SIZE), len = 0;
     kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO, .len = hl};
     kvb__wire_encode_hdr(&h, msg);
-    uint8_t rh[KVB_WIRE_HDR_SIZE], *body = NULL;
     char why[96] = "";
-    rc = io_all(fd, msg, KVB_WIRE_HDR_SIZE + hl, true, deadline);
-    if (!rc)
-        rc = io_all(fd, rh, sizeof rh, false, deadline);
-    if (!rc)
-        rc = kvb__wire_decode_hdr(rh, &h, why, sizeof why);
-    if (!rc && h.type == KVB_FRAME_ERROR)
-        rc = h.status < 0 ? h.status : KVB_ERR_PROTOCOL;
-    else if (!rc && (h.type != KVB_FRAME_HELLO_ACK || h.status != 0 || h.len == 0))
-        rc = KVB_ERR_PROTOCOL;
-    if (!rc && !(body = malloc(h.len)))
-        rc = KVB_ERR_NOMEM;
-    if (!rc)
-        rc = io_all(fd, body, h.len, false, deadline);
     kvb_hello_t their;
     kvb_region_info_t *regions = NULL;
     size_t n = 0;
+    rc = io_all(fd, msg, KVB_WIRE_HDR_SIZE + hl, true, deadline);
     if (!rc)
-        rc = kvb__wire_hello_ack_decode(body, h.len, &their, &regions, &n);
+        rc = recv_frame(fd, KVB_FRAME_HELLO_ACK, deadline, &body, &len, why, sizeof why);
+    if (!rc)
+        rc = kvb__wire_hello_ack_decode(body, len, &their, &regions, &n);
     free(body);
+    body = NULL;
     if (!rc && lane == 0) {
         p->hello = their;
         p->regions = regions;
         p->nregions = n;
         regions = NULL;
+        rc = recv_frame(fd, KVB_FRAME_ATTRS, deadline, &body, &len, why, sizeof why);
+        if (!rc)
+            rc = kvb__wire_attrs_decode(body, len, &p->attrs, &p->nattrs);
+        free(body);
     } else if (!rc && their.incarnation != p->hello.incarnation) {
         rc = KVB_ERR_PEER_RESTARTED;
     }

@@ -109,6 +109,8 @@ static uint64_t type_limit(int t)
         return KVB_WIRE_MAX_HELLO;
     case KVB_FRAME_HELLO_ACK:
         return KVB_WIRE_MAX_HELLO_ACK;
+    case KVB_FRAME_ATTRS:
+        return KVB_WIRE_MAX_ATTRS;
     case KVB_FRAME_NOTIFY:
         return KVB_NOTIFY_MAX;
     case KVB_FRAME_READ_REQ:
@@ -321,7 +323,7 @@ Test(wire_hdr, wrong_version_is_a_version_error)
 
 Test(wire_hdr, unknown_type_rejected)
 {
-    const unsigned types[] = {0, KVB_FRAME_TYPE_MAX + 1, 10, 11, 0x7F, 0x80, 0xFF};
+    const unsigned types[] = {0, KVB_FRAME_TYPE_MAX + 1, 11, 12, 0x7F, 0x80, 0xFF};
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
         kvb_frame_hdr_t h = mkhdr((uint8_t)types[i], 0, 0);
         kvb_frame_hdr_t out;

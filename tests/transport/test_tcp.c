@@ -63,6 +63,22 @@ static size_t hello_frame(uint8_t *out)
 }
 
 /* Reads and discards until EOF; true if the engine closed within 2 s. */
+/* Reads the engine's answer to a lane-0 hello: HELLO_ACK, then the ATTRS frame. */
+static void read_handshake_reply(int fd)
+{
+    const uint8_t want[] = {KVB_FRAME_HELLO_ACK, KVB_FRAME_ATTRS};
+    for (int i = 0; i < 2; i++) {
+        uint8_t h[KVB_WIRE_HDR_SIZE];
+        kvb_frame_hdr_t hdr;
+        cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+        cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
+        cr_assert_eq(hdr.type, want[i]);
+        uint8_t *body = malloc(hdr.len);
+        cr_assert_eq(recv(fd, body, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
+        free(body);
+    }
+}
+
 static bool closed_by_engine(int fd)
 {
     uint8_t sink[4096];
@@ -155,15 +171,10 @@ Test(tcp, per_request_errors_keep_the_connection)
     put_hdr(out + n, KVB_FRAME_READ_REQ, 0, 1, 0x10, 8); /* unregistered */
     put_hdr(out + n + KVB_WIRE_HDR_SIZE, KVB_FRAME_READ_REQ, 0, 2, (uintptr_t)mem, 4);
     cr_assert_eq(send(fd, out, n + 2 * KVB_WIRE_HDR_SIZE, 0), (ssize_t)(n + 2 * KVB_WIRE_HDR_SIZE));
-    /* HELLO_ACK, then READ_RESP(error), then READ_RESP(4 bytes). */
+    /* HELLO_ACK and ATTRS, then READ_RESP(error), then READ_RESP(4 bytes). */
+    read_handshake_reply(fd);
     uint8_t h[KVB_WIRE_HDR_SIZE];
     kvb_frame_hdr_t hdr;
-    cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
-    cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
-    cr_assert_eq(hdr.type, KVB_FRAME_HELLO_ACK);
-    uint8_t *body = malloc(hdr.len);
-    cr_assert_eq(recv(fd, body, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
-    free(body);
     cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
     cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
     cr_assert_eq(hdr.type, KVB_FRAME_READ_RESP);
@@ -205,6 +216,11 @@ static void *fake_target(void *arg)
         size_t len;
         kvb__wire_hello_ack_encode(&me, &r, 1, &body, &len);
         put_hdr(hdr, KVB_FRAME_HELLO_ACK, 0, 0, 0, len);
+        send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
+        send(fd, body, len, MSG_NOSIGNAL);
+        free(body);
+        kvb__wire_attrs_encode(NULL, 0, &body, &len);
+        put_hdr(hdr, KVB_FRAME_ATTRS, 0, 0, 0, len);
         send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
         send(fd, body, len, MSG_NOSIGNAL);
         free(body);
@@ -305,14 +321,9 @@ Test(tcp, flooding_peer_is_held_off_then_served)
     }
     cr_assert(blocked, "the engine queued answers for %llu unread requests",
               (unsigned long long)sent);
-    /* Now read: HELLO_ACK, then one 4-byte READ_RESP per request, in order. */
-    uint8_t h[KVB_WIRE_HDR_SIZE];
+    /* Now read: the handshake reply, then one 4-byte READ_RESP per request, in order. */
+    read_handshake_reply(fd);
     kvb_frame_hdr_t hdr;
-    cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
-    cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
-    uint8_t *body = malloc(hdr.len);
-    cr_assert_eq(recv(fd, body, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
-    free(body);
     for (uint64_t id = 1; id <= sent; id++) {
         uint8_t r[KVB_WIRE_HDR_SIZE + 4];
         cr_assert_eq(recv(fd, r, sizeof r, MSG_WAITALL), (ssize_t)sizeof r, "answer %llu",
