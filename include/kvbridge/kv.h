@@ -239,6 +239,107 @@ KVB_API int kvb_kv_plan(const kvb_kv_layout_t *local, const kvb_kv_layout_t *rem
 /* Frees an array from kvb_kv_plan(). NULL is ignored. */
 KVB_API void kvb_kv_plan_free(kvb_request_t *reqs);
 
+/* ---- Transfers: agents, links, pull and push ------------------------------------------------
+ *
+ * One agent per TP rank, on that rank's engine. A link joins an agent to one rank of the other
+ * side; it is checked once, when opened, so an incompatible pair is refused before any request.
+ * A transfer moves one request's blocks over one link, as a whole or layer by layer; when it has
+ * finished, the sending side of the notices (the one that moved data: decode in pull mode, prefill
+ * in push mode) tells the other side, whose agent counts the notices of every rank that routes
+ * to it (TP fan-in) before reporting the request done.
+ *
+ * A connector, decode side in pull mode (every call below returns a status to check):
+ *
+ *     kvb_kv_agent_create(engine, &layout, KVB_KV_ROLE_DECODE, &agent, why, sizeof why);
+ *     for (r = 0; r < prefill_tp; r++)           // once per prefill instance
+ *         kvb_kv_link_open(agent, prefill_segment[r], &link[r], why, sizeof why);
+ *     // per request: read from every prefill rank that routes to this rank
+ *     for (r = 0; r < prefill_tp; r++) {
+ *         if (!kvb_kv_link_has_route(link[r])) continue;
+ *         kvb_kv_xfer_begin(link[r], req_id, KVB_OP_READ, prefill_blocks, my_blocks, n, 30000, &x);
+ *         kvb_kv_xfer_all(x);
+ *         rc = kvb_kv_xfer_finish(x);            // data in place, prefill told it may free
+ *         kvb_kv_xfer_free(x);
+ *     }
+ *
+ * and the prefill side: kvb_kv_expect(agent, req_id, links, n, 30000) when the request is
+ * handed over, kvb_kv_wait(agent, req_id, timeout) before freeing its blocks. In push mode the
+ * roles swap: prefill calls kvb_kv_xfer_begin(..., KVB_OP_WRITE, ...) and kvb_kv_xfer_layer() as
+ * each layer is computed, decode expects and waits. */
+
+typedef struct kvb_kv_agent kvb_kv_agent_t;
+typedef struct kvb_kv_link kvb_kv_link_t;
+typedef struct kvb_kv_xfer kvb_kv_xfer_t;
+
+typedef enum { KVB_KV_ROLE_PREFILL = 1, KVB_KV_ROLE_DECODE = 2 } kvb_kv_role_t;
+
+/* The segment attribute under which an agent publishes its layout descriptor. */
+#define KVB_KV_LAYOUT_ATTR "kvbridge.kv.layout"
+
+/* Creates the agent of one TP rank: validates `layout` (copied), registers every slot's buffer
+ * with `engine` (read and write) unless already registered, and publishes the layout descriptor
+ * with the engine's segment. From then on the agent consumes the engine's notifications; other
+ * messages are kept for kvb_kv_agent_notify_recv(). The engine must outlive the agent; the
+ * buffers stay registered until kvb_kv_agent_destroy(). */
+KVB_API int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *layout,
+                                kvb_kv_role_t role, kvb_kv_agent_t **out, char *reason,
+                                size_t reason_cap);
+
+/* Unregisters what the agent registered, withdraws the descriptor and frees the agent. Links and
+ * transfers must be closed and freed first. NULL is ignored. */
+KVB_API void kvb_kv_agent_destroy(kvb_kv_agent_t *agent);
+
+/* Opens a link to the rank serving `segment` (of the other role): opens the segment, fetches its
+ * layout descriptor and runs kvb_kv_guard(). An incompatible pair is refused with
+ * KVB_ERR_INCOMPATIBLE and the guard's reason; a peer without an agent with KVB_ERR_NOT_FOUND.
+ * Blocks up to the engine's connect timeout. */
+KVB_API int kvb_kv_link_open(kvb_kv_agent_t *agent, const char *segment, kvb_kv_link_t **out,
+                             char *reason, size_t reason_cap);
+KVB_API void kvb_kv_link_close(kvb_kv_link_t *link);
+/* The verdict the guard gave this link (ALLOW_HOMO or ALLOW_HETERO). */
+KVB_API kvb_kv_verdict_t kvb_kv_link_verdict(const kvb_kv_link_t *link);
+/* The remote rank's layout, as published; valid while the link is open. */
+KVB_API const kvb_kv_layout_t *kvb_kv_link_layout(const kvb_kv_link_t *link);
+/* 1 if the prefill and decode ranks of this link exchange data (for the decode rank's dp group),
+ * 0 if other ranks serve this pair. */
+KVB_API int kvb_kv_link_has_route(const kvb_kv_link_t *link);
+
+/* Starts a transfer of request `req_id` (1..255 printable characters) over `link`: KVB_OP_READ
+ * from the decode side (pull), KVB_OP_WRITE from the prefill side (push). src_blocks are the
+ * prefill's block ids, dst_blocks the decode's; dst_blocks[i] receives src_blocks[i]. The lists
+ * are planned once, here (KVB_ERR_INVALID_ARG with a reason for a bad list); nothing moves until
+ * kvb_kv_xfer_layer() or kvb_kv_xfer_all(). KVB_ERR_NOT_FOUND if the link has no route.
+ * `timeout_ms` bounds every batch of the transfer. */
+KVB_API int kvb_kv_xfer_begin(kvb_kv_link_t *link, const char *req_id, kvb_opcode_t op,
+                              const uint64_t *src_blocks, const uint64_t *dst_blocks, size_t n,
+                              int timeout_ms, kvb_kv_xfer_t **out, char *reason, size_t reason_cap);
+/* Layer `layer` is ready: its blocks start moving now, while the caller computes the next one.
+ * Each layer at most once. Never blocks on the network. */
+KVB_API int kvb_kv_xfer_layer(kvb_kv_xfer_t *xfer, uint32_t layer);
+/* Every layer not yet started. */
+KVB_API int kvb_kv_xfer_all(kvb_kv_xfer_t *xfer);
+/* Waits until every started layer has landed (or failed), then notifies the other side with the
+ * outcome, so its kvb_kv_wait() returns. Returns KVB_OK or the first error. Call once. */
+KVB_API int kvb_kv_xfer_finish(kvb_kv_xfer_t *xfer);
+/* Frees the transfer (cancelling what is still pending). NULL is ignored. */
+KVB_API void kvb_kv_xfer_free(kvb_kv_xfer_t *xfer);
+
+/* Announces that request `req_id` will be reported by every rank among `links` that has a route
+ * to this one, within `timeout_ms`. Call before those ranks can finish. Returns KVB_OK,
+ * KVB_ERR_NOT_FOUND if none of the links routes here, KVB_ERR_BUSY if the id is in use. */
+KVB_API int kvb_kv_expect(kvb_kv_agent_t *agent, const char *req_id, kvb_kv_link_t *const *links,
+                          size_t n, int timeout_ms);
+/* Waits for `req_id`: KVB_OK once every expected rank reported success; the first error one
+ * reported; KVB_ERR_PEER_LOST as soon as an expected rank's engine is gone; KVB_ERR_TIMEOUT at the
+ * request's deadline; KVB_ERR_AGAIN if `timeout_ms` (-1: the deadline) passed first. Except
+ * for KVB_ERR_AGAIN, the id is released. Several threads may wait for different ids. */
+KVB_API int kvb_kv_wait(kvb_kv_agent_t *agent, const char *req_id, int timeout_ms);
+
+/* Takes a notification that was not the agent's (see kvb_kv_agent_create); like
+ * kvb_notify_recv() otherwise. */
+KVB_API int kvb_kv_agent_notify_recv(kvb_kv_agent_t *agent, kvb_notification_t *out,
+                                     int timeout_ms);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,698 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* KV transfers over the engine: agents (one per TP rank) that publish their layout, links checked
+ * by the topology guard when opened, pull/push transfers planned once and started layer by layer,
+ * and completion notices from every sending rank aggregated per request. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "engine/internal.h"
+#include "kv/aggregate.h"
+#include "kv/internal.h"
+
+#define NOTICE_TAG    "kvbkv1 "
+#define PUMP_SLICE_MS 20
+#define OTHER_MAX     256 /* foreign notifications kept for kvb_kv_agent_notify_recv */
+#define AGG_ACTIVE    65536
+#define AGG_FINISHED  65536
+
+typedef struct {
+    char id[KVB_AGG_ID_MAX + 1];
+    uint32_t *links; /* link ids expected to report */
+    size_t n;
+} expect_t;
+
+/* A notice that came before its kvb_kv_expect(): kept (bounded) and replayed then, so that the
+ * order of expect and notice between two processes does not matter. */
+typedef struct {
+    char id[KVB_AGG_ID_MAX + 1];
+    uint32_t link;
+    int status;
+} early_t;
+
+#define EARLY_MAX 1024
+
+struct kvb_kv_agent {
+    kvb_engine_t *engine;
+    kvb_kv_role_t role;
+    kvb_kv_layout_t layout;
+    kvb_kv_slot_t *slots;
+    void **registered;
+    size_t nregistered;
+
+    pthread_mutex_t mu; /* everything below */
+    pthread_cond_t cv;
+    bool pumping; /* one waiter at a time reads the engine's notifications */
+    kvb_agg_t *agg;
+    expect_t *expects;
+    size_t nexpects, cap_expects;
+    kvb_kv_link_t **links;
+    size_t nlinks, cap_links;
+    uint32_t next_link_id;
+    kvb_notification_t *other;
+    size_t other_head, other_count;
+    early_t *early;
+    size_t early_head, early_count;
+};
+
+struct kvb_kv_link {
+    kvb_kv_agent_t *agent;
+    uint32_t id;
+    kvb_segment_t seg;
+    char peer_name[KVB_NAME_MAX + 1]; /* the remote engine's own segment name: notices' `from` */
+    kvb_kv_layout_t *remote;
+    kvb_kv_verdict_t verdict;
+    bool has_route;
+    kvb_kv_route_t route;
+};
+
+struct kvb_kv_xfer {
+    kvb_kv_link_t *link;
+    char id[KVB_AGG_ID_MAX + 1];
+    int timeout_ms;
+    uint32_t nlayers;
+    kvb_request_t **reqs; /* per layer */
+    size_t *nreqs;
+    bool *started;
+    kvb_batch_t **batches; /* per layer, NULL until started */
+    bool finished;
+};
+
+/* ---- agent -------------------------------------------------------------------------------- */
+
+static int copy_layout(kvb_kv_agent_t *a, const kvb_kv_layout_t *l)
+{
+    a->slots = calloc(l->num_slots, sizeof *a->slots);
+    if (!a->slots)
+        return KVB_ERR_NOMEM;
+    memcpy(a->slots, l->slots, l->num_slots * sizeof *a->slots);
+    a->layout = *l;
+    a->layout.slots = a->slots;
+    return KVB_OK;
+}
+
+/* Registers every slot buffer not already inside a registered region. */
+static int register_buffers(kvb_kv_agent_t *a, char *reason, size_t cap)
+{
+    a->registered = calloc(a->layout.num_slots, sizeof *a->registered);
+    if (!a->registered)
+        return KVB_ERR_NOMEM;
+    for (size_t i = 0; i < a->layout.num_slots; i++) {
+        const kvb_kv_slot_t *s = &a->slots[i];
+        if (kvb__registry_check(&a->engine->registry, s->base, s->len, 0, KVB_ERR_NOT_FOUND,
+                                NULL) == KVB_OK)
+            continue;
+        int rc = kvb_register(a->engine, (void *)(uintptr_t)s->base, s->len, "cpu", KVB_ACCESS_RW);
+        if (rc)
+            return kvb__kv_slot_fail(reason, cap, rc, s, "cannot register its buffer: %s",
+                                     kvb_strerror(rc));
+        a->registered[a->nregistered++] = (void *)(uintptr_t)s->base;
+    }
+    return KVB_OK;
+}
+
+static int publish(kvb_kv_agent_t *a)
+{
+    size_t len;
+    int rc = kvb_kv_layout_encode(&a->layout, NULL, 0, &len);
+    if (rc != KVB_ERR_TOO_LARGE && rc != KVB_OK)
+        return rc;
+    char *json = malloc(len + 1);
+    if (!json)
+        return KVB_ERR_NOMEM;
+    rc = kvb_kv_layout_encode(&a->layout, json, len + 1, &len);
+    if (rc == KVB_OK)
+        rc = kvb_engine_set_attr(a->engine, KVB_KV_LAYOUT_ATTR, json, len);
+    free(json);
+    return rc;
+}
+
+int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *layout, kvb_kv_role_t role,
+                        kvb_kv_agent_t **out, char *reason, size_t cap)
+{
+    if (!engine || !layout || !out || (role != KVB_KV_ROLE_PREFILL && role != KVB_KV_ROLE_DECODE))
+        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "missing engine, layout or role");
+    int rc = kvb_kv_layout_validate(layout, reason, cap);
+    if (rc)
+        return rc;
+    kvb_kv_agent_t *a = calloc(1, sizeof *a);
+    if (!a)
+        return KVB_ERR_NOMEM;
+    a->engine = engine;
+    a->role = role;
+    a->other = calloc(OTHER_MAX, sizeof *a->other);
+    a->early = calloc(EARLY_MAX, sizeof *a->early);
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    rc = a->other && a->early ? copy_layout(a, layout) : KVB_ERR_NOMEM;
+    if (!rc)
+        rc = kvb__agg_create(AGG_ACTIVE, AGG_FINISHED, &a->agg);
+    if (!rc)
+        rc = register_buffers(a, reason, cap);
+    if (!rc && (rc = publish(a)))
+        kvb__kv_fail(reason, cap, rc, "cannot publish the layout: %s", kvb_strerror(rc));
+    if (rc) {
+        kvb_kv_agent_destroy(a);
+        return rc;
+    }
+    kvb__kv_clear(reason, cap);
+    *out = a;
+    return KVB_OK;
+}
+
+void kvb_kv_agent_destroy(kvb_kv_agent_t *a)
+{
+    if (!a)
+        return;
+    kvb_engine_set_attr(a->engine, KVB_KV_LAYOUT_ATTR, NULL, 0);
+    for (size_t i = 0; i < a->nregistered; i++)
+        kvb_unregister(a->engine, a->registered[i]);
+    for (size_t i = 0; i < a->nexpects; i++)
+        free(a->expects[i].links);
+    free(a->expects);
+    free(a->links);
+    free(a->registered);
+    free(a->slots);
+    free(a->other);
+    free(a->early);
+    kvb__agg_destroy(a->agg);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    free(a);
+}
+
+/* ---- links -------------------------------------------------------------------------------- */
+
+static const kvb_kv_layout_t *prefill_of(const kvb_kv_link_t *l)
+{
+    return l->agent->role == KVB_KV_ROLE_PREFILL ? &l->agent->layout : l->remote;
+}
+
+static const kvb_kv_layout_t *decode_of(const kvb_kv_link_t *l)
+{
+    return l->agent->role == KVB_KV_ROLE_DECODE ? &l->agent->layout : l->remote;
+}
+
+/* Finds the route between this link's prefill rank and decode rank, in the decode's dp group. */
+static int find_route(kvb_kv_link_t *l)
+{
+    kvb_kv_topo_t pt, dt;
+    const kvb_kv_layout_t *p = prefill_of(l), *d = decode_of(l);
+    kvb__kv_topo_of(p, &pt);
+    kvb__kv_topo_of(d, &dt);
+    size_t n = 0;
+    int rc = kvb_kv_route(&pt, &dt, d->dp_rank, NULL, 0, &n);
+    kvb_kv_route_t *r = rc || !n ? NULL : calloc(n, sizeof *r);
+    if (!rc && n && !r)
+        return KVB_ERR_NOMEM;
+    if (!rc && n)
+        rc = kvb_kv_route(&pt, &dt, d->dp_rank, r, n, &n);
+    for (size_t i = 0; !rc && i < n; i++)
+        if (r[i].src_rank == p->tp_rank && r[i].dst_rank == d->tp_rank) {
+            l->route = r[i];
+            l->has_route = true;
+        }
+    free(r);
+    return rc;
+}
+
+/* The remote's descriptor; refreshes the segment once if it was opened before it published. */
+static int fetch_layout(kvb_kv_link_t *l, char *reason, size_t cap)
+{
+    kvb_engine_t *e = l->agent->engine;
+    size_t len = 0;
+    int rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, NULL, 0, &len);
+    if (rc == KVB_ERR_NOT_FOUND && kvb_segment_refresh(e, l->seg) == KVB_OK)
+        rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, NULL, 0, &len);
+    if (rc)
+        return kvb__kv_fail(reason, cap, rc, "the peer publishes no KV layout: %s",
+                            kvb_strerror(rc));
+    char *json = malloc(len ? len : 1);
+    if (!json)
+        return KVB_ERR_NOMEM;
+    rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, json, len, &len);
+    if (!rc)
+        rc = kvb_kv_layout_decode(json, len, &l->remote, reason, cap);
+    free(json);
+    return rc;
+}
+
+static int check_pair(kvb_kv_link_t *l, char *reason, size_t cap)
+{
+    kvb_kv_agent_t *a = l->agent;
+    l->verdict = kvb_kv_guard(&a->layout, l->remote, reason, cap);
+    if (l->verdict != KVB_KV_ALLOW_HOMO && l->verdict != KVB_KV_ALLOW_HETERO) {
+        KVB_WARN("KV link to %s refused: %s: %s", l->peer_name, kvb_kv_verdict_name(l->verdict),
+                 reason ? reason : "");
+        return KVB_ERR_INCOMPATIBLE;
+    }
+    /* A decode rank reads from, or is written by, prefill ranks: same roles cannot pair. */
+    return find_route(l);
+}
+
+static int add_link(kvb_kv_agent_t *a, kvb_kv_link_t *l)
+{
+    int rc = KVB_OK;
+    pthread_mutex_lock(&a->mu);
+    if (a->nlinks == a->cap_links) {
+        size_t ncap = a->cap_links ? a->cap_links * 2 : 8;
+        kvb_kv_link_t **n = realloc(a->links, ncap * sizeof *n);
+        if (n) {
+            a->links = n;
+            a->cap_links = ncap;
+        } else {
+            rc = KVB_ERR_NOMEM;
+        }
+    }
+    if (!rc) {
+        l->id = ++a->next_link_id;
+        a->links[a->nlinks++] = l;
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
+
+int kvb_kv_link_open(kvb_kv_agent_t *a, const char *segment, kvb_kv_link_t **out, char *reason,
+                     size_t cap)
+{
+    if (!a || !segment || !out)
+        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "missing agent or segment");
+    kvb_kv_link_t *l = calloc(1, sizeof *l);
+    if (!l)
+        return KVB_ERR_NOMEM;
+    l->agent = a;
+    int rc = kvb_segment_open(a->engine, segment, &l->seg);
+    if (rc) {
+        free(l);
+        return kvb__kv_fail(reason, cap, rc, "cannot open segment %s: %s", segment,
+                            kvb_strerror(rc));
+    }
+    kvb_peer_t *p = kvb__segment_peer(a->engine, l->seg);
+    if (p) {
+        snprintf(l->peer_name, sizeof l->peer_name, "%s", p->hello.name);
+        kvb__peer_release(p);
+    }
+    rc = fetch_layout(l, reason, cap);
+    if (!rc)
+        rc = check_pair(l, reason, cap);
+    if (!rc)
+        rc = add_link(a, l);
+    if (rc) {
+        kvb_segment_close(a->engine, l->seg);
+        kvb_kv_layout_free(l->remote);
+        free(l);
+        return rc;
+    }
+    kvb__kv_clear(reason, cap);
+    *out = l;
+    return KVB_OK;
+}
+
+void kvb_kv_link_close(kvb_kv_link_t *l)
+{
+    if (!l)
+        return;
+    kvb_kv_agent_t *a = l->agent;
+    pthread_mutex_lock(&a->mu);
+    for (size_t i = 0; i < a->nlinks; i++)
+        if (a->links[i] == l) {
+            a->links[i] = a->links[--a->nlinks];
+            break;
+        }
+    pthread_mutex_unlock(&a->mu);
+    kvb_segment_close(a->engine, l->seg);
+    kvb_kv_layout_free(l->remote);
+    free(l);
+}
+
+kvb_kv_verdict_t kvb_kv_link_verdict(const kvb_kv_link_t *l)
+{
+    return l->verdict;
+}
+
+const kvb_kv_layout_t *kvb_kv_link_layout(const kvb_kv_link_t *l)
+{
+    return l->remote;
+}
+
+int kvb_kv_link_has_route(const kvb_kv_link_t *l)
+{
+    return l && l->has_route;
+}
+
+/* ---- transfers ---------------------------------------------------------------------------- */
+
+static bool id_ok(const char *id)
+{
+    size_t n = id ? strlen(id) : 0;
+    if (n == 0 || n > KVB_AGG_ID_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (id[i] < 0x21 || id[i] > 0x7e)
+            return false;
+    return true;
+}
+
+static int plan_layers(kvb_kv_xfer_t *x, kvb_opcode_t op, const uint64_t *src, const uint64_t *dst,
+                       size_t n, char *reason, size_t cap)
+{
+    kvb_kv_link_t *l = x->link;
+    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
+        kvb_kv_plan_args_t args = {.op = op,
+                                   .segment = l->seg,
+                                   .src_blocks = src,
+                                   .num_src = n,
+                                   .dst_blocks = dst,
+                                   .num_dst = n,
+                                   .layers = &layer,
+                                   .num_layers = 1,
+                                   .route = &l->route};
+        int rc = kvb_kv_plan(&l->agent->layout, l->remote, &args, &x->reqs[layer], &x->nreqs[layer],
+                             reason, cap);
+        if (rc)
+            return rc;
+    }
+    return KVB_OK;
+}
+
+int kvb_kv_xfer_begin(kvb_kv_link_t *l, const char *req_id, kvb_opcode_t op, const uint64_t *src,
+                      const uint64_t *dst, size_t n, int timeout_ms, kvb_kv_xfer_t **out,
+                      char *reason, size_t cap)
+{
+    if (!l || !out || !id_ok(req_id) || timeout_ms <= 0)
+        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "bad link, request id or timeout");
+    kvb_kv_role_t want = op == KVB_OP_READ ? KVB_KV_ROLE_DECODE : KVB_KV_ROLE_PREFILL;
+    if (l->agent->role != want)
+        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "%s is issued by the %s side",
+                            op == KVB_OP_READ ? "pull" : "push",
+                            want == KVB_KV_ROLE_DECODE ? "decode" : "prefill");
+    if (!l->has_route)
+        return kvb__kv_fail(reason, cap, KVB_ERR_NOT_FOUND, "no route between these ranks");
+    kvb_kv_xfer_t *x = calloc(1, sizeof *x);
+    uint32_t L = l->agent->layout.num_layers;
+    if (!x)
+        return KVB_ERR_NOMEM;
+    x->link = l;
+    x->nlayers = L;
+    x->timeout_ms = timeout_ms;
+    strcpy(x->id, req_id);
+    x->reqs = calloc(L, sizeof *x->reqs);
+    x->nreqs = calloc(L, sizeof *x->nreqs);
+    x->started = calloc(L, sizeof *x->started);
+    x->batches = calloc(L, sizeof *x->batches);
+    int rc = x->reqs && x->nreqs && x->started && x->batches ? KVB_OK : KVB_ERR_NOMEM;
+    if (!rc)
+        rc = plan_layers(x, op, src, dst, n, reason, cap);
+    if (rc) {
+        kvb_kv_xfer_free(x);
+        return rc;
+    }
+    kvb__kv_clear(reason, cap);
+    *out = x;
+    return KVB_OK;
+}
+
+int kvb_kv_xfer_layer(kvb_kv_xfer_t *x, uint32_t layer)
+{
+    if (!x || layer >= x->nlayers || x->started[layer] || x->finished)
+        return KVB_ERR_INVALID_ARG;
+    x->started[layer] = true;
+    if (x->nreqs[layer] == 0)
+        return KVB_OK;
+    kvb_batch_opts_t o = {.timeout_ms = (uint32_t)x->timeout_ms};
+    return kvb_batch_submit(x->link->agent->engine, x->reqs[layer], x->nreqs[layer], &o,
+                            &x->batches[layer]);
+}
+
+int kvb_kv_xfer_all(kvb_kv_xfer_t *x)
+{
+    if (!x || x->finished)
+        return KVB_ERR_INVALID_ARG;
+    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
+        if (x->started[layer])
+            continue;
+        int rc = kvb_kv_xfer_layer(x, layer);
+        if (rc)
+            return rc;
+    }
+    return KVB_OK;
+}
+
+int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
+{
+    if (!x || x->finished)
+        return KVB_ERR_INVALID_ARG;
+    x->finished = true;
+    int rc = KVB_OK;
+    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
+        if (!x->started[layer] && rc == KVB_OK)
+            rc = KVB_ERR_INVALID_ARG; /* a layer never started: the receiver must not see "done" */
+        if (x->batches[layer]) {
+            int brc = kvb_batch_wait(x->batches[layer], -1);
+            if (rc == KVB_OK)
+                rc = brc;
+        }
+    }
+    /* Every byte is in place (or the transfer failed): say so to the other side. */
+    char msg[32 + KVB_AGG_ID_MAX];
+    int len = snprintf(msg, sizeof msg, NOTICE_TAG "%d %s", rc, x->id);
+    kvb_kv_link_t *l = x->link;
+    int nrc = kvb_notify_send(l->agent->engine, l->seg, msg, (size_t)len, x->timeout_ms);
+    if (nrc)
+        KVB_WARN("request %s: cannot notify %s: %s", x->id, l->peer_name, kvb_strerror(nrc));
+    return rc ? rc : nrc;
+}
+
+void kvb_kv_xfer_free(kvb_kv_xfer_t *x)
+{
+    if (!x)
+        return;
+    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
+        if (x->reqs)
+            kvb_kv_plan_free(x->reqs[layer]);
+        if (x->batches)
+            kvb_batch_free(x->batches[layer]);
+    }
+    free(x->reqs);
+    free(x->nreqs);
+    free(x->started);
+    free(x->batches);
+    free(x);
+}
+
+/* ---- completion: notices from every sending rank ------------------------------------------- */
+
+static kvb_kv_link_t *link_by_id(kvb_kv_agent_t *a, uint32_t id)
+{
+    for (size_t i = 0; i < a->nlinks; i++)
+        if (a->links[i]->id == id)
+            return a->links[i];
+    return NULL;
+}
+
+static expect_t *find_expect(kvb_kv_agent_t *a, const char *id)
+{
+    for (size_t i = 0; i < a->nexpects; i++)
+        if (!strcmp(a->expects[i].id, id))
+            return &a->expects[i];
+    return NULL;
+}
+
+static void drop_expect(kvb_kv_agent_t *a, const char *id)
+{
+    expect_t *x = find_expect(a, id);
+    if (!x)
+        return;
+    free(x->links);
+    *x = a->expects[--a->nexpects];
+}
+
+int kvb_kv_expect(kvb_kv_agent_t *a, const char *req_id, kvb_kv_link_t *const *links, size_t n,
+                  int timeout_ms)
+{
+    if (!a || !id_ok(req_id) || (n && !links) || timeout_ms <= 0)
+        return KVB_ERR_INVALID_ARG;
+    uint32_t *ids = calloc(n ? n : 1, sizeof *ids);
+    if (!ids)
+        return KVB_ERR_NOMEM;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (links[i] && links[i]->agent == a && links[i]->has_route)
+            ids[k++] = links[i]->id;
+    int rc = k ? KVB_OK : KVB_ERR_NOT_FOUND;
+    pthread_mutex_lock(&a->mu);
+    if (!rc && a->nexpects == a->cap_expects) {
+        size_t ncap = a->cap_expects ? a->cap_expects * 2 : 16;
+        expect_t *ne = realloc(a->expects, ncap * sizeof *ne);
+        rc = ne ? KVB_OK : KVB_ERR_NOMEM;
+        if (ne) {
+            a->expects = ne;
+            a->cap_expects = ncap;
+        }
+    }
+    if (!rc)
+        rc = kvb__agg_expect(a->agg, req_id, ids, k, kvb__deadline_ms(timeout_ms));
+    if (!rc) {
+        expect_t *x = &a->expects[a->nexpects++];
+        snprintf(x->id, sizeof x->id, "%s", req_id);
+        x->links = ids;
+        x->n = k;
+        ids = NULL;
+        for (size_t i = 0; i < a->early_count; i++) {
+            early_t *e = &a->early[(a->early_head + i) % EARLY_MAX];
+            if (!strcmp(e->id, req_id)) {
+                kvb__agg_add(a->agg, e->id, e->link, e->status, kvb__now_ns());
+                e->id[0] = '\0'; /* consumed */
+            }
+        }
+    }
+    pthread_mutex_unlock(&a->mu);
+    free(ids);
+    return rc;
+}
+
+static void keep_early(kvb_kv_agent_t *a, const char *id, uint32_t link, int status)
+{
+    if (a->early_count == EARLY_MAX) { /* forget the oldest */
+        a->early_head = (a->early_head + 1) % EARLY_MAX;
+        a->early_count--;
+    }
+    early_t *e = &a->early[(a->early_head + a->early_count++) % EARLY_MAX];
+    snprintf(e->id, sizeof e->id, "%s", id);
+    e->link = link;
+    e->status = status;
+}
+
+/* One received notification: a notice for the aggregator, or someone else's message. Caller
+ * holds a->mu. */
+static void handle_notification(kvb_kv_agent_t *a, const kvb_notification_t *n)
+{
+    size_t tl = strlen(NOTICE_TAG);
+    if (n->len <= tl || memcmp(n->data, NOTICE_TAG, tl) != 0) {
+        if (a->other_count == OTHER_MAX) {
+            KVB_WARN("dropping a notification from %s: %d unread ones queued", n->from, OTHER_MAX);
+            a->other_head = (a->other_head + 1) % OTHER_MAX;
+            a->other_count--;
+        }
+        a->other[(a->other_head + a->other_count++) % OTHER_MAX] = *n;
+        return;
+    }
+    char buf[64 + KVB_AGG_ID_MAX], id[KVB_AGG_ID_MAX + 1];
+    size_t l = n->len < sizeof buf - 1 ? n->len : sizeof buf - 1;
+    memcpy(buf, n->data, l);
+    buf[l] = '\0';
+    int status;
+    if (sscanf(buf + tl, "%d %255s", &status, id) != 2 || status > 0) {
+        KVB_WARN("malformed KV notice from %s", n->from);
+        return;
+    }
+    for (size_t i = 0; i < a->nlinks; i++)
+        if (!strcmp(a->links[i]->peer_name, n->from)) {
+            if (kvb__agg_add(a->agg, id, a->links[i]->id, status, kvb__now_ns()) ==
+                KVB_ERR_NOT_FOUND)
+                keep_early(a, id, a->links[i]->id, status);
+            return;
+        }
+    KVB_WARN("KV notice for %s from %s, which is not linked here", id, n->from);
+}
+
+/* Fails the expected ranks of `id` whose engines are gone. Caller holds a->mu. */
+static void check_senders(kvb_kv_agent_t *a, const char *id)
+{
+    expect_t *x = find_expect(a, id);
+    for (size_t i = 0; x && i < x->n; i++) {
+        kvb_kv_link_t *l = link_by_id(a, x->links[i]);
+        kvb_peer_t *p = l ? kvb__segment_peer(a->engine, l->seg) : NULL;
+        int lost = p ? atomic_load(&p->lost) : KVB_ERR_PEER_LOST;
+        kvb__peer_release(p);
+        if (lost) /* a rank that already reported makes this a duplicate, ignored */
+            kvb__agg_add(a->agg, id, x->links[i], KVB_ERR_PEER_LOST, kvb__now_ns());
+    }
+}
+
+/* Reads one notification without a->mu held, if nobody else is; else sleeps a slice. */
+static void pump_once(kvb_kv_agent_t *a)
+{
+    if (a->pumping) {
+        struct timespec ts = kvb__timespec_of(kvb__now_ns() + PUMP_SLICE_MS * 1000000ull);
+        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        return;
+    }
+    a->pumping = true;
+    pthread_mutex_unlock(&a->mu);
+    kvb_notification_t *n = malloc(sizeof *n);
+    int rc = n ? kvb_notify_recv(a->engine, n, PUMP_SLICE_MS) : KVB_ERR_NOMEM;
+    pthread_mutex_lock(&a->mu);
+    a->pumping = false;
+    while (rc == KVB_OK) { /* drain what is already queued */
+        handle_notification(a, n);
+        pthread_mutex_unlock(&a->mu);
+        rc = kvb_notify_recv(a->engine, n, 0);
+        pthread_mutex_lock(&a->mu);
+    }
+    free(n);
+    pthread_cond_broadcast(&a->cv);
+}
+
+int kvb_kv_wait(kvb_kv_agent_t *a, const char *req_id, int timeout_ms)
+{
+    if (!a || !id_ok(req_id))
+        return KVB_ERR_INVALID_ARG;
+    uint64_t until = kvb__deadline_ms(timeout_ms);
+    int rc;
+    pthread_mutex_lock(&a->mu);
+    for (;;) {
+        check_senders(a, req_id);
+        int err = KVB_OK, st = kvb__agg_poll(a->agg, req_id, kvb__now_ns(), &err);
+        if (st < 0) {
+            rc = st;
+            break;
+        }
+        if (st != KVB_AGG_PENDING) {
+            rc = st == KVB_AGG_DONE ? KVB_OK : err ? err : KVB_ERR_TIMEOUT;
+            kvb__agg_release(a->agg, req_id);
+            drop_expect(a, req_id);
+            break;
+        }
+        if (kvb__now_ns() >= until) {
+            rc = KVB_ERR_AGAIN;
+            break;
+        }
+        pump_once(a);
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
+
+int kvb_kv_agent_notify_recv(kvb_kv_agent_t *a, kvb_notification_t *out, int timeout_ms)
+{
+    if (!a || !out)
+        return KVB_ERR_INVALID_ARG;
+    uint64_t until = kvb__deadline_ms(timeout_ms);
+    int rc = KVB_ERR_AGAIN;
+    pthread_mutex_lock(&a->mu);
+    for (;;) {
+        if (a->other_count) {
+            *out = a->other[a->other_head];
+            a->other_head = (a->other_head + 1) % OTHER_MAX;
+            a->other_count--;
+            rc = KVB_OK;
+            break;
+        }
+        if (kvb__now_ns() >= until) {
+            rc = timeout_ms == 0 ? KVB_ERR_AGAIN : KVB_ERR_TIMEOUT;
+            break;
+        }
+        pump_once(a);
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
