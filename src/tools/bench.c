@@ -15,6 +15,7 @@
 #include <string.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/prctl.h>
@@ -32,6 +33,9 @@ typedef struct {
     const char *bind;
     const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
     const char *protocol; /* tcp, shm or auto */
+    const char *kv_model; /* --kv: the KV-shaped workload instead */
+    uint64_t tokens, reps;
+    bool latency, block_given;
     const char *path;     /* what the initiator's engine chose: "tcp" or "shm" */
     bool loopback, verify, json;
     int write; /* operation */
@@ -461,6 +465,117 @@ out:
     return status;
 }
 
+/* ---- latency: small READ round trips beside a raw socket ping-pong ---------------------------- */
+
+/* A child that echoes `len`-byte messages on a loopback TCP socket; returns the client fd. */
+static int start_echo(uint64_t len, pid_t *pid)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl))
+        return -1;
+    fflush(stdout);
+    *pid = fork();
+    if (*pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = accept(lfd, NULL, NULL);
+        uint8_t *b = malloc(len);
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        while (b && recv(fd, b, len, MSG_WAITALL) == (ssize_t)len)
+            if (send(fd, b, len, MSG_NOSIGNAL) != (ssize_t)len)
+                break;
+        _exit(0);
+    }
+    close(lfd);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa))
+        return -1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+}
+
+static double pct(double *v, size_t n, double q)
+{
+    qsort(v, n, sizeof *v, cmp_double);
+    return n ? v[(size_t)((double)(n - 1) * q)] : 0;
+}
+
+/* Interleaves rounds of kvbridge READs (one request per batch) and raw ping-pongs, so both see
+ * the same machine noise. */
+static int run_latency(bench_opts_t *o)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = o->protocol;
+    kvb_engine_t *e;
+    kvb_segment_t seg;
+    kvb_region_info_t region;
+    size_t nreg = 0;
+    if (kvb_engine_create(&cfg, &e))
+        return 1;
+    int rc = kvb_segment_open(e, o->segment, &seg);
+    if (!rc)
+        rc = kvb_segment_regions(e, seg, 0, &region, 1, &nreg);
+    kvb_segment_transport(e, seg, &o->path);
+    uint8_t *local = rc ? NULL : engine_buffer(e, o, o->block);
+    pid_t echo = -1;
+    int fd = local ? start_echo(o->block, &echo) : -1;
+    enum { ROUNDS = 20, PER = 250 };
+    double *kl = calloc(ROUNDS * PER, sizeof *kl), *rl = calloc(ROUNDS * PER, sizeof *rl);
+    size_t nk = 0, nr = 0;
+    if (fd < 0 || !kl || !rl || !nreg || kvb_register(e, local, o->block, NULL, KVB_ACCESS_RW)) {
+        fprintf(stderr, "bench --latency: setup failed\n");
+        rc = 1;
+    }
+    kvb_request_t r = {KVB_OP_READ, local, seg, region.addr, o->block};
+    for (int round = -1; !rc && round < ROUNDS; round++) { /* round -1 warms up */
+        for (int i = 0; i < PER && !rc; i++) {
+            uint64_t t0 = kvb__now_ns();
+            kvb_batch_t *b;
+            rc = kvb_batch_submit(e, &r, 1, NULL, &b);
+            if (!rc) {
+                rc = kvb_batch_wait(b, -1);
+                kvb_batch_free(b);
+            }
+            if (round >= 0)
+                kl[nk++] = (double)(kvb__now_ns() - t0) / 1e3;
+        }
+        for (int i = 0; i < PER && !rc; i++) {
+            uint64_t t0 = kvb__now_ns();
+            if (send(fd, local, o->block, MSG_NOSIGNAL) != (ssize_t)o->block ||
+                recv(fd, local, o->block, MSG_WAITALL) != (ssize_t)o->block)
+                rc = 1;
+            if (round >= 0)
+                rl[nr++] = (double)(kvb__now_ns() - t0) / 1e3;
+        }
+    }
+    if (!rc) {
+        double k50 = pct(kl, nk, 0.5), k99 = pct(kl, nk, 0.99);
+        double r50 = pct(rl, nr, 0.5), r99 = pct(rl, nr, 0.99);
+        printf("kvbridge bench --latency: %llu-byte READ round trip over %s: p50 %.1f us, p99 "
+               "%.1f us\n  raw socket ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f\n",
+               (unsigned long long)o->block, o->path, k50, k99, r50, r99, k50 / r50);
+        if (o->json)
+            printf("{\"latency_block\":%llu,\"protocol\":\"%s\",\"lat_p50_us\":%.2f,"
+                   "\"lat_p99_us\":%.2f,\"raw_p50_us\":%.2f,\"raw_p99_us\":%.2f,"
+                   "\"ratio_p50\":%.3f}\n",
+                   (unsigned long long)o->block, o->path, k50, k99, r50, r99, k50 / r50);
+    }
+    if (fd >= 0)
+        close(fd);
+    if (echo > 0) {
+        kill(echo, SIGKILL);
+        waitpid(echo, NULL, 0);
+    }
+    free(kl);
+    free(rl);
+    kvb_engine_destroy(e);
+    engine_buffer_free(o, local, o->block);
+    return rc ? 1 : 0;
+}
+
 /* Starts a target in a child process on 127.0.0.1, runs the initiator against it, stops it. */
 static int run_loopback(bench_opts_t *o)
 {
@@ -501,7 +616,7 @@ static int run_loopback(bench_opts_t *o)
     } else {
         *nl = '\0';
         o->segment = name;
-        status = run_initiator(o);
+        status = o->latency ? run_latency(o) : run_initiator(o);
     }
     close(life_pipe[1]); /* tells the child to stop */
     for (int i = 0; i < 100; i++) {
@@ -517,43 +632,36 @@ static int run_loopback(bench_opts_t *o)
 /* ---- ceilings: what the hardware gives without kvbridge ---------------------------------------
  */
 
-static void report_baseline(const bench_opts_t *o, const char *what, uint64_t bytes, double secs)
-{
-    double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
-    printf("baseline %s: block %llu B, %.2f s, %.3f GB/s\n", what, (unsigned long long)o->block,
-           secs, gbps);
-    if (o->json)
-        printf("{\"baseline\":\"%s\",\"block_size\":%llu,\"duration_s\":%.3f,\"bytes\":%llu,"
-               "\"gbps\":%.6f}\n",
-               what, (unsigned long long)o->block, secs, (unsigned long long)bytes, gbps);
-    fflush(stdout);
-}
 
 /* Single-thread memcpy between two populated buffers of --buffer-size, block by block. */
-static int baseline_memcpy(const bench_opts_t *o)
+/* Single-thread memcpy between two populated buffers of `buffer` bytes, block by block, for
+ * `secs` seconds. Returns GB/s, or a negative value on error. */
+static double measure_memcpy(uint64_t buffer, uint64_t block, uint64_t secs)
 {
-    uint8_t *a = alloc_buffer(o->buffer), *b = alloc_buffer(o->buffer);
+    uint8_t *a = alloc_buffer(buffer), *b = alloc_buffer(buffer);
     if (!a || !b) {
-        fprintf(stderr, "bench: cannot allocate 2 x %llu bytes\n", (unsigned long long)o->buffer);
-        return 1;
+        fprintf(stderr, "bench: cannot allocate 2 x %llu bytes\n", (unsigned long long)buffer);
+        return -1;
     }
-    uint64_t nblocks = o->buffer / o->block, bytes = 0, i = 0;
-    uint64_t t0 = kvb__now_ns(), end = t0 + o->duration * 1000000000ull;
+    uint64_t nblocks = buffer / block, bytes = 0, i = 0;
+    uint64_t t0 = kvb__now_ns(), end = t0 + secs * 1000000000ull;
     while (kvb__now_ns() < end)
         for (int k = 0; k < 64; k++, i++) {
-            uint64_t off = (i % nblocks) * o->block;
-            memcpy(b + off, a + off, o->block);
-            bytes += o->block;
+            uint64_t off = (i % nblocks) * block;
+            memcpy(b + off, a + off, block);
+            bytes += block;
         }
-    report_baseline(o, "memcpy", bytes, (double)(kvb__now_ns() - t0) / 1e9);
-    munmap(a, o->buffer);
-    munmap(b, o->buffer);
-    return 0;
+    double s = (double)(kvb__now_ns() - t0) / 1e9;
+    munmap(a, buffer);
+    munmap(b, buffer);
+    return (double)bytes / s / 1e9;
 }
 
 /* Plain blocking sockets on loopback streaming the same blocks from a child to this process:
  * no framing, no protocol, the kernel copies only. */
-static int baseline_tcp(const bench_opts_t *o)
+/* Plain blocking sockets on loopback streaming `block`-sized sends from a child to this process
+ * for `secs` seconds: no framing, no protocol, only the kernel's copies. Returns GB/s or < 0. */
+static double measure_tcp(uint64_t buffer, uint64_t block, uint64_t secs)
 {
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -561,12 +669,12 @@ static int baseline_tcp(const bench_opts_t *o)
     if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
         getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
         perror("bench: baseline socket");
-        return 1;
+        return -1;
     }
-    uint8_t *buf = alloc_buffer(o->buffer);
+    uint8_t *buf = alloc_buffer(buffer);
     if (!buf)
-        return 1;
-    uint64_t nblocks = o->buffer / o->block;
+        return -1;
+    uint64_t nblocks = buffer / block;
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) { /* sender */
@@ -575,9 +683,9 @@ static int baseline_tcp(const bench_opts_t *o)
         if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa))
             _exit(1);
         for (uint64_t i = 0;; i++) {
-            uint64_t off = (i % nblocks) * o->block, done = 0;
-            while (done < o->block) {
-                ssize_t n = send(fd, buf + off + done, o->block - done, MSG_NOSIGNAL);
+            uint64_t off = (i % nblocks) * block, done = 0;
+            while (done < block) {
+                ssize_t n = send(fd, buf + off + done, block - done, MSG_NOSIGNAL);
                 if (n <= 0)
                     _exit(0);
                 done += (uint64_t)n;
@@ -586,22 +694,44 @@ static int baseline_tcp(const bench_opts_t *o)
     }
     int fd = accept(lfd, NULL, NULL);
     close(lfd);
-    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + o->duration * 1000000000ull;
+    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + secs * 1000000000ull;
     for (uint64_t i = 0; fd >= 0 && kvb__now_ns() < end; i++) {
-        uint64_t off = (i % nblocks) * o->block;
-        ssize_t n = recv(fd, buf + off, o->block, MSG_WAITALL);
+        uint64_t off = (i % nblocks) * block;
+        ssize_t n = recv(fd, buf + off, block, MSG_WAITALL);
         if (n <= 0)
             break;
         bytes += (uint64_t)n;
     }
-    double secs = (double)(kvb__now_ns() - t0) / 1e9;
+    double s = (double)(kvb__now_ns() - t0) / 1e9;
     if (fd >= 0)
         close(fd);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
-    munmap(buf, o->buffer);
-    report_baseline(o, "tcp", bytes, secs);
-    return bytes ? 0 : 1;
+    munmap(buf, buffer);
+    return bytes ? (double)bytes / s / 1e9 : -1;
+}
+
+double kvb_bench_ceiling(const char *what, uint64_t block, int secs)
+{
+    uint64_t buffer = 256ull << 20;
+    return !strcmp(what, "tcp") ? measure_tcp(buffer, block, (uint64_t)secs)
+                                : measure_memcpy(buffer, block, (uint64_t)secs);
+}
+
+static int run_baseline(const bench_opts_t *o)
+{
+    bool tcp = !strcmp(o->baseline, "tcp");
+    double gbps = tcp ? measure_tcp(o->buffer, o->block, o->duration)
+                      : measure_memcpy(o->buffer, o->block, o->duration);
+    if (gbps < 0)
+        return 1;
+    printf("baseline %s: block %llu B, %llu s, %.3f GB/s\n", o->baseline,
+           (unsigned long long)o->block, (unsigned long long)o->duration, gbps);
+    if (o->json)
+        printf("{\"baseline\":\"%s\",\"block_size\":%llu,\"duration_s\":%llu,\"gbps\":%.6f}\n",
+               o->baseline, (unsigned long long)o->block, (unsigned long long)o->duration, gbps);
+    fflush(stdout);
+    return 0;
 }
 
 static void usage(FILE *f)
@@ -627,7 +757,11 @@ static void usage(FILE *f)
             "  --seed N                  pattern seed (default 42)\n"
             "  --json                    also print one JSON object as the last line\n"
             "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
-            "                            or single-thread memcpy, with the same block size\n");
+            "                            or single-thread memcpy, with the same block size\n"
+            "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
+            "                            socket ping-pong, interleaved; p50/p99 of both\n"
+            "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
+            "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
 }
 
 static int parse_args(int argc, char **argv, bench_opts_t *o)
@@ -650,7 +784,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"lanes", 1, 0, 'L'},
                                           {"progress-threads", 1, 0, 'T'},
                                           {"help", 0, 0, 'h'},
-                                          {"baseline", 1, 0, 'X'},
+                                          {"baseline", 1, 0, 'X'},   {"latency", 0, 0, 'Y'},  {"kv", 1, 0, 'K'},
+        {"tokens", 1, 0, 'N'},     {"reps", 1, 0, 'R'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
                         .protocol = "tcp",
@@ -686,6 +821,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             o->write = !strcmp(optarg, "write");
             break;
         case 'b':
+            o->block_given = true;
             bad = kvb_cli_parse_size(optarg, &o->block) || !o->block || o->block > (1ull << 30);
             break;
         case 'B':
@@ -723,6 +859,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         case 'l':
             o->loopback = true;
             break;
+        case 'Y': o->latency = true; break;
+        case 'K': o->kv_model = optarg; break;
+        case 'N': bad = kvb_cli_parse_uint(optarg, 1u << 20, &o->tokens) || !o->tokens; break;
+        case 'R': bad = kvb_cli_parse_uint(optarg, 1000, &o->reps) || !o->reps; break;
         case 'X':
             bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy");
             o->baseline = optarg;
@@ -747,6 +887,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         fprintf(stderr, "kvbridge bench: unexpected argument '%s'\n", argv[optind]);
         return 2;
     }
+    if (o->latency && !o->block_given)
+        o->block = 64;
+    if (o->kv_model)
+        return 0; /* a self-contained workload: the other options do not apply */
     if (!o->loopback && !o->mode && !o->baseline) {
         fprintf(stderr, "kvbridge bench: give --mode target|initiator, or --loopback\n");
         return 2;
@@ -776,8 +920,13 @@ int kvb_cmd_bench(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    if (o.kv_model)
+        return kvb_bench_kv(o.kv_model, o.tokens ? o.tokens : 4096, o.protocol,
+                            (int)(o.reps ? o.reps : 5), o.verify, o.json);
     if (o.baseline)
-        return !strcmp(o.baseline, "tcp") ? baseline_tcp(&o) : baseline_memcpy(&o);
+        return run_baseline(&o);
+    if (o.latency && o.mode && !strcmp(o.mode, "initiator"))
+        return run_latency(&o);
     if (o.loopback)
         return run_loopback(&o);
     if (!strcmp(o.mode, "target"))

@@ -3,10 +3,17 @@
 #ifndef KVB_TOOLS_CLI_H
 #define KVB_TOOLS_CLI_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 int kvb_cmd_bench(int argc, char **argv);
 int kvb_cmd_topo(int argc, char **argv); /* src/tools/topo.c */
+
+/* The KV-shaped workload of `kvbridge bench --kv` (src/tools/bench_kv.c). */
+int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
+                 bool json);
+/* A ceiling measured now: "tcp" (raw loopback socket stream) or "memcpy", in GB/s (< 0: error). */
+double kvb_bench_ceiling(const char *what, uint64_t block, int secs);
 
 /* Parses a size with an optional K/M/G suffix (powers of 1024). Returns 0 on success. */
 int kvb_cli_parse_size(const char *s, uint64_t *out);

@@ -1,0 +1,316 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* kvbridge bench --kv MODEL --tokens N: moves one prompt's KV cache the way a PD deployment does -
+ * a prefill agent and a decode agent in two processes, block ids shuffled as a paged allocator
+ * leaves them, pulled through the KV layer's plans - and compares the time with bytes / ceiling. */
+#include <errno.h>
+#include <jansson.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "kvbridge/kv.h"
+#include "tools/cli.h"
+
+typedef struct {
+    const char *name;
+    kvb_kv_attn_t attn;
+    uint32_t layers, kv_heads, head_bytes; /* head_bytes: one head of one token (GQA) */
+    uint32_t latent_bytes;                 /* MLA: (kv_lora_rank + rope_dim) * dtype size */
+} kv_model_t;
+
+static const kv_model_t MODELS[] = {
+    {"llama3-8b", KVB_KV_ATTN_GQA, 32, 8, 128 * 2, 0},
+    {"llama3-70b", KVB_KV_ATTN_GQA, 80, 8, 128 * 2, 0},
+    {"deepseek-v3", KVB_KV_ATTN_MLA, 61, 0, 0, (512 + 64) * 2},
+};
+
+#define TOKENS_PER_BLOCK 16
+
+typedef struct {
+    kvb_engine_t *engine;
+    uint8_t *pool;
+    uint64_t pool_bytes;
+    kvb_kv_slot_t *slots;
+    kvb_kv_layout_t layout;
+    kvb_kv_agent_t *agent;
+} side_t;
+
+static uint64_t block_bytes(const kv_model_t *m)
+{
+    return m->attn == KVB_KV_ATTN_MLA ? (uint64_t)TOKENS_PER_BLOCK * m->latent_bytes
+                                      : (uint64_t)m->kv_heads * TOKENS_PER_BLOCK * m->head_bytes;
+}
+
+/* One rank's layout over a pool of `blocks` blocks per slot, slot buffers back to back. */
+static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char *protocol,
+                     kvb_kv_role_t role)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = protocol;
+    int rc = kvb_engine_create(&cfg, &s->engine);
+    if (rc)
+        return rc;
+    uint32_t per_layer = m->attn == KVB_KV_ATTN_MLA ? 1 : 2;
+    uint64_t bb = block_bytes(m), slot_bytes = bb * blocks;
+    s->pool_bytes = slot_bytes * per_layer * m->layers;
+    void *p = NULL;
+    if (strcmp(protocol, "tcp") == 0) {
+        p = mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        rc = p == MAP_FAILED ? KVB_ERR_NOMEM : KVB_OK;
+        p = p == MAP_FAILED ? NULL : p;
+    } else {
+        rc = kvb_alloc(s->engine, s->pool_bytes, 0, &p);
+    }
+    s->pool = p;
+    s->slots = calloc((size_t)per_layer * m->layers, sizeof *s->slots);
+    if (rc || !s->slots)
+        return rc ? rc : KVB_ERR_NOMEM;
+    for (uint32_t l = 0; l < m->layers; l++)
+        for (uint32_t k = 0; k < per_layer; k++) {
+            kvb_kv_slot_t *sl = &s->slots[l * per_layer + k];
+            *sl = (kvb_kv_slot_t){.layer = l,
+                                  .kind = m->attn == KVB_KV_ATTN_MLA ? KVB_KV_SLOT_LATENT
+                                          : k == 0                   ? KVB_KV_SLOT_K
+                                                                     : KVB_KV_SLOT_V,
+                                  .base = (uintptr_t)s->pool + (l * per_layer + k) * slot_bytes,
+                                  .len = slot_bytes,
+                                  .block_bytes = bb,
+                                  .num_blocks = blocks};
+            if (m->attn == KVB_KV_ATTN_GQA) {
+                sl->num_heads = m->kv_heads;
+                sl->head_bytes = m->head_bytes;
+                sl->order = KVB_KV_ORDER_HND;
+            }
+        }
+    s->layout = (kvb_kv_layout_t){.dtype = KVB_KV_DTYPE_BF16,
+                                  .tokens_per_block = TOKENS_PER_BLOCK,
+                                  .attn = m->attn,
+                                  .num_kv_heads = m->kv_heads,
+                                  .dp_size = 1,
+                                  .tp_size = 1,
+                                  .num_layers = m->layers,
+                                  .slots = s->slots,
+                                  .num_slots = (size_t)per_layer * m->layers};
+    snprintf(s->layout.model, sizeof s->layout.model, "%s", m->name);
+    char why[KVB_KV_REASON_MAX];
+    rc = kvb_kv_agent_create(s->engine, &s->layout, role, &s->agent, why, sizeof why);
+    if (rc)
+        fprintf(stderr, "bench --kv: agent: %s\n", why);
+    return rc;
+}
+
+static void side_fini(side_t *s, const char *protocol)
+{
+    kvb_kv_agent_destroy(s->agent);
+    kvb_engine_destroy(s->engine); /* frees kvb_alloc memory */
+    if (s->pool && strcmp(protocol, "tcp") == 0)
+        munmap(s->pool, s->pool_bytes);
+    free(s->slots);
+}
+
+/* The byte at `off` of a block: a function of (slot index, block id) so moves can be checked. */
+static uint8_t block_byte(size_t slot, uint64_t block, uint64_t off)
+{
+    uint64_t x = (slot * 0x9E3779B97F4A7C15ull) ^ (block << 20) ^ off;
+    return (uint8_t)((x * 0xBF58476D1CE4E5B9ull) >> 56);
+}
+
+static void fill_blocks(side_t *s)
+{
+    for (size_t i = 0; i < s->layout.num_slots; i++) {
+        const kvb_kv_slot_t *sl = &s->slots[i];
+        uint8_t *p = (uint8_t *)(uintptr_t)sl->base;
+        for (uint64_t b = 0; b < sl->num_blocks; b++)
+            for (uint64_t o = 0; o < sl->block_bytes; o++)
+                p[b * sl->block_bytes + o] = block_byte(i, b, o);
+    }
+}
+
+static uint64_t check_blocks(const side_t *s, const uint64_t *src, const uint64_t *dst, size_t n)
+{
+    uint64_t bad = 0;
+    for (size_t i = 0; i < s->layout.num_slots; i++) {
+        const kvb_kv_slot_t *sl = &s->slots[i];
+        const uint8_t *p = (const uint8_t *)(uintptr_t)sl->base;
+        for (size_t k = 0; k < n; k++)
+            for (uint64_t o = 0; o < sl->block_bytes; o++)
+                bad += p[dst[k] * sl->block_bytes + o] != block_byte(i, src[k], o);
+    }
+    return bad;
+}
+
+/* n distinct ids out of 0..pool-1 in random order: what a paged allocator hands out. */
+static void shuffled_ids(uint64_t *out, size_t n, uint64_t pool, uint64_t *seed)
+{
+    uint64_t *all = malloc(pool * sizeof *all);
+    for (uint64_t i = 0; i < pool; i++)
+        all[i] = i;
+    for (uint64_t i = pool - 1; i > 0; i--) {
+        *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+        uint64_t j = (*seed >> 33) % (i + 1), t = all[i];
+        all[i] = all[j];
+        all[j] = t;
+    }
+    memcpy(out, all, n * sizeof *out);
+    free(all);
+}
+
+/* The prefill process: serves its pool until the parent closes `life`. */
+static int prefill_main(const kv_model_t *m, uint64_t pool, const char *protocol, int report,
+                        int life)
+{
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    side_t s = {0};
+    if (side_init(&s, m, pool, protocol, KVB_KV_ROLE_PREFILL))
+        return 1;
+    fill_blocks(&s);
+    dprintf(report, "%s\n", kvb_engine_segment_name(s.engine));
+    close(report);
+    /* Pull mode: the decode confirms each request; counting them is the prefill's half. */
+    struct pollfd p = {.fd = life, .events = POLLIN};
+    while (poll(&p, 1, 100) == 0) {
+        kvb_notification_t *n = malloc(sizeof *n);
+        if (n)
+            kvb_kv_agent_notify_recv(s.agent, n, 0);
+        free(n);
+    }
+    side_fini(&s, protocol);
+    return 0;
+}
+
+static int cmp_dbl(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int pull_once(kvb_kv_link_t *link, const char *id, const uint64_t *src, const uint64_t *dst,
+                     size_t n, double *secs)
+{
+    char why[KVB_KV_REASON_MAX];
+    kvb_kv_xfer_t *x;
+    int rc = kvb_kv_xfer_begin(link, id, KVB_OP_READ, src, dst, n, 60000, &x, why, sizeof why);
+    if (rc) {
+        fprintf(stderr, "bench --kv: %s\n", why);
+        return rc;
+    }
+    uint64_t t0 = kvb__now_ns(); /* planning is done; time the move, as a connector sees it */
+    rc = kvb_kv_xfer_all(x);
+    int frc = kvb_kv_xfer_finish(x);
+    *secs = (double)(kvb__now_ns() - t0) / 1e9;
+    kvb_kv_xfer_free(x);
+    return rc ? rc : frc;
+}
+
+static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const char *protocol,
+                      const char *segment, int reps, bool verify, double ceiling, bool json)
+{
+    side_t s = {0};
+    kvb_kv_link_t *link = NULL;
+    char why[KVB_KV_REASON_MAX];
+    int rc = side_init(&s, m, pool, protocol, KVB_KV_ROLE_DECODE);
+    if (!rc && (rc = kvb_kv_link_open(s.agent, segment, &link, why, sizeof why)))
+        fprintf(stderr, "bench --kv: link: %s\n", why);
+    size_t n = (size_t)((tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK);
+    uint64_t *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst), seed = 7;
+    double *t = calloc((size_t)reps, sizeof *t);
+    uint64_t bad = 0;
+    for (int r = 0; !rc && r < reps; r++) {
+        shuffled_ids(src, n, pool, &seed);
+        shuffled_ids(dst, n, pool, &seed);
+        char id[32];
+        snprintf(id, sizeof id, "bench-%d", r);
+        rc = pull_once(link, id, src, dst, n, &t[r]);
+        if (!rc && verify && r == reps - 1)
+            bad = check_blocks(&s, src, dst, n);
+    }
+    uint64_t bytes = (uint64_t)n * block_bytes(m) * s.layout.num_slots;
+    if (!rc) {
+        qsort(t, (size_t)reps, sizeof *t, cmp_dbl);
+        double med = t[reps / 2], ideal = ceiling > 0 ? (double)bytes / (ceiling * 1e9) : 0;
+        const char *path = "?";
+        kvb_segment_t seg;
+        if (kvb_segment_open(s.engine, segment, &seg) == KVB_OK) {
+            kvb_segment_transport(s.engine, seg, &path);
+            kvb_segment_close(s.engine, seg);
+        }
+        printf("kvbridge bench --kv %s: %llu tokens, %u layers, %zu blocks of %llu B per slot, "
+               "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d), %.3f GB/s\n"
+               "  ceiling %.3f GB/s -> bytes/ceiling %.2f ms, ratio %.3f%s\n",
+               m->name, (unsigned long long)tokens, m->layers, n,
+               (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3,
+               reps, (double)bytes / med / 1e9, ceiling, ideal * 1e3, ideal > 0 ? med / ideal : 0,
+               verify ? (bad ? ", verify FAILED" : ", verified") : "");
+        if (json)
+            printf("{\"kv_model\":\"%s\",\"tokens\":%llu,\"protocol\":\"%s\",\"bytes\":%llu,"
+                   "\"median_ms\":%.3f,\"gbps\":%.4f,\"ceiling_gbps\":%.4f,\"ratio\":%.4f,"
+                   "\"verified\":%s}\n",
+                   m->name, (unsigned long long)tokens, path, (unsigned long long)bytes, med * 1e3,
+                   (double)bytes / med / 1e9, ceiling, ideal > 0 ? med / ideal : 0,
+                   verify ? (bad ? "false" : "true") : "null");
+    } else {
+        fprintf(stderr, "bench --kv: transfer failed: %s\n", kvb_strerror(rc));
+    }
+    free(src);
+    free(dst);
+    free(t);
+    kvb_kv_link_close(link);
+    side_fini(&s, protocol);
+    return rc || bad ? 1 : 0;
+}
+
+int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
+                 bool json)
+{
+    const kv_model_t *m = NULL;
+    for (size_t i = 0; i < sizeof MODELS / sizeof MODELS[0]; i++)
+        if (!strcmp(MODELS[i].name, model))
+            m = &MODELS[i];
+    if (!m) {
+        fprintf(stderr, "kvbridge bench: unknown --kv model '%s' (llama3-8b, llama3-70b, "
+                        "deepseek-v3)\n", model);
+        return 2;
+    }
+    if (tokens == 0 || tokens > (1u << 20)) {
+        fprintf(stderr, "kvbridge bench: --tokens must be 1..1048576\n");
+        return 2;
+    }
+    /* The ceiling for this path, measured now: raw socket stream for TCP, memcpy otherwise. */
+    double ceiling = kvb_bench_ceiling(strcmp(protocol, "tcp") ? "memcpy" : "tcp", 1 << 20, 2);
+    uint64_t pool = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK + 64;
+    int name_pipe[2], life[2];
+    if (pipe(name_pipe) || pipe(life))
+        return 1;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(name_pipe[0]);
+        close(life[1]);
+        _exit(prefill_main(m, pool, protocol, name_pipe[1], life[0]));
+    }
+    close(name_pipe[1]);
+    close(life[0]);
+    char seg[KVB_NAME_MAX + 2] = "";
+    ssize_t got = read(name_pipe[0], seg, sizeof seg - 1);
+    close(name_pipe[0]);
+    int rc = 1;
+    char *nl = got > 0 ? strchr(seg, '\n') : NULL;
+    if (nl) {
+        *nl = '\0';
+        rc = decode_run(m, tokens, pool, protocol, seg, reps, verify, ceiling, json);
+    } else {
+        fprintf(stderr, "bench --kv: the prefill process did not start\n");
+    }
+    close(life[1]);
+    waitpid(pid, NULL, 0);
+    return rc;
+}
