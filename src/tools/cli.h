@@ -7,7 +7,8 @@
 #include <stdint.h>
 
 int kvb_cmd_bench(int argc, char **argv);
-int kvb_cmd_topo(int argc, char **argv); /* src/tools/topo.c */
+int kvb_cmd_topo(int argc, char **argv);  /* src/tools/topo.c */
+int kvb_cmd_model(int argc, char **argv); /* src/tools/model.c */
 
 /* The KV-shaped workload of `kvbridge bench --kv` (src/tools/bench_kv.c). */
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,

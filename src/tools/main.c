@@ -69,8 +69,8 @@ static void usage(FILE *f)
         "kvbridge %s - KV-cache transfer engine for PD-disaggregated LLM serving\n\n"
         "usage: kvbridge <command> [options]\n\n"
         "commands:\n"
-        "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
-        "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
+        "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"               "  model     write or inspect reference-model weight files (kvbridge model --help)\n"
+               "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
         "  version   print the version\n",
         KVB_VERSION_STRING);
 }
@@ -86,6 +86,8 @@ int main(int argc, char **argv)
         return kvb_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "topo"))
         return kvb_cmd_topo(argc - 1, argv + 1);
+    if (!strcmp(cmd, "model"))
+        return kvb_cmd_model(argc - 1, argv + 1);
     if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) {
         printf("kvbridge %s\n", KVB_VERSION_STRING);
         return 0;
