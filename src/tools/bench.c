@@ -36,7 +36,7 @@ typedef struct {
     const char *kv_model; /* --kv: the KV-shaped workload instead */
     uint64_t tokens, reps;
     bool latency, block_given;
-    const char *path;     /* what the initiator's engine chose: "tcp" or "shm" */
+    const char *path; /* what the initiator's engine chose: "tcp" or "shm" */
     bool loopback, verify, json;
     int write; /* operation */
     uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
@@ -465,7 +465,8 @@ out:
     return status;
 }
 
-/* ---- latency: small READ round trips beside a raw socket ping-pong ---------------------------- */
+/* ---- latency: small READ round trips beside a raw socket ping-pong ----------------------------
+ */
 
 /* A child that echoes `len`-byte messages on a loopback TCP socket; returns the client fd. */
 static int start_echo(uint64_t len, pid_t *pid)
@@ -632,7 +633,6 @@ static int run_loopback(bench_opts_t *o)
 /* ---- ceilings: what the hardware gives without kvbridge ---------------------------------------
  */
 
-
 /* Single-thread memcpy between two populated buffers of --buffer-size, block by block. */
 /* Single-thread memcpy between two populated buffers of `buffer` bytes, block by block, for
  * `secs` seconds. Returns GB/s, or a negative value on error. */
@@ -736,32 +736,32 @@ static int run_baseline(const bench_opts_t *o)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: kvbridge bench [options]\n"
-            "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
-            "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
-            "                            initiator against it\n"
-            "  --segment NAME            target segment (host:port) for --mode initiator\n"
-            "  --port P                  target port (default: any free port, printed)\n"
-            "  --bind ADDR               address to bind (default 127.0.0.1)\n"
-            "  --operation read|write    default read\n"
-            "  --block-size N[K|M]       bytes per request (default 64K)\n"
-            "  --batch-size N            requests per batch (default 128)\n"
-            "  --threads N               submitting threads (default 1)\n"
-            "  --duration S              seconds to run (default 5)\n"
-            "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
-            "  --protocol tcp|shm|auto   data path (default tcp; auto: shared memory on one host)\n"
-            "  --lanes N                 connections per peer (default 2)\n"
-            "  --progress-threads N      engine progress threads (default 1)\n"
-            "  --verify                  seeded pattern; check every byte that arrives\n"
-            "  --seed N                  pattern seed (default 42)\n"
-            "  --json                    also print one JSON object as the last line\n"
-            "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
-            "                            or single-thread memcpy, with the same block size\n"
-            "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
-            "                            socket ping-pong, interleaved; p50/p99 of both\n"
-            "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
-            "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
+    fprintf(
+        f, "usage: kvbridge bench [options]\n"
+           "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
+           "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
+           "                            initiator against it\n"
+           "  --segment NAME            target segment (host:port) for --mode initiator\n"
+           "  --port P                  target port (default: any free port, printed)\n"
+           "  --bind ADDR               address to bind (default 127.0.0.1)\n"
+           "  --operation read|write    default read\n"
+           "  --block-size N[K|M]       bytes per request (default 64K)\n"
+           "  --batch-size N            requests per batch (default 128)\n"
+           "  --threads N               submitting threads (default 1)\n"
+           "  --duration S              seconds to run (default 5)\n"
+           "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
+           "  --protocol tcp|shm|auto   data path (default tcp; auto: shared memory on one host)\n"
+           "  --lanes N                 connections per peer (default 2)\n"
+           "  --progress-threads N      engine progress threads (default 1)\n"
+           "  --verify                  seeded pattern; check every byte that arrives\n"
+           "  --seed N                  pattern seed (default 42)\n"
+           "  --json                    also print one JSON object as the last line\n"
+           "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
+           "                            or single-thread memcpy, with the same block size\n"
+           "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
+           "                            socket ping-pong, interleaved; p50/p99 of both\n"
+           "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
+           "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
 }
 
 static int parse_args(int argc, char **argv, bench_opts_t *o)
@@ -784,8 +784,11 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"lanes", 1, 0, 'L'},
                                           {"progress-threads", 1, 0, 'T'},
                                           {"help", 0, 0, 'h'},
-                                          {"baseline", 1, 0, 'X'},   {"latency", 0, 0, 'Y'},  {"kv", 1, 0, 'K'},
-        {"tokens", 1, 0, 'N'},     {"reps", 1, 0, 'R'},
+                                          {"baseline", 1, 0, 'X'},
+                                          {"latency", 0, 0, 'Y'},
+                                          {"kv", 1, 0, 'K'},
+                                          {"tokens", 1, 0, 'N'},
+                                          {"reps", 1, 0, 'R'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
                         .protocol = "tcp",
@@ -859,10 +862,18 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         case 'l':
             o->loopback = true;
             break;
-        case 'Y': o->latency = true; break;
-        case 'K': o->kv_model = optarg; break;
-        case 'N': bad = kvb_cli_parse_uint(optarg, 1u << 20, &o->tokens) || !o->tokens; break;
-        case 'R': bad = kvb_cli_parse_uint(optarg, 1000, &o->reps) || !o->reps; break;
+        case 'Y':
+            o->latency = true;
+            break;
+        case 'K':
+            o->kv_model = optarg;
+            break;
+        case 'N':
+            bad = kvb_cli_parse_uint(optarg, 1u << 20, &o->tokens) || !o->tokens;
+            break;
+        case 'R':
+            bad = kvb_cli_parse_uint(optarg, 1000, &o->reps) || !o->reps;
+            break;
         case 'X':
             bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy");
             o->baseline = optarg;

@@ -247,8 +247,8 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
                "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d), %.3f GB/s\n"
                "  ceiling %.3f GB/s -> bytes/ceiling %.2f ms, ratio %.3f%s\n",
                m->name, (unsigned long long)tokens, m->layers, n,
-               (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3,
-               reps, (double)bytes / med / 1e9, ceiling, ideal * 1e3, ideal > 0 ? med / ideal : 0,
+               (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3, reps,
+               (double)bytes / med / 1e9, ceiling, ideal * 1e3, ideal > 0 ? med / ideal : 0,
                verify ? (bad ? ", verify FAILED" : ", verified") : "");
         if (json)
             printf("{\"kv_model\":\"%s\",\"tokens\":%llu,\"protocol\":\"%s\",\"bytes\":%llu,"
@@ -276,8 +276,10 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
         if (!strcmp(MODELS[i].name, model))
             m = &MODELS[i];
     if (!m) {
-        fprintf(stderr, "kvbridge bench: unknown --kv model '%s' (llama3-8b, llama3-70b, "
-                        "deepseek-v3)\n", model);
+        fprintf(stderr,
+                "kvbridge bench: unknown --kv model '%s' (llama3-8b, llama3-70b, "
+                "deepseek-v3)\n",
+                model);
         return 2;
     }
     if (tokens == 0 || tokens > (1u << 20)) {

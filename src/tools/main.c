@@ -69,8 +69,9 @@ static void usage(FILE *f)
         "kvbridge %s - KV-cache transfer engine for PD-disaggregated LLM serving\n\n"
         "usage: kvbridge <command> [options]\n\n"
         "commands:\n"
-        "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"               "  model     write or inspect reference-model weight files (kvbridge model --help)\n"
-               "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
+        "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
+        "  model     write or inspect reference-model weight files (kvbridge model --help)\n"
+        "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
         "  version   print the version\n",
         KVB_VERSION_STRING);
 }

@@ -60,20 +60,26 @@ struct tcp_conn {
     kvb_peer_t *peer;      /* ROLE_INIT: the peer this lane belongs to (ref held) */
     struct tcp_conn *next; /* the owning thread's list */
 
-    pthread_mutex_t mu; /* guards pend list and the flags below it */
-    kvb_op_t *pend_head, *pend_tail;
+    kvb_registry_t *registry; /* where pinned regions go back */
+
+    /* The send side, guarded by mu: submitting threads encode their requests and send them
+     * inline when the socket is idle; the owner thread finishes what the socket did not take
+     * (EPOLLOUT) and sends a target's answers. Requests join the in-flight list in wire order,
+     * which is the order their answers come back in. */
+    pthread_mutex_t mu;
     bool dead;             /* closed: submissions fail at once */
     atomic_bool close_req; /* someone asked the owner thread to close it (read unlocked) */
     int close_err;
-
-    /* Everything below belongs to the owner thread. */
-    kvb_op_t *inflight_head, *inflight_tail; /* sent requests, in wire order */
+    kvb_op_t *inflight_head, *inflight_tail;
     uint64_t next_id;
     tcp_frame_t *txq_head, *txq_tail;
     size_t txq_count;
     uint64_t tx_off; /* bytes of txq_head already sent */
     bool want_out;   /* EPOLLOUT armed */
     bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
+    tcp_frame_t *free_frames;
+
+    /* Everything below belongs to the owner thread. */
     bool hello_done; /* ROLE_TARGET: handshake received */
     bool rx_more;    /* read budget ran out with bytes left: read again on the scan */
     char from[KVB_NAME_MAX + 1];
@@ -96,12 +102,11 @@ struct tcp_thread {
     pthread_t tid;
     int epfd, evfd;
     atomic_bool wake_pending;
-    pthread_mutex_t mu;       /* guards incoming */
-    tcp_conn_t *incoming;     /* new connections handed to this thread */
-    tcp_conn_t *conns;        /* owner only */
-    bool need_scan;           /* owner only: some conn wants closing */
-    tcp_frame_t *free_frames; /* owner only */
-    uint8_t *scratch;         /* owner only: where discarded payload bytes go */
+    pthread_mutex_t mu;   /* guards incoming */
+    tcp_conn_t *incoming; /* new connections handed to this thread */
+    tcp_conn_t *conns;    /* owner only */
+    bool need_scan;       /* owner only: some conn wants closing */
+    uint8_t *scratch;     /* owner only: where discarded payload bytes go */
 };
 
 struct kvb_transport {
@@ -121,7 +126,8 @@ typedef struct {
     kvb_shm_link_t *link; /* same-host data path; NULL: bytes go over the lanes */
 } tcp_peer_t;
 
-static char listen_tag, wake_tag; /* epoll data.ptr markers */
+static char listen_tag, wake_tag;       /* epoll data.ptr markers */
+static __thread tcp_thread_t *tls_self; /* the progress thread running this code, if any */
 
 /* ---- connections ---------------------------------------------------------------------------- */
 
@@ -131,6 +137,11 @@ static void conn_release(tcp_conn_t *c)
         return;
     if (c->fd >= 0)
         close(c->fd);
+    while (c->free_frames) {
+        tcp_frame_t *f = c->free_frames;
+        c->free_frames = f->next;
+        free(f);
+    }
     kvb__peer_release(c->peer);
     pthread_mutex_destroy(&c->mu);
     free(c->rxbuf);
@@ -155,7 +166,7 @@ static int set_sock_opts(int fd)
     return KVB_OK;
 }
 
-static tcp_conn_t *conn_new(int fd, int role)
+static tcp_conn_t *conn_new(kvb_transport_t *tp, int fd, int role)
 {
     tcp_conn_t *c = calloc(1, sizeof *c);
     if (!c)
@@ -168,6 +179,7 @@ static tcp_conn_t *conn_new(int fd, int role)
     atomic_init(&c->refs, 1);
     c->fd = fd;
     c->role = role;
+    c->registry = &tp->engine->registry;
     c->next_id = 1;
     pthread_mutex_init(&c->mu, NULL);
     return c;
@@ -222,16 +234,18 @@ static void conn_fail(tcp_conn_t *c, int err, const char *what)
         KVB_DEBUG("connection from %s closed: %s", c->hello_done ? c->from : "?", what);
     }
     conn_request_close(c, err);
-    c->th->need_scan = true;
+    if (tls_self && tls_self == c->th)
+        c->th->need_scan = true;
 }
 
-static void frame_release(tcp_thread_t *th, tcp_frame_t *f)
+/* Returns a sent (or dropped) frame to c's free list. Caller holds c->mu. */
+static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
 {
     if (f->pin)
-        kvb__region_unpin(&th->tp->engine->registry, f->pin);
+        kvb__region_unpin(c->registry, f->pin);
     free(f->owned);
-    f->next = th->free_frames;
-    th->free_frames = f;
+    f->next = c->free_frames;
+    c->free_frames = f;
 }
 
 static void fail_op_list(kvb_op_t *op, int err)
@@ -244,13 +258,21 @@ static void fail_op_list(kvb_op_t *op, int err)
 }
 
 /* Owner thread: tears c down and ends everything it held. */
+/* Owner thread: tears c down and ends everything it held. */
 static void conn_close(tcp_conn_t *c)
 {
     pthread_mutex_lock(&c->mu);
     c->dead = true;
     int err = c->close_err ? c->close_err : KVB_ERR_PEER_LOST;
-    kvb_op_t *pend = c->pend_head;
-    c->pend_head = c->pend_tail = NULL;
+    while (c->txq_head) {
+        tcp_frame_t *f = c->txq_head;
+        c->txq_head = f->next;
+        frame_release(c, f);
+    }
+    c->txq_tail = NULL;
+    c->txq_count = 0;
+    kvb_op_t *inflight = c->inflight_head;
+    c->inflight_head = c->inflight_tail = NULL;
     pthread_mutex_unlock(&c->mu);
 
     if (c->fd >= 0) {
@@ -258,15 +280,8 @@ static void conn_close(tcp_conn_t *c)
         close(c->fd);
         c->fd = -1;
     }
-    while (c->txq_head) {
-        tcp_frame_t *f = c->txq_head;
-        c->txq_head = f->next;
-        frame_release(c->th, f);
-    }
-    c->txq_tail = NULL;
-    c->txq_count = 0;
     if (c->rx_pin)
-        kvb__region_unpin(&c->th->tp->engine->registry, c->rx_pin);
+        kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
@@ -274,10 +289,7 @@ static void conn_close(tcp_conn_t *c)
     c->shm_peer = NULL;
     c->rx_dst = NULL;
     c->rx_sink = SINK_DRAIN;
-    kvb_op_t *inflight = c->inflight_head;
-    c->inflight_head = c->inflight_tail = NULL;
     fail_op_list(inflight, err);
-    fail_op_list(pend, err);
     /* Break the peer <-> lane reference cycle: a closed lane no longer needs its peer. */
     kvb_peer_t *p = c->peer;
     c->peer = NULL;
@@ -286,11 +298,12 @@ static void conn_close(tcp_conn_t *c)
 
 /* ---- sending -------------------------------------------------------------------------------- */
 
-static tcp_frame_t *frame_get(tcp_thread_t *th)
+/* Caller holds c->mu. */
+static tcp_frame_t *frame_get(tcp_conn_t *c)
 {
-    tcp_frame_t *f = th->free_frames;
+    tcp_frame_t *f = c->free_frames;
     if (f) {
-        th->free_frames = f->next;
+        c->free_frames = f->next;
         memset(f, 0, sizeof *f);
         return f;
     }
@@ -308,13 +321,14 @@ static void txq_push(tcp_conn_t *c, tcp_frame_t *f)
     c->txq_tail = f;
 }
 
-static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *data,
-                       kvb_region_t *pin, void *owned)
+/* Appends a frame to the send queue. Caller holds c->mu. */
+static int queue_frame_locked(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *data,
+                              kvb_region_t *pin, void *owned)
 {
-    tcp_frame_t *f = frame_get(c->th);
+    tcp_frame_t *f = frame_get(c);
     if (!f) {
         if (pin)
-            kvb__region_unpin(&c->th->tp->engine->registry, pin);
+            kvb__region_unpin(c->registry, pin);
         free(owned);
         return KVB_ERR_NOMEM;
     }
@@ -327,22 +341,33 @@ static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *d
     return KVB_OK;
 }
 
-static void set_events(tcp_conn_t *c, bool want_out, bool rx_paused)
+static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *data,
+                       kvb_region_t *pin, void *owned)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = queue_frame_locked(c, h, data, pin, owned);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+/* Caller holds c->mu. Returns KVB_OK or KVB_ERR_SYSTEM. */
+static int set_events(tcp_conn_t *c, bool want_out, bool rx_paused)
 {
     if (c->want_out == want_out && c->rx_paused == rx_paused)
-        return;
+        return KVB_OK;
     struct epoll_event ev = {.events = (rx_paused ? 0 : EPOLLIN) | (want_out ? EPOLLOUT : 0),
                              .data.ptr = c};
-    if (epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) != 0) {
-        conn_fail(c, KVB_ERR_SYSTEM, "epoll_ctl failed");
-        return;
-    }
+    if (epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) != 0)
+        return KVB_ERR_SYSTEM;
     c->want_out = want_out;
     c->rx_paused = rx_paused;
+    return KVB_OK;
 }
 
 /* Sends as much of the queue as the socket takes, many frames per sendmsg. */
-static void conn_flush(tcp_conn_t *c)
+/* Sends as much of the queue as the socket takes, many frames per sendmsg. Caller holds c->mu.
+ * Returns KVB_OK (all sent, or the rest waits for EPOLLOUT) or the error that ends c. */
+static int conn_flush_locked(tcp_conn_t *c)
 {
     struct iovec iov[IOV_CAP];
     while (c->txq_head && !c->close_req) {
@@ -365,18 +390,13 @@ static void conn_flush(tcp_conn_t *c)
         }
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
         ssize_t n = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                set_events(c, true, c->rx_paused);
-                return;
-            }
-            conn_fail(c, KVB_ERR_PEER_LOST, strerror(errno));
-            return;
-        }
-        uint64_t left = (uint64_t)n;
-        while (left > 0) {
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return set_events(c, true, c->rx_paused);
+        if (n < 0)
+            return KVB_ERR_PEER_LOST;
+        for (uint64_t left = (uint64_t)n; left > 0;) {
             tcp_frame_t *f = c->txq_head;
             uint64_t rem = KVB_WIRE_HDR_SIZE + f->len - c->tx_off;
             if (left < rem) {
@@ -389,25 +409,35 @@ static void conn_flush(tcp_conn_t *c)
             if (!c->txq_head)
                 c->txq_tail = NULL;
             c->txq_count--;
-            frame_release(c->th, f);
+            frame_release(c, f);
         }
         if (c->rx_paused && c->txq_count < TXQ_LOW && !c->close_req) {
-            set_events(c, c->want_out, false);
+            /* Only targets pause, and only their owner thread sends their answers. */
+            if (set_events(c, c->want_out, false))
+                return KVB_ERR_SYSTEM;
             c->rx_more = true; /* frames may wait in rxbuf with nothing new on the socket */
             c->th->need_scan = true;
         }
     }
     if (!c->txq_head && c->want_out && !c->close_req)
-        set_events(c, false, c->rx_paused);
+        return set_events(c, false, c->rx_paused);
+    return KVB_OK;
+}
+
+static void conn_flush(tcp_conn_t *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = c->txq_head ? conn_flush_locked(c) : KVB_OK;
+    pthread_mutex_unlock(&c->mu);
+    if (rc) /* outside the lock: failing a peer closes (and locks) all of its lanes */
+        conn_fail(c, rc, rc == KVB_ERR_SYSTEM ? "epoll_ctl failed" : "send failed");
 }
 
 /* Owner thread: turns newly submitted ops into request frames, in order. */
-static void conn_take_pending(tcp_conn_t *c)
+/* Encodes ops (linked through op->next) as request frames behind what is queued and moves them
+ * in flight, in order. Caller holds c->mu. Ops that cannot be queued end in *failed. */
+static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
 {
-    pthread_mutex_lock(&c->mu);
-    kvb_op_t *op = c->pend_head;
-    c->pend_head = c->pend_tail = NULL;
-    pthread_mutex_unlock(&c->mu);
     static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
     while (op) {
         kvb_op_t *next = op->next;
@@ -418,9 +448,9 @@ static void conn_take_pending(tcp_conn_t *c)
                              .id = op->wire_id,
                              .addr = op->remote,
                              .len = op->len};
-        int rc = queue_frame(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL);
-        if (rc) {
-            kvb__op_done(op, rc, 0);
+        if (queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL)) {
+            op->next = *failed;
+            *failed = op;
             op = next;
             continue;
         }
@@ -576,13 +606,16 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 }
 
 /* Initiator side: a response header arrived; it must answer the oldest request in flight. */
+/* Initiator side: a response header arrived; it must answer the oldest request in flight. */
 static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     static const uint8_t resp_of[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK,
                                       KVB_FRAME_NOTIFY_ACK};
     if (h->type == KVB_FRAME_ERROR)
         return h->status < 0 ? h->status : KVB_ERR_PROTOCOL;
-    kvb_op_t *op = c->inflight_head;
+    pthread_mutex_lock(&c->mu);
+    kvb_op_t *op = c->inflight_head; /* stays valid: only this thread retires in-flight ops */
+    pthread_mutex_unlock(&c->mu);
     if (!op || h->id != op->wire_id || h->type != resp_of[op->kind] ||
         !(h->flags & KVB_FRAME_F_SHM) != !op->shm)
         return KVB_ERR_PROTOCOL;
@@ -598,10 +631,12 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 
 static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
+    pthread_mutex_lock(&c->mu);
     kvb_op_t *op = c->inflight_head;
     c->inflight_head = op->next;
     if (!c->inflight_head)
         c->inflight_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
     op->next = NULL;
     c->rx_op = NULL;
     kvb__op_done(op, h->status, h->status ? 0 : op->len);
@@ -716,8 +751,12 @@ static void conn_read(tcp_conn_t *c)
             c->rx_got += (uint64_t)n;
             continue;
         }
-        if (c->txq_count >= TXQ_HIGH) {
-            set_events(c, true, true); /* resumed by conn_flush once the answers drain */
+        if (c->role == ROLE_TARGET && c->txq_count >= TXQ_HIGH) {
+            pthread_mutex_lock(&c->mu); /* resumed by conn_flush once the answers drain */
+            int rc = set_events(c, true, true);
+            pthread_mutex_unlock(&c->mu);
+            if (rc)
+                conn_fail(c, rc, "epoll_ctl failed");
             return;
         }
         if (c->rx_len - c->rx_pos >= KVB_WIRE_HDR_SIZE) {
@@ -769,10 +808,7 @@ static void thread_scan(tcp_thread_t *th)
     }
     for (tcp_conn_t **pp = &th->conns; *pp;) {
         tcp_conn_t *c = *pp;
-        pthread_mutex_lock(&c->mu);
-        bool closing = c->close_req, pending = c->pend_head != NULL;
-        pthread_mutex_unlock(&c->mu);
-        if (closing) {
+        if (c->close_req) {
             *pp = c->next;
             conn_close(c);
             conn_release(c);
@@ -782,10 +818,7 @@ static void thread_scan(tcp_thread_t *th)
             c->rx_more = false;
             conn_read(c);
         }
-        if (pending)
-            conn_take_pending(c);
-        if (c->txq_head)
-            conn_flush(c);
+        conn_flush(c);
         pp = &c->next;
     }
 }
@@ -799,7 +832,7 @@ static void accept_all(kvb_transport_t *tp)
                 KVB_WARN("accept: %s", strerror(errno));
             return;
         }
-        tcp_conn_t *c = set_sock_opts(fd) == KVB_OK ? conn_new(fd, ROLE_TARGET) : NULL;
+        tcp_conn_t *c = set_sock_opts(fd) == KVB_OK ? conn_new(tp, fd, ROLE_TARGET) : NULL;
         if (!c) {
             close(fd);
             continue;
@@ -812,6 +845,7 @@ static void *thread_main(void *arg)
 {
     tcp_thread_t *th = arg;
     struct epoll_event evs[MAX_EVENTS];
+    tls_self = th;
     while (!atomic_load(&th->tp->stop)) {
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
          * without sleeping. */
@@ -838,7 +872,9 @@ static void *thread_main(void *arg)
                     continue; /* closed in the scan below, never freed before it */
                 if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR))
                     conn_read(c);
-                if (!c->close_req && (c->txq_head || (evs[i].events & EPOLLOUT)))
+                /* A target's answers were queued by the read; an initiator's requests wait
+                 * for EPOLLOUT only when the socket was full. */
+                if (!c->close_req && (c->role == ROLE_TARGET || (evs[i].events & EPOLLOUT)))
                     conn_flush(c);
             }
         }
@@ -981,11 +1017,7 @@ static void tcp_destroy(kvb_transport_t *tp)
             c->th = NULL;
             conn_release(c);
         }
-        while (th->free_frames) {
-            tcp_frame_t *f = th->free_frames;
-            th->free_frames = f->next;
-            free(f);
-        }
+
         if (th->epfd >= 0)
             close(th->epfd);
         if (th->evfd >= 0)
@@ -1216,7 +1248,7 @@ static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
     if (rc)
         return rc; /* the caller's release frees tpp */
     for (int i = 0; i < lanes; i++) {
-        tcp_conn_t *c = conn_new(fds[i], ROLE_INIT);
+        tcp_conn_t *c = conn_new(tp, fds[i], ROLE_INIT);
         if (!c) {
             for (int j = i; j < lanes; j++)
                 close(fds[j]);
@@ -1238,24 +1270,27 @@ static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
     return rc;
 }
 
-static void lane_append(tcp_conn_t *c, kvb_op_t *head, kvb_op_t *tail)
+/* Queues ops on a lane and, if the socket was idle, sends them from this thread right away: a
+ * small request reaches the wire without waking the progress thread. */
+static void lane_append(tcp_conn_t *c, kvb_op_t *head)
 {
+    kvb_op_t *failed = NULL;
+    int rc = KVB_OK;
     pthread_mutex_lock(&c->mu);
-    bool dead = c->dead || c->close_req;
-    bool was_empty = c->pend_head == NULL;
-    if (!dead) {
-        if (c->pend_tail)
-            c->pend_tail->next = head;
-        else
-            c->pend_head = head;
-        c->pend_tail = tail;
-    }
     int err = c->close_err ? c->close_err : KVB_ERR_PEER_LOST;
+    bool dead = c->dead || c->close_req;
+    if (!dead) {
+        bool idle = c->txq_head == NULL; /* else a flush is owed already (EPOLLOUT is armed) */
+        queue_ops_locked(c, head, &failed);
+        if (idle)
+            rc = conn_flush_locked(c);
+    }
     pthread_mutex_unlock(&c->mu);
     if (dead)
         fail_op_list(head, err);
-    else if (was_empty)
-        thread_wake(c->th);
+    fail_op_list(failed, KVB_ERR_NOMEM);
+    if (rc)
+        conn_fail(c, rc, "send failed");
 }
 
 static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
@@ -1284,7 +1319,7 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
             ops = ops->next;
         }
         tail->next = NULL;
-        lane_append(tpp->lanes[lane], head, tail);
+        lane_append(tpp->lanes[lane], head);
         lane = (lane + 1) % (unsigned)tpp->nlanes;
     }
 }
