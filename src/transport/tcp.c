@@ -721,6 +721,7 @@ static int on_frame_end(tcp_conn_t *c)
 static void conn_read(tcp_conn_t *c)
 {
     int budget = 32;
+    bool drained = false; /* the last read took less than offered: the socket is empty */
     while (!c->close_req) {
         if (c->rx_state == RX_PAYLOAD) {
             uint64_t want = c->rx_plen - c->rx_got;
@@ -765,6 +766,8 @@ static void conn_read(tcp_conn_t *c)
             continue;
         }
     fill:
+        if (drained)
+            return; /* saves the recv that would only say EAGAIN; epoll is level-triggered */
         if (budget-- == 0)
             break;
         if (c->rx_pos > 0) { /* compact what is left of a partial header */
@@ -772,9 +775,11 @@ static void conn_read(tcp_conn_t *c)
             c->rx_len -= c->rx_pos;
             c->rx_pos = 0;
         }
-        ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, RXBUF_SIZE - c->rx_len, MSG_DONTWAIT);
+        size_t space = RXBUF_SIZE - c->rx_len;
+        ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, space, MSG_DONTWAIT);
         if (n > 0) {
             c->rx_len += (size_t)n;
+            drained = (size_t)n < space;
             continue;
         }
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
