@@ -10,7 +10,7 @@ BUILD_PKGS := gcc make cmake pkg-config libjansson-dev
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev
 DEMO_PKGS  := $(BUILD_PKGS)
 
-.PHONY: all build deps-build deps-test test test-asan demo bench clean format
+.PHONY: all build deps-build deps-test deps-bench test test-asan demo bench clean format
 
 all: build
 
@@ -23,6 +23,9 @@ deps-build:
 
 deps-test:
 	@scripts/install-deps.sh $(TEST_PKGS)
+
+deps-bench:
+	@scripts/install-deps.sh $(BUILD_PKGS) gnuplot-nox
 
 # The whole suite, then once more under AddressSanitizer + UndefinedBehaviorSanitizer.
 test: deps-test build
@@ -38,6 +41,10 @@ test-asan: deps-test
 demo: deps-build build
 	$(BUILD)/kvbridge bench --loopback --verify --operation read --duration 3
 	$(BUILD)/kvbridge bench --loopback --verify --operation write --duration 3
+
+# The benchmark suite (about 8 minutes): writes bench/results/ (CSV, Markdown, PNG).
+bench: deps-bench build
+	bench/run.sh
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)

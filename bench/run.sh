@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The benchmark suite behind `make bench`: a throughput sweep, the goal workloads measured as
+# medians of interleaved runs against ceilings measured in the same run, small-READ latency and the
+# KV-shaped workload. Writes bench/results/{sweep.csv,goals.csv,results.md,throughput.png}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-build/kvbridge}
+OUT=${OUT:-bench/results}
+SWEEP_SECS=${SWEEP_SECS:-1}
+GOAL_SECS=${GOAL_SECS:-2}
+REPS=${REPS:-5}
+BUF=${BUF:-64M}
+mkdir -p "$OUT"
+
+say() { if [ -t 2 ]; then printf '\r\033[K%s' "$*" >&2; else echo "$*" >&2; fi; }
+field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^,\"}]*\).*/\1/p" | tail -n 1; }
+# The median of the numbers on stdin.
+median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+run() { "$BIN" bench "$@" --json 2>/dev/null | tail -n 1; }
+kvb_gbps() { run --loopback --buffer-size "$BUF" "$@" | field gbps; }
+ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size "$BUF" | field gbps; }
+
+# ---- sweep ------------------------------------------------------------------------------------
+blocks=(4K 16K 64K 256K 1M 4M)
+total=$(( ${#blocks[@]} * 3 * 2 * 2 * 2 ))
+echo "protocol,operation,block_size,batch_size,threads,gbps,ceiling,ceiling_gbps,ratio" > "$OUT/sweep.csv"
+declare -A ceil_tcp ceil_mem
+for b in "${blocks[@]}"; do
+    say "ceilings for $b blocks"
+    ceil_tcp[$b]=$(ceiling tcp "$b" "$SWEEP_SECS")
+    ceil_mem[$b]=$(ceiling memcpy "$b" "$SWEEP_SECS")
+done
+k=0
+for proto in tcp shm; do
+  for op in read write; do
+    for b in "${blocks[@]}"; do
+      for batch in 1 16 128; do
+        for t in 1 2; do
+          k=$((k + 1))
+          say "[$k/$total] $proto $op block $b batch $batch threads $t"
+          g=$(kvb_gbps --protocol "$proto" --operation "$op" --block-size "$b" \
+                --batch-size "$batch" --threads "$t" --duration "$SWEEP_SECS")
+          if [ "$proto" = tcp ]; then c=${ceil_tcp[$b]}; cn="raw socket"; else c=${ceil_mem[$b]}; cn=memcpy; fi
+          r=$(awk -v g="$g" -v c="$c" 'BEGIN {printf "%.3f", (c > 0 ? g / c : 0)}')
+          echo "$proto,$op,$b,$batch,$t,$g,$cn,$c,$r" >> "$OUT/sweep.csv"
+        done
+      done
+    done
+  done
+done
+
+# ---- goals: medians of REPS interleaved pairs (kvbridge run, then its ceiling) -----------------
+echo "goal,workload,kvbridge,ceiling,ratio,target,met" > "$OUT/goals.csv"
+goal_pair() { # name workload target kind(ratio|abs) ceiling-kind block -- kvbridge args
+    local name=$1 work=$2 target=$3 kind=$4 ck=$5 cb=$6; shift 7
+    local ks=() cs=()
+    for i in $(seq "$REPS"); do
+        say "goal $name: run $i/$REPS"
+        ks+=("$(kvb_gbps "$@" --duration "$GOAL_SECS")")
+        [ "$kind" = ratio ] && cs+=("$(ceiling "$ck" "$cb" "$GOAL_SECS")")
+    done
+    local km cm r met
+    km=$(printf '%s\n' "${ks[@]}" | median)
+    if [ "$kind" = ratio ]; then
+        cm=$(printf '%s\n' "${cs[@]}" | median)
+        r=$(awk -v k="$km" -v c="$cm" 'BEGIN {printf "%.3f", (c > 0 ? k / c : 0)}')
+        met=$(awk -v r="$r" -v t="$target" 'BEGIN {print (r >= t ? "yes" : "no")}')
+        echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$met" >> "$OUT/goals.csv"
+    else
+        met=$(awk -v k="$km" -v t="$target" 'BEGIN {print (k >= t ? "yes" : "no")}')
+        echo "$name,$work,$km GB/s,,,>= $target GB/s,$met" >> "$OUT/goals.csv"
+    fi
+}
+goal_pair tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 ratio tcp 1M -- --protocol tcp --operation read --block-size 1M --batch-size 32
+goal_pair tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 ratio tcp 1M -- --protocol tcp --operation write --block-size 1M --batch-size 32
+goal_pair tcp-64k "TCP 64 KiB blocks batch 128 READ" 0.80 ratio tcp 64K -- --protocol tcp --operation read --block-size 64K --batch-size 128
+goal_pair tcp-4k "TCP 4 KiB blocks batch 128 READ" 1.0 abs - - -- --protocol tcp --operation read --block-size 4K --batch-size 128
+goal_pair shm-64k "shm 64 KiB blocks batch 128 READ" 0.85 ratio memcpy 64K -- --protocol shm --operation read --block-size 64K --batch-size 128
+goal_pair shm-1m "shm 1 MiB blocks batch 32 WRITE" 0.85 ratio memcpy 1M -- --protocol shm --operation write --block-size 1M --batch-size 32
+
+say "latency"
+lat=$("$BIN" bench --loopback --latency --json 2>/dev/null | tail -n 1)
+lr=$(echo "$lat" | field ratio_p50)
+echo "latency-64b,64 B READ round trip p50 (p99 $(echo "$lat" | field lat_p99_us) us),$(echo "$lat" | field lat_p50_us) us,$(echo "$lat" | field raw_p50_us) us raw ping-pong,$lr,<= 1.3,$(awk -v r="$lr" 'BEGIN {print (r <= 1.3 ? "yes" : "no")}')" >> "$OUT/goals.csv"
+for proto in tcp shm; do
+    say "KV-shaped workload over $proto"
+    kv=$("$BIN" bench --kv llama3-8b --tokens 4096 --protocol "$proto" --reps "$REPS" --json 2>/dev/null | tail -n 1)
+    kr=$(echo "$kv" | field ratio)
+    echo "kv-$proto,llama3-8b 4096 tokens over $proto ($(echo "$kv" | field bytes) B),$(echo "$kv" | field median_ms) ms,$(echo "$kv" | field ceiling_gbps) GB/s ceiling,$kr,<= 1.15,$(awk -v r="$kr" 'BEGIN {print (r > 0 && r <= 1.15 ? "yes" : "no")}')" >> "$OUT/goals.csv"
+done
+say ""
+
+# ---- report -----------------------------------------------------------------------------------
+{
+    echo "# kvbridge benchmark results"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r). Command: \`make bench\`."
+    echo
+    echo "## Goals (medians of $REPS interleaved runs of ${GOAL_SECS} s; ceilings measured in the same run)"
+    echo
+    echo "| goal | workload | kvbridge | ceiling | ratio | target | met |"
+    echo "|---|---|---|---|---|---|---|"
+    tail -n +2 "$OUT/goals.csv" | awk -F, '{printf "| %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $6, $7}'
+    echo
+    echo "## Sweep (${SWEEP_SECS} s per point; ratio = kvbridge / ceiling for the same block size)"
+    echo
+    echo "| protocol | op | block | batch | threads | GB/s | ceiling | ceiling GB/s | ratio |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    tail -n +2 "$OUT/sweep.csv" | awk -F, '{printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $6, $7, $8, $9}'
+} > "$OUT/results.md"
+
+if command -v gnuplot >/dev/null; then
+    for proto in tcp shm; do
+        for op in read write; do
+            awk -F, -v p="$proto" -v o="$op" '$1==p && $2==o && $4==128 && $5==1 {print $3, $6, $8}' \
+                "$OUT/sweep.csv" | sed 's/K / * 1024 /; s/M / * 1048576 /' |
+                awk '{split($0, a, " "); v = a[1] * (a[3] == "" ? 1 : a[3]); print v, a[4], a[5]}' \
+                > "$OUT/.plot-$proto-$op.dat"
+        done
+    done
+    gnuplot <<GP
+set terminal pngcairo size 1000,600 noenhanced
+set output "$OUT/throughput.png"
+set title "kvbridge loopback throughput (batch 128, 1 thread) and ceilings"
+set logscale x 2
+set xlabel "block size (bytes)"
+set ylabel "GB/s"
+set key outside right
+set grid
+plot "$OUT/.plot-tcp-read.dat" using 1:2 with linespoints title "tcp read", \
+     "$OUT/.plot-tcp-write.dat" using 1:2 with linespoints title "tcp write", \
+     "$OUT/.plot-tcp-read.dat" using 1:3 with lines dashtype 2 title "raw socket", \
+     "$OUT/.plot-shm-read.dat" using 1:2 with linespoints title "shm read", \
+     "$OUT/.plot-shm-write.dat" using 1:2 with linespoints title "shm write", \
+     "$OUT/.plot-shm-read.dat" using 1:3 with lines dashtype 3 title "memcpy (1 thread)"
+GP
+    rm -f "$OUT"/.plot-*.dat
+fi
+echo "wrote $OUT/sweep.csv $OUT/goals.csv $OUT/results.md $OUT/throughput.png" >&2
+cat "$OUT/goals.csv" | column -t -s, >&2 || true
