@@ -191,58 +191,65 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
 /* ---- copies -----------------------------------------------------------------------------------
  */
 
+static bool pool_take(kvb_shm_t *s);
+
 static void *pool_main(void *arg)
 {
     kvb_shm_t *s = arg;
     pthread_mutex_lock(&s->pool_mu);
-    for (;;) {
-        while (!s->pool_stop && s->qcount == 0)
+    while (!s->pool_stop)
+        if (!pool_take(s))
             pthread_cond_wait(&s->pool_cv, &s->pool_mu);
-        if (s->pool_stop)
-            break;
-        copy_part_t p = s->queue[s->qhead];
-        s->qhead = (s->qhead + 1) % s->qcap;
-        s->qcount--;
-        pthread_mutex_unlock(&s->pool_mu);
-        memcpy(p.dst, p.src, p.len);
-        pthread_mutex_lock(&s->pool_mu);
-        if (atomic_fetch_sub(p.left, 1) == 1)
-            pthread_cond_broadcast(&s->done_cv);
-    }
     pthread_mutex_unlock(&s->pool_mu);
     return NULL;
 }
 
-/* memcpy, split over the pool (and this thread) when large. */
-static void copy_split(kvb_shm_t *s, uint8_t *dst, const uint8_t *src, size_t len)
+/* Takes one queued part, if any, and copies it. Caller holds s->pool_mu; drops it to copy. */
+static bool pool_take(kvb_shm_t *s)
 {
-    size_t parts = len / SPLIT_PART_MIN;
+    if (s->qcount == 0)
+        return false;
+    copy_part_t p = s->queue[s->qhead];
+    s->qhead = (s->qhead + 1) % s->qcap;
+    s->qcount--;
+    pthread_mutex_unlock(&s->pool_mu);
+    memcpy(p.dst, p.src, p.len);
+    pthread_mutex_lock(&s->pool_mu);
+    if (atomic_fetch_sub(p.left, 1) == 1)
+        pthread_cond_broadcast(&s->done_cv);
+    return true;
+}
+
+/* Queues a copy, cut into parts so that every thread gets a share of a large one. Caller holds
+ * s->pool_mu; if the queue is full the caller's thread copies instead. */
+static void pool_put(kvb_shm_t *s, uint8_t *dst, const uint8_t *src, size_t len, atomic_int *left)
+{
+    size_t parts = len >= SPLIT_MIN ? len / SPLIT_PART_MIN : 1;
     if (parts > (size_t)s->nthreads + 1)
         parts = (size_t)s->nthreads + 1;
-    if (len < SPLIT_MIN || parts < 2) {
-        memcpy(dst, src, len);
-        return;
-    }
-    size_t each = (len / parts + 63) & ~(size_t)63, off = each;
-    atomic_int left;
-    atomic_init(&left, 0);
-    pthread_mutex_lock(&s->pool_mu);
-    for (size_t i = 1; i < parts && off < len && s->qcount < s->qcap; i++) {
+    size_t each = parts > 1 ? (len / parts + 63) & ~(size_t)63 : len;
+    for (size_t off = 0; off < len;) {
         size_t n = len - off < each ? len - off : each;
-        s->queue[(s->qhead + s->qcount++) % s->qcap] =
-            (copy_part_t){.dst = dst + off, .src = src + off, .len = n, .left = &left};
-        atomic_fetch_add(&left, 1);
+        if (s->qcount == s->qcap) {
+            pthread_mutex_unlock(&s->pool_mu);
+            memcpy(dst + off, src + off, n);
+            pthread_mutex_lock(&s->pool_mu);
+        } else {
+            s->queue[(s->qhead + s->qcount++) % s->qcap] =
+                (copy_part_t){.dst = dst + off, .src = src + off, .len = n, .left = left};
+            atomic_fetch_add(left, 1);
+        }
         off += n;
     }
-    pthread_cond_broadcast(&s->pool_cv);
-    pthread_mutex_unlock(&s->pool_mu);
-    memcpy(dst, src, each < len ? each : len);
-    if (off < len) /* queue was full: the rest here */
-        memcpy(dst + off, src + off, len - off);
-    pthread_mutex_lock(&s->pool_mu);
-    while (atomic_load(&left) > 0)
-        pthread_cond_wait(&s->done_cv, &s->pool_mu);
-    pthread_mutex_unlock(&s->pool_mu);
+}
+
+/* The mapping of the initiator's [theirs, theirs+len), or NULL. Caller holds p->lock. */
+static uint8_t *resolve(kvb_shm_peer_t *p, uint64_t theirs, uint64_t len)
+{
+    for (size_t i = 0; i < p->nmaps; i++)
+        if (kvb__range_within(theirs, len, p->maps[i].addr, p->maps[i].len))
+            return p->maps[i].ptr + (theirs - p->maps[i].addr);
+    return NULL;
 }
 
 static int cma_copy(pid_t pid, bool to_peer, uint64_t theirs, uint8_t *mine, uint64_t len)
@@ -265,24 +272,36 @@ static int cma_copy(pid_t pid, bool to_peer, uint64_t theirs, uint8_t *mine, uin
     return KVB_OK;
 }
 
-int kvb__shm_copy(kvb_shm_t *s, kvb_shm_peer_t *p, bool to_peer, uint64_t theirs, uint8_t *mine,
-                  uint64_t len)
+void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n)
 {
+    atomic_int left;
+    atomic_init(&left, 0);
+    /* Shared: an unshare waits until these copies are done with its mapping. */
     pthread_rwlock_rdlock(&p->lock);
-    for (size_t i = 0; i < p->nmaps; i++) {
-        shm_map_t *m = &p->maps[i];
-        if (!kvb__range_within(theirs, len, m->addr, m->len))
+    pthread_mutex_lock(&s->pool_mu);
+    for (size_t i = 0; i < n; i++) {
+        kvb_shm_job_t *j = &jobs[i];
+        if (j->status != KVB_OK)
             continue;
-        uint8_t *at = m->ptr + (theirs - m->addr);
-        if (to_peer)
-            copy_split(s, at, mine, len);
-        else
-            copy_split(s, mine, at, len);
-        pthread_rwlock_unlock(&p->lock);
-        return KVB_OK;
+        uint8_t *at = resolve(p, j->theirs, j->len);
+        if (!at) {
+            j->status = KVB_ERR_AGAIN; /* cross-memory attach, below, outside the pool lock */
+            continue;
+        }
+        pool_put(s, j->to_peer ? at : j->mine, j->to_peer ? j->mine : at, j->len, &left);
     }
+    pthread_cond_broadcast(&s->pool_cv);
+    while (pool_take(s)) /* this thread copies too */
+        ;
+    while (atomic_load(&left) > 0)
+        pthread_cond_wait(&s->done_cv, &s->pool_mu);
+    pthread_mutex_unlock(&s->pool_mu);
     pthread_rwlock_unlock(&p->lock);
-    return p->cma_ok ? cma_copy(p->pid, to_peer, theirs, mine, len) : KVB_ERR_SHM_COPY;
+    for (size_t i = 0; i < n; i++)
+        if (jobs[i].status == KVB_ERR_AGAIN)
+            jobs[i].status = p->cma_ok ? cma_copy(p->pid, jobs[i].to_peer, jobs[i].theirs,
+                                                  jobs[i].mine, jobs[i].len)
+                                       : KVB_ERR_SHM_COPY;
 }
 
 /* ---- the side channel: messages with an optional descriptor ---------------------------------- */

@@ -41,9 +41,19 @@ bool kvb__shm_link_cma(const kvb_shm_link_t *l);
 /* Target side: the linked initiator with this incarnation (a reference), or NULL. */
 kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation);
 void kvb__shm_peer_put(kvb_shm_peer_t *p);
-/* Copies len bytes between our `mine` and the initiator's `theirs` (to_peer: mine -> theirs).
- * Returns KVB_OK or the error to answer. */
-int kvb__shm_copy(kvb_shm_t *s, kvb_shm_peer_t *p, bool to_peer, uint64_t theirs, uint8_t *mine,
-                  uint64_t len);
+/* A copy a target owes a same-host initiator: len bytes between our `mine` and the initiator's
+ * `theirs` (to_peer: mine -> theirs). */
+typedef struct {
+    bool to_peer;
+    uint64_t theirs;
+    uint8_t *mine;
+    uint64_t len;
+    int status; /* in: KVB_OK to run it (else it is skipped); out: the answer */
+} kvb_shm_job_t;
+
+/* Runs the jobs of one initiator together, spread over the copy pool and this thread, so a batch
+ * of requests copies in parallel; sets each job's status (KVB_ERR_SHM_COPY if its memory is not
+ * reachable). Returns when all are done. */
+void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n);
 
 #endif

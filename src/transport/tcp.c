@@ -32,6 +32,7 @@
 /* A peer that sends requests faster than it reads the answers is held off: past TXQ_HIGH queued
  * frames we stop reading from it, and resume below TXQ_LOW. Bounds a target's memory per peer. */
 #define TXQ_HIGH 8192
+#define JOBS_MAX 128 /* same-host copies gathered before they run */
 #define TXQ_LOW  1024
 
 typedef struct tcp_thread tcp_thread_t;
@@ -86,6 +87,12 @@ struct tcp_conn {
     uint64_t their_incarnation; /* ROLE_TARGET: the initiator's, from its hello */
     kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link, once it used one */
     uint8_t inl[8];             /* SINK_INLINE */
+    /* Same-host copies owed, in arrival order: run together (in parallel) at the end of a read
+     * pass, or before any other answer is queued, so answers keep the requests' order. */
+    kvb_shm_job_t jobs[JOBS_MAX];
+    kvb_frame_hdr_t job_hdr[JOBS_MAX];
+    kvb_region_t *job_pin[JOBS_MAX];
+    size_t njobs;
     uint8_t *rxbuf;
     size_t rx_len, rx_pos;
     int rx_state;
@@ -285,6 +292,10 @@ static void conn_close(tcp_conn_t *c)
     c->rx_pin = NULL;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
+    for (size_t i = 0; i < c->njobs; i++)
+        if (c->job_pin[i])
+            kvb__region_unpin(c->registry, c->job_pin[i]);
+    c->njobs = 0;
     kvb__shm_peer_put(c->shm_peer);
     c->shm_peer = NULL;
     c->rx_dst = NULL;
@@ -471,6 +482,8 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
 
 /* ---- receiving ------------------------------------------------------------------------------ */
 
+static void flush_jobs(tcp_conn_t *c);
+
 /* Target side: a request header arrived; decide where its payload goes and what to answer. */
 static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
@@ -479,6 +492,8 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return KVB_ERR_PROTOCOL;
     bool shm = h->flags & KVB_FRAME_F_SHM;
     unsigned access = h->type == KVB_FRAME_READ_REQ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
+    if (!shm)
+        flush_jobs(c); /* this frame's answer must follow the copies owed before it */
     switch (h->type) {
     case KVB_FRAME_HELLO:
     case KVB_FRAME_NOTIFY:
@@ -543,30 +558,56 @@ static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
 
 /* Target side: a request's payload is complete (or it had none). */
 /* Target side: a same-host request's address payload is in; copy, then answer. */
+/* Target side: runs the same-host copies owed and queues their answers, in order. */
+static void flush_jobs(tcp_conn_t *c)
+{
+    if (c->njobs == 0)
+        return;
+    kvb_engine_t *e = c->th->tp->engine;
+    if (c->shm_peer) /* else every job already carries its error */
+        kvb__shm_run(e->shm, c->shm_peer, c->jobs, c->njobs);
+    for (size_t i = 0; i < c->njobs; i++) {
+        const kvb_frame_hdr_t *h = &c->job_hdr[i];
+        int st = c->jobs[i].status;
+        if (c->job_pin[i])
+            kvb__region_unpin(c->registry, c->job_pin[i]);
+        c->job_pin[i] = NULL;
+        kvb_frame_hdr_t r = {.type = h->type == KVB_FRAME_READ_REQ ? KVB_FRAME_READ_RESP
+                                                                   : KVB_FRAME_WRITE_ACK,
+                             .flags = KVB_FRAME_F_SHM,
+                             .status = st,
+                             .id = h->id,
+                             .len = st ? 0 : h->len};
+        if (queue_frame(c, &r, NULL, NULL, NULL) != KVB_OK)
+            conn_fail(c, KVB_ERR_NOMEM, "out of memory for an answer");
+    }
+    c->njobs = 0;
+}
+
+/* Target side: a same-host request's address payload is in; owe its copy. */
 static int answer_shm(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_engine_t *e = c->th->tp->engine;
-    bool read = h->type == KVB_FRAME_READ_REQ;
     int st = c->rx_status;
     if (st == KVB_OK && !c->shm_peer)
         c->shm_peer = kvb__shm_peer_get(e->shm, c->their_incarnation);
-    if (st == KVB_OK) {
-        uint64_t theirs = 0;
-        for (int i = 7; i >= 0; i--)
-            theirs = (theirs << 8) | c->inl[i];
-        st = c->shm_peer ? kvb__shm_copy(e->shm, c->shm_peer, read, theirs,
-                                         (uint8_t *)(uintptr_t)h->addr, h->len)
-                         : KVB_ERR_SHM_COPY;
-    }
-    if (c->rx_pin)
-        kvb__region_unpin(&e->registry, c->rx_pin);
+    if (st == KVB_OK && !c->shm_peer)
+        st = KVB_ERR_SHM_COPY; /* no side channel from this initiator */
+    if (c->njobs == JOBS_MAX)
+        flush_jobs(c);
+    uint64_t theirs = 0;
+    for (int i = 7; i >= 0; i--)
+        theirs = (theirs << 8) | c->inl[i];
+    size_t k = c->njobs++;
+    c->jobs[k] = (kvb_shm_job_t){.to_peer = h->type == KVB_FRAME_READ_REQ,
+                                 .theirs = theirs,
+                                 .mine = (uint8_t *)(uintptr_t)h->addr,
+                                 .len = h->len,
+                                 .status = st};
+    c->job_hdr[k] = *h;
+    c->job_pin[k] = c->rx_pin; /* held until the copy is done */
     c->rx_pin = NULL;
-    kvb_frame_hdr_t r = {.type = read ? KVB_FRAME_READ_RESP : KVB_FRAME_WRITE_ACK,
-                         .flags = KVB_FRAME_F_SHM,
-                         .status = st,
-                         .id = h->id,
-                         .len = st ? 0 : h->len};
-    return queue_frame(c, &r, NULL, NULL, NULL);
+    return KVB_OK;
 }
 
 /* Target side: a request's payload is complete (or it had none). */
@@ -718,7 +759,7 @@ static int on_frame_end(tcp_conn_t *c)
 
 /* Reads and dispatches whatever the socket has, up to a budget of recv calls so that other
  * connections get a turn. */
-static void conn_read(tcp_conn_t *c)
+static void read_frames(tcp_conn_t *c)
 {
     int budget = 32;
     bool drained = false; /* the last read took less than offered: the socket is empty */
@@ -791,6 +832,14 @@ static void conn_read(tcp_conn_t *c)
         c->rx_more = true;
         c->th->need_scan = true;
     }
+}
+
+/* Reads what there is, then runs the same-host copies the read asked for. */
+static void conn_read(tcp_conn_t *c)
+{
+    read_frames(c);
+    if (!c->close_req)
+        flush_jobs(c);
 }
 
 /* ---- progress threads ----------------------------------------------------------------------- */
