@@ -17,6 +17,8 @@ static void batch_release(kvb_batch_t *b)
     if (atomic_fetch_sub(&b->refs, 1) != 1)
         return;
     kvb__peer_release(b->notify_peer);
+    if (b->drive_hint)
+        b->hint_release(b->drive_hint);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b->notify_buf);
@@ -343,11 +345,20 @@ static int batch_result(const kvb_batch_t *b)
     return b->notify_state == KVB_NOTIFY_DONE ? b->notify_error : KVB_OK;
 }
 
+bool kvb__batch_done(kvb_batch_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+    bool done = batch_done(b);
+    pthread_mutex_unlock(&b->mu);
+    return done;
+}
+
 int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
 {
     if (!b)
         return KVB_ERR_INVALID_ARG;
     uint64_t user = kvb__deadline_ms(timeout_ms);
+    const kvb_transport_ops_t *tp = b->engine->tp_ops;
     int rc;
     pthread_mutex_lock(&b->mu);
     for (;;) {
@@ -356,12 +367,21 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
             rc = batch_result(b);
             break;
         }
-        uint64_t now = kvb__now_ns();
+        uint64_t now = kvb__now_ns(), until = user < b->deadline ? user : b->deadline;
         if (now >= user) {
             rc = KVB_ERR_AGAIN;
             break;
         }
-        struct timespec ts = kvb__timespec_of(user < b->deadline ? user : b->deadline);
+        /* One connection carries the whole batch: sleep on its socket and read the answers
+         * here. A wakeup from the socket is much cheaper than a hand-off between threads. */
+        if (b->drive_hint && tp->drive) {
+            pthread_mutex_unlock(&b->mu);
+            int drc = tp->drive(b, until);
+            pthread_mutex_lock(&b->mu);
+            if (drc != KVB_ERR_BUSY)
+                continue;
+        }
+        struct timespec ts = kvb__timespec_of(until);
         int err = pthread_cond_timedwait(&b->cv, &b->mu, &ts);
         if (err && err != ETIMEDOUT) {
             rc = KVB_ERR_SYSTEM;

@@ -62,6 +62,10 @@ struct kvb_batch {
     kvb_peer_t *notify_peer;
     kvb_op_t notify_op;
     int notify_state; /* KVB_NOTIFY_* below */
+    /* Set by the transport when every op went to one connection: a waiter may then receive the
+     * answers itself (no thread hop). Released with the batch through hint_release. */
+    void *drive_hint;
+    void (*hint_release)(void *hint);
     int notify_error;
     unsigned char *notify_buf;
 };
@@ -108,6 +112,10 @@ struct kvb_transport_ops {
     /* Frees peer->tp when the peer's last reference goes; must not touch the transport itself,
      * which may be gone already. */
     void (*peer_free)(kvb_peer_t *peer);
+    /* Receives on the batch's connection (its drive_hint) from the waiting thread itself until
+     * the batch is done, something arrived, or `deadline` (monotonic ns); KVB_ERR_BUSY if another
+     * thread already drives that connection. */
+    int (*drive)(kvb_batch_t *b, uint64_t deadline);
     /* The data path to the peer, for humans: "tcp" or "shm". */
     const char *(*peer_path)(const kvb_peer_t *peer);
 };
@@ -158,6 +166,7 @@ int kvb__engine_attrs_encode(kvb_engine_t *e, uint8_t **out, size_t *len);
 kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);
 
 /* Called by transports. */
+bool kvb__batch_done(kvb_batch_t *b); /* locks the batch */
 void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
 /* For READ payloads: returns where op's data may be written now, with the batch locked, or NULL
  * (batch unlocked) if the data must be discarded (request ended or batch freed). Pair every

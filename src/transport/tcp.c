@@ -79,10 +79,14 @@ struct tcp_conn {
     bool want_out;   /* EPOLLOUT armed */
     bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
     tcp_frame_t *free_frames;
+    bool driven; /* a waiting thread reads this connection; EPOLLIN is off meanwhile */
 
-    /* Everything below belongs to the owner thread. */
-    bool hello_done; /* ROLE_TARGET: handshake received */
-    bool rx_more;    /* read budget ran out with bytes left: read again on the scan */
+    /* The receive side: the owner thread's, or a waiting thread's that drives the connection
+     * (kvb_batch_wait); rx_mu is held while either reads. */
+    pthread_mutex_t rx_mu;
+    bool hello_done;  /* ROLE_TARGET: handshake received */
+    bool rx_more;     /* read budget ran out with bytes left: read again on the scan */
+    uint8_t *scratch; /* where discarded payload bytes go; allocated on first use */
     char from[KVB_NAME_MAX + 1];
     uint64_t their_incarnation; /* ROLE_TARGET: the initiator's, from its hello */
     kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link, once it used one */
@@ -151,6 +155,8 @@ static void conn_release(tcp_conn_t *c)
     }
     kvb__peer_release(c->peer);
     pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->rx_mu);
+    free(c->scratch);
     free(c->rxbuf);
     free(c);
 }
@@ -189,6 +195,7 @@ static tcp_conn_t *conn_new(kvb_transport_t *tp, int fd, int role)
     c->registry = &tp->engine->registry;
     c->next_id = 1;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->rx_mu, NULL);
     return c;
 }
 
@@ -287,6 +294,7 @@ static void conn_close(tcp_conn_t *c)
         close(c->fd);
         c->fd = -1;
     }
+    pthread_mutex_lock(&c->rx_mu); /* a waiting thread may be reading it */
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
@@ -300,6 +308,7 @@ static void conn_close(tcp_conn_t *c)
     c->shm_peer = NULL;
     c->rx_dst = NULL;
     c->rx_sink = SINK_DRAIN;
+    pthread_mutex_unlock(&c->rx_mu);
     fail_op_list(inflight, err);
     /* Break the peer <-> lane reference cycle: a closed lane no longer needs its peer. */
     kvb_peer_t *p = c->peer;
@@ -362,17 +371,23 @@ static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *d
 }
 
 /* Caller holds c->mu. Returns KVB_OK or KVB_ERR_SYSTEM. */
+/* Applies c's wanted events to epoll. Caller holds c->mu. Returns KVB_OK or KVB_ERR_SYSTEM. */
+static int apply_events(tcp_conn_t *c)
+{
+    struct epoll_event ev = {.events = (c->rx_paused || c->driven ? 0 : EPOLLIN) |
+                                       (c->want_out ? EPOLLOUT : 0),
+                             .data.ptr = c};
+    return epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0 ? KVB_OK : KVB_ERR_SYSTEM;
+}
+
+/* Caller holds c->mu. Returns KVB_OK or KVB_ERR_SYSTEM. */
 static int set_events(tcp_conn_t *c, bool want_out, bool rx_paused)
 {
     if (c->want_out == want_out && c->rx_paused == rx_paused)
         return KVB_OK;
-    struct epoll_event ev = {.events = (rx_paused ? 0 : EPOLLIN) | (want_out ? EPOLLOUT : 0),
-                             .data.ptr = c};
-    if (epoll_ctl(c->th->epfd, EPOLL_CTL_MOD, c->fd, &ev) != 0)
-        return KVB_ERR_SYSTEM;
     c->want_out = want_out;
     c->rx_paused = rx_paused;
-    return KVB_OK;
+    return apply_events(c);
 }
 
 /* Sends as much of the queue as the socket takes, many frames per sendmsg. */
@@ -703,7 +718,9 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
     if (!dst) { /* discard: the request ended meanwhile, or the target refused it */
         if (n > RXBUF_SIZE)
             n = RXBUF_SIZE;
-        dst = c->th->scratch;
+        if (!c->scratch && !(c->scratch = malloc(RXBUF_SIZE)))
+            return KVB_ERR_NOMEM;
+        dst = c->scratch;
     }
     if (src) {
         memcpy(dst, src, n);
@@ -830,7 +847,10 @@ static void read_frames(tcp_conn_t *c)
     }
     if (!c->close_req) { /* budget used up: come back after the others */
         c->rx_more = true;
-        c->th->need_scan = true;
+        if (tls_self == c->th)
+            c->th->need_scan = true;
+        else
+            thread_wake(c->th);
     }
 }
 
@@ -868,10 +888,12 @@ static void thread_scan(tcp_thread_t *th)
             conn_release(c);
             continue;
         }
+        pthread_mutex_lock(&c->rx_mu);
         if (c->rx_more) {
             c->rx_more = false;
             conn_read(c);
         }
+        pthread_mutex_unlock(&c->rx_mu);
         conn_flush(c);
         pp = &c->next;
     }
@@ -924,8 +946,11 @@ static void *thread_main(void *arg)
                 tcp_conn_t *c = tag;
                 if (c->close_req || c->fd < 0)
                     continue; /* closed in the scan below, never freed before it */
-                if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+                if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
+                    pthread_mutex_lock(&c->rx_mu);
                     conn_read(c);
+                    pthread_mutex_unlock(&c->rx_mu);
+                }
                 /* A target's answers were queued by the read; an initiator's requests wait
                  * for EPOLLOUT only when the socket was full. */
                 if (!c->close_req && (c->role == ROLE_TARGET || (evs[i].events & EPOLLOUT)))
@@ -1347,6 +1372,71 @@ static void lane_append(tcp_conn_t *c, kvb_op_t *head)
         conn_fail(c, rc, "send failed");
 }
 
+static void hint_release(void *hint)
+{
+    conn_release(hint);
+}
+
+/* A batch whose ops all go to one lane may be driven from its waiting thread. Called before the
+ * ops are queued, so no waiter can look yet. */
+static void set_drive_hint(kvb_op_t *ops, tcp_conn_t *c)
+{
+    kvb_batch_t *b = ops->batch;
+    if (ops->req == KVB_OP_NOTIFY_REQ)
+        return;
+    uint64_t bytes = 0;
+    for (kvb_op_t *op = ops; op; op = op->next) {
+        if (op->batch != b)
+            return;
+        bytes += op->len;
+    }
+    if (bytes >= LANE_SPREAD || b->drive_hint) {
+        if (b->drive_hint) { /* a second run to another peer: no single connection */
+            b->hint_release(b->drive_hint);
+            b->drive_hint = NULL;
+        }
+        return;
+    }
+    atomic_fetch_add(&c->refs, 1);
+    b->hint_release = hint_release;
+    b->drive_hint = c;
+}
+
+/* Reads c from this (waiting) thread until the batch is done or something was read. */
+static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
+{
+    tcp_conn_t *c = b->drive_hint;
+    pthread_mutex_lock(&c->mu);
+    if (c->dead || c->close_req || c->driven || c->fd < 0) {
+        pthread_mutex_unlock(&c->mu);
+        return KVB_ERR_BUSY;
+    }
+    c->driven = true;
+    int rc = apply_events(c), fd = c->fd;
+    pthread_mutex_unlock(&c->mu);
+    /* The owner thread may have been reading when EPOLLIN went off: let it finish, then look. */
+    pthread_mutex_lock(&c->rx_mu);
+    pthread_mutex_unlock(&c->rx_mu);
+    if (rc == KVB_OK && !kvb__batch_done(b)) {
+        int ms = kvb__ms_left(deadline);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, ms < 0 || ms > 10 ? 10 : ms) > 0) {
+            pthread_mutex_lock(&c->rx_mu);
+            if (!c->close_req && c->fd >= 0)
+                conn_read(c);
+            pthread_mutex_unlock(&c->rx_mu);
+        }
+    }
+    pthread_mutex_lock(&c->mu);
+    c->driven = false;
+    if (!c->dead && c->fd >= 0)
+        rc = apply_events(c);
+    pthread_mutex_unlock(&c->mu);
+    if (rc)
+        conn_fail(c, rc, "epoll_ctl failed");
+    return KVB_OK;
+}
+
 static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
 {
     (void)tp;
@@ -1363,6 +1453,7 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
     /* Consecutive ops stay on one lane until LANE_SPREAD bytes, so small requests coalesce into
      * few large writes while big transfers spread over every lane. */
     unsigned lane = atomic_fetch_add(&tpp->rr, 1) % (unsigned)tpp->nlanes;
+    set_drive_hint(ops, tpp->lanes[lane]);
     while (ops) {
         kvb_op_t *head = ops, *tail = ops;
         uint64_t bytes = ops->len;
@@ -1398,4 +1489,5 @@ const kvb_transport_ops_t kvb__tcp_ops = {
     .disconnect = tcp_disconnect,
     .peer_free = tcp_peer_free,
     .peer_path = tcp_peer_path,
+    .drive = tcp_drive,
 };
