@@ -531,7 +531,8 @@ int kvb_segment_attr(kvb_engine_t *e, kvb_segment_t seg, const char *key, void *
         if (strcmp(p->attrs[i].key, key))
             continue;
         *len = p->attrs[i].len;
-        memcpy(buf, p->attrs[i].value, p->attrs[i].len < cap ? p->attrs[i].len : cap);
+        if (cap) /* cap 0 (buf may be NULL) asks for the length only */
+            memcpy(buf, p->attrs[i].value, p->attrs[i].len < cap ? p->attrs[i].len : cap);
         rc = KVB_OK;
         break;
     }

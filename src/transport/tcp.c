@@ -79,7 +79,8 @@ struct tcp_conn {
     bool want_out;   /* EPOLLOUT armed */
     bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
     tcp_frame_t *free_frames;
-    bool driven; /* a waiting thread reads this connection; EPOLLIN is off meanwhile */
+    bool driven;   /* a waiting thread reads this connection; EPOLLIN is off meanwhile */
+    bool in_epoll; /* its owner thread has added it: until then events are only recorded */
 
     /* The receive side: the owner thread's, or a waiting thread's that drives the connection
      * (kvb_batch_wait); rx_mu is held while either reads. */
@@ -374,6 +375,8 @@ static int queue_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uint8_t *d
 /* Applies c's wanted events to epoll. Caller holds c->mu. Returns KVB_OK or KVB_ERR_SYSTEM. */
 static int apply_events(tcp_conn_t *c)
 {
+    if (!c->in_epoll)
+        return KVB_OK; /* the owner thread adds it with these events */
     struct epoll_event ev = {.events = (c->rx_paused || c->driven ? 0 : EPOLLIN) |
                                        (c->want_out ? EPOLLOUT : 0),
                              .data.ptr = c};
@@ -874,10 +877,16 @@ static void thread_scan(tcp_thread_t *th)
     while (in) {
         tcp_conn_t *c = in;
         in = in->next;
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
         c->next = th->conns;
         th->conns = c;
-        if (epoll_ctl(th->epfd, EPOLL_CTL_ADD, c->fd, &ev) != 0)
+        /* A submitting thread may have used the lane already (and wanted EPOLLOUT). */
+        pthread_mutex_lock(&c->mu);
+        struct epoll_event ev = {.events = (c->driven ? 0 : EPOLLIN) | (c->want_out ? EPOLLOUT : 0),
+                                 .data.ptr = c};
+        int rc = epoll_ctl(th->epfd, EPOLL_CTL_ADD, c->fd, &ev);
+        c->in_epoll = rc == 0;
+        pthread_mutex_unlock(&c->mu);
+        if (rc != 0)
             conn_fail(c, KVB_ERR_SYSTEM, "epoll_ctl add failed");
     }
     for (tcp_conn_t **pp = &th->conns; *pp;) {
@@ -1407,7 +1416,7 @@ static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
 {
     tcp_conn_t *c = b->drive_hint;
     pthread_mutex_lock(&c->mu);
-    if (c->dead || c->close_req || c->driven || c->fd < 0) {
+    if (c->dead || c->close_req || c->driven || c->fd < 0 || !c->in_epoll) {
         pthread_mutex_unlock(&c->mu);
         return KVB_ERR_BUSY;
     }

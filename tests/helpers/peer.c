@@ -167,6 +167,11 @@ void test_peer_signal(test_peer_t *p, int sig)
     if (p->pid <= 0)
         return;
     kill(p->pid, sig);
+    int st;
+    if (sig == SIGSTOP) /* kill() returns before the child has stopped: wait until it has */
+        waitpid(p->pid, &st, WUNTRACED);
+    else if (sig == SIGCONT)
+        waitpid(p->pid, &st, WCONTINUED);
     if (sig == SIGKILL) {
         waitpid(p->pid, NULL, 0);
         p->pid = 0;

@@ -309,7 +309,8 @@ Test(tcp_peer, peer_killed_mid_batch_fails_fast_and_reopen_works)
     cr_assert_eq(kvb_segment_incarnation(eng, seg, &new_inc), KVB_OK);
     cr_assert_neq(new_inc, old_inc);
     kvb_request_t one = {KVB_OP_READ, buf, seg, peer.rw_addr + 4096, 65536};
-    cr_assert_eq(run_batch(&one, 1, NULL), KVB_OK);
+    int rc1 = run_batch(&one, 1, NULL);
+    cr_assert_eq(rc1, KVB_OK, "read after reopen: %s", kvb_status_name(rc1));
     cr_assert_eq(test_pattern_check(buf, 4096, 65536, SEED + 7), -1);
 }
 

@@ -1,0 +1,401 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The forward pass: GQA or MLA attention over the paged cache of every TP rank, SwiGLU MLP, and
+ * the lm_head. Ranks run one after the other in the calling thread; each reads only its own cache
+ * and computes only its own query heads, and their per-head output contributions are summed in
+ * global head order, which is what makes the logits bitwise independent of the TP size. */
+#include "pd/internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/checked.h"
+
+#define INVAL KVB_ERR_INVALID_ARG
+
+/* One call's state and scratch buffers. */
+typedef struct {
+    const kvb_pd_model_t *m;
+    const kvb_pd_config_t *c;
+    kvb_pd_cache_t *const *caches;
+    uint32_t tp;
+    const uint64_t *blocks; /* the sequence's block table */
+    uint32_t tpb;
+    uint32_t pos0;      /* position of the first new token */
+    size_t n;           /* new tokens */
+    float *x, *xn;      /* [n][hidden]: residual stream, normed input */
+    float *cosv, *sinv; /* [n][rope_dim / 2] */
+    float *q, *qlat, *kv, *scores, *hout, *vout, *sum, *ffn;
+    float *contrib; /* [n_heads][hidden]: each query head's share of the attention output */
+} fwd_t;
+
+float kvb__pd_dot(const float *a, const float *b, size_t n)
+{
+    /* Eight independent partial sums, combined in a fixed tree: the compiler may vectorise the
+     * lanes, which never changes a lane's result, so the value depends only on the inputs. */
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const float *x = a + i, *y = b + i;
+        s0 += x[0] * y[0];
+        s1 += x[1] * y[1];
+        s2 += x[2] * y[2];
+        s3 += x[3] * y[3];
+        s4 += x[4] * y[4];
+        s5 += x[5] * y[5];
+        s6 += x[6] * y[6];
+        s7 += x[7] * y[7];
+    }
+    float t = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
+    for (; i < n; i++)
+        t += a[i] * b[i];
+    return t;
+}
+
+void kvb__pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps)
+{
+    float r = 1.0f / sqrtf(kvb__pd_dot(x, x, n) / (float)n + eps);
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = x[i] * r * w[i];
+}
+
+/* out[i] = W[i] . x for rows i of a [rows][cols] matrix. */
+static void matvec(float *out, const float *w, const float *x, size_t rows, size_t cols)
+{
+    for (size_t i = 0; i < rows; i++)
+        out[i] = kvb__pd_dot(w + i * cols, x, cols);
+}
+
+static uint32_t rope_dim(const kvb_pd_config_t *c)
+{
+    return c->attn == KVB_KV_ATTN_GQA ? c->head_dim : c->rope_dim;
+}
+
+/* cos and sin of every new position's angles, computed in double and rounded once. */
+static void rope_tables(fwd_t *f)
+{
+    uint32_t d = rope_dim(f->c), half = d / 2;
+    for (size_t t = 0; t < f->n; t++)
+        for (uint32_t i = 0; i < half; i++) {
+            double inv = pow((double)f->c->rope_theta, -2.0 * i / d);
+            double a = (double)(f->pos0 + t) * inv;
+            f->cosv[t * half + i] = (float)cos(a);
+            f->sinv[t * half + i] = (float)sin(a);
+        }
+}
+
+/* NeoX-style rotation of v[0..rope_dim) for new token t. */
+static void rope(const fwd_t *f, float *v, size_t t)
+{
+    uint32_t half = rope_dim(f->c) / 2;
+    const float *cs = f->cosv + t * half, *sn = f->sinv + t * half;
+    for (uint32_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + half] = a * sn[i] + b * cs[i];
+    }
+}
+
+/* Where position p's row of `slot` (0..2*layers) starts in a rank's cache; for GQA, `head` is
+ * the rank-local KV head (HND: heads outermost within the block). */
+static float *cache_row(const fwd_t *f, const kvb_pd_cache_t *c, size_t slot, uint32_t pos,
+                        uint32_t head)
+{
+    float *base = (float *)(void *)(c->mem + slot * c->slot_bytes);
+    uint64_t block = f->blocks[pos / f->tpb];
+    size_t row = (size_t)head * f->tpb + pos % f->tpb;
+    return base + (size_t)block * c->block_floats + row * c->token_floats;
+}
+
+/* In-place softmax of s[0..n) with a sequential sum. */
+static void softmax(float *s, size_t n)
+{
+    float max = s[0], sum = 0.0f;
+    for (size_t i = 1; i < n; i++)
+        max = s[i] > max ? s[i] : max;
+    for (size_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - max);
+        sum += s[i];
+    }
+    for (size_t i = 0; i < n; i++)
+        s[i] /= sum;
+}
+
+/* ---- Cache writes ---------------------------------------------------------------------------- */
+
+/* GQA: each rank computes and stores the K and V of the KV heads it holds. */
+static void write_gqa(fwd_t *f, uint32_t l)
+{
+    const kvb__pd_layer_t *w = &f->m->layers[l];
+    uint32_t hd = f->c->head_dim, H = f->c->hidden;
+    for (uint32_t r = 0; r < f->tp; r++) {
+        const kvb_pd_cache_t *c = f->caches[r];
+        for (size_t t = 0; t < f->n; t++) {
+            uint32_t pos = f->pos0 + (uint32_t)t;
+            for (uint32_t j = 0; j < c->heads_held; j++) {
+                size_t g = (size_t)r * c->heads_held + j;
+                float *k = cache_row(f, c, 2 * (size_t)l, pos, j);
+                matvec(k, w->wk + g * hd * H, f->xn + t * H, hd, H);
+                rope(f, k, t);
+                matvec(cache_row(f, c, 2 * (size_t)l + 1, pos, j), w->wv + g * hd * H,
+                       f->xn + t * H, hd, H);
+            }
+        }
+    }
+}
+
+/* MLA: the latent and the shared RoPE key, computed once and stored on every rank (replicated
+ * compute in a real deployment gives the same bits). */
+static void write_mla(fwd_t *f, uint32_t l)
+{
+    const kvb__pd_layer_t *w = &f->m->layers[l];
+    uint32_t rank = f->c->kv_lora_rank, H = f->c->hidden;
+    size_t row = rank + f->c->rope_dim;
+    for (size_t t = 0; t < f->n; t++) {
+        matvec(f->kv, w->wkv_a, f->xn + t * H, row, H);
+        kvb__pd_rmsnorm(f->kv, f->kv, w->kv_norm, rank, f->c->norm_eps);
+        rope(f, f->kv + rank, t);
+        for (uint32_t r = 0; r < f->tp; r++)
+            memcpy(cache_row(f, f->caches[r], l, f->pos0 + (uint32_t)t, 0), f->kv,
+                   row * sizeof(float));
+    }
+}
+
+/* ---- Attention heads ------------------------------------------------------------------------- */
+
+/* Query head h of rank r (which holds KV head h / group) for new token t: its output through
+ * h's columns of wo, into contrib[h]. */
+static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
+{
+    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb_pd_cache_t *c = f->caches[r];
+    uint32_t hd = f->c->head_dim, H = f->c->hidden, nh = f->c->n_heads;
+    uint32_t j = h / (nh / f->c->n_kv_heads) - r * c->heads_held;
+    size_t len = f->pos0 + t + 1;
+    float scale = 1.0f / sqrtf((float)hd);
+    matvec(f->q, w->wq + (size_t)h * hd * H, f->xn + t * H, hd, H);
+    rope(f, f->q, t);
+    for (size_t p = 0; p < len; p++)
+        f->scores[p] =
+            kvb__pd_dot(f->q, cache_row(f, c, 2 * (size_t)l, (uint32_t)p, j), hd) * scale;
+    softmax(f->scores, len);
+    memset(f->hout, 0, hd * sizeof(float));
+    for (size_t p = 0; p < len; p++) {
+        const float *v = cache_row(f, c, 2 * (size_t)l + 1, (uint32_t)p, j);
+        for (uint32_t d = 0; d < hd; d++)
+            f->hout[d] += f->scores[p] * v[d];
+    }
+    float *out = f->contrib + (size_t)h * H;
+    for (uint32_t i = 0; i < H; i++)
+        out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * hd + (size_t)h * hd, f->hout, hd);
+}
+
+/* MLA head h for new token t, in the absorbed form: the query is taken into latent space through
+ * wk_b[h], the softmax-weighted latent out through wv_b[h]. */
+static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
+{
+    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb_pd_cache_t *c = f->caches[r];
+    uint32_t nope = f->c->nope_dim, rd = f->c->rope_dim, rank = f->c->kv_lora_rank;
+    uint32_t vd = f->c->v_head_dim, H = f->c->hidden, nh = f->c->n_heads;
+    size_t len = f->pos0 + t + 1;
+    float scale = 1.0f / sqrtf((float)(nope + rd));
+    matvec(f->q, w->wq + (size_t)h * (nope + rd) * H, f->xn + t * H, nope + rd, H);
+    rope(f, f->q + nope, t);
+    memset(f->qlat, 0, rank * sizeof(float));
+    for (uint32_t i = 0; i < nope; i++) {
+        const float *wk = w->wk_b + ((size_t)h * nope + i) * rank;
+        for (uint32_t k = 0; k < rank; k++)
+            f->qlat[k] += f->q[i] * wk[k];
+    }
+    for (size_t p = 0; p < len; p++) {
+        const float *lat = cache_row(f, c, l, (uint32_t)p, 0);
+        f->scores[p] =
+            (kvb__pd_dot(f->qlat, lat, rank) + kvb__pd_dot(f->q + nope, lat + rank, rd)) * scale;
+    }
+    softmax(f->scores, len);
+    memset(f->hout, 0, rank * sizeof(float));
+    for (size_t p = 0; p < len; p++) {
+        const float *lat = cache_row(f, c, l, (uint32_t)p, 0);
+        for (uint32_t k = 0; k < rank; k++)
+            f->hout[k] += f->scores[p] * lat[k];
+    }
+    matvec(f->vout, w->wv_b + (size_t)h * vd * rank, f->hout, vd, rank);
+    float *out = f->contrib + (size_t)h * H;
+    for (uint32_t i = 0; i < H; i++)
+        out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * vd + (size_t)h * vd, f->vout, vd);
+}
+
+/* Attention of every new token: every rank computes its query heads, then the contributions are
+ * summed in global head order (the TP-invariant "all-reduce") and added to the residual. */
+static void attention(fwd_t *f, uint32_t l)
+{
+    uint32_t H = f->c->hidden, nh = f->c->n_heads, per_rank = nh / f->tp;
+    for (size_t t = 0; t < f->n; t++) {
+        for (uint32_t r = 0; r < f->tp; r++)
+            for (uint32_t h = r * per_rank; h < (r + 1) * per_rank; h++) {
+                if (f->c->attn == KVB_KV_ATTN_GQA)
+                    head_gqa(f, l, r, h, t);
+                else
+                    head_mla(f, l, r, h, t);
+            }
+        memcpy(f->sum, f->contrib, H * sizeof(float));
+        for (uint32_t h = 1; h < nh; h++)
+            for (uint32_t i = 0; i < H; i++)
+                f->sum[i] += f->contrib[(size_t)h * H + i];
+        for (uint32_t i = 0; i < H; i++)
+            f->x[t * H + i] += f->sum[i];
+    }
+}
+
+static void mlp(fwd_t *f, uint32_t l)
+{
+    const kvb__pd_layer_t *w = &f->m->layers[l];
+    uint32_t H = f->c->hidden, F = f->c->ffn;
+    float *gate = f->ffn, *up = f->ffn + F;
+    for (size_t t = 0; t < f->n; t++) {
+        float *x = f->x + t * H;
+        kvb__pd_rmsnorm(f->xn, x, w->ffn_norm, H, f->c->norm_eps);
+        matvec(gate, w->ffn_gate, f->xn, F, H);
+        matvec(up, w->ffn_up, f->xn, F, H);
+        for (uint32_t i = 0; i < F; i++)
+            gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (uint32_t i = 0; i < H; i++)
+            x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+    }
+}
+
+static void run(fwd_t *f, const uint32_t *tokens, float *logits, const kvb_pd_hook_t *hook)
+{
+    uint32_t H = f->c->hidden;
+    rope_tables(f);
+    for (size_t t = 0; t < f->n; t++)
+        memcpy(f->x + t * H, f->m->tok_embd + (size_t)tokens[t] * H, H * sizeof(float));
+    for (uint32_t l = 0; l < f->c->n_layers; l++) {
+        for (size_t t = 0; t < f->n; t++)
+            kvb__pd_rmsnorm(f->xn + t * H, f->x + t * H, f->m->layers[l].attn_norm, H,
+                            f->c->norm_eps);
+        if (f->c->attn == KVB_KV_ATTN_GQA)
+            write_gqa(f, l);
+        else
+            write_mla(f, l);
+        if (hook && hook->on_layer_done)
+            hook->on_layer_done(l, hook->user);
+        attention(f, l);
+        mlp(f, l);
+    }
+    if (logits) {
+        kvb__pd_rmsnorm(f->xn, f->x + (f->n - 1) * H, f->m->out_norm, H, f->c->norm_eps);
+        matvec(logits, f->m->lm_head, f->xn, f->c->vocab, H);
+    }
+}
+
+/* ---- Argument checks and scratch ------------------------------------------------------------- */
+
+static int check_ranks(const kvb_pd_model_t *m, kvb_pd_cache_t *const *caches, uint32_t tp, char *r,
+                       size_t cap)
+{
+    if (!caches || tp == 0)
+        return kvb__pd_fail(r, cap, INVAL, "no caches");
+    for (uint32_t i = 0; i < tp; i++) {
+        const kvb_pd_cache_t *c = caches[i];
+        if (!c || c->model != m)
+            return kvb__pd_fail(r, cap, INVAL, "cache %u is missing or made for another model", i);
+        if (c->tp_size != tp || c->tp_rank != i)
+            return kvb__pd_fail(r, cap, INVAL, "cache %u is rank %u of %u, not rank %u of %u", i,
+                                c->tp_rank, c->tp_size, i, tp);
+        if (c->tpb != caches[0]->tpb || c->num_blocks != caches[0]->num_blocks)
+            return kvb__pd_fail(r, cap, INVAL, "cache %u has another block geometry than rank 0",
+                                i);
+    }
+    return KVB_OK;
+}
+
+static int check_seq(const kvb_pd_model_t *m, const kvb_pd_cache_t *c0, const kvb_pd_seq_t *seq,
+                     const uint32_t *tokens, size_t n, char *r, size_t cap)
+{
+    if (!seq || !tokens || n == 0)
+        return kvb__pd_fail(r, cap, INVAL, "no sequence or no tokens");
+    for (size_t i = 0; i < n; i++)
+        if (tokens[i] >= m->cfg.vocab)
+            return kvb__pd_fail(r, cap, INVAL, "token %zu is %u, outside the vocab of %u", i,
+                                tokens[i], m->cfg.vocab);
+    if (n > UINT32_MAX - seq->len)
+        return kvb__pd_fail(r, cap, INVAL, "sequence would pass 2^32 positions");
+    uint64_t need = kvb_pd_blocks_for((uint64_t)seq->len + n, c0->tpb);
+    if (need > seq->num_blocks || (need && !seq->blocks))
+        return kvb__pd_fail(
+            r, cap, INVAL, "positions up to %llu need %llu blocks, the table has %zu",
+            (unsigned long long)seq->len + n, (unsigned long long)need, seq->num_blocks);
+    for (uint64_t i = 0; i < need; i++)
+        if (seq->blocks[i] >= c0->num_blocks)
+            return kvb__pd_fail(r, cap, INVAL,
+                                "block table entry %llu is %llu, over the %llu blocks",
+                                (unsigned long long)i, (unsigned long long)seq->blocks[i],
+                                (unsigned long long)c0->num_blocks);
+    return KVB_OK;
+}
+
+static void scratch_free(fwd_t *f)
+{
+    float **bufs[] = {&f->x,      &f->xn,   &f->cosv, &f->sinv, &f->q,   &f->qlat,   &f->kv,
+                      &f->scores, &f->hout, &f->vout, &f->sum,  &f->ffn, &f->contrib};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+        free(*bufs[i]);
+        *bufs[i] = NULL;
+    }
+}
+
+/* Allocates `count` floats (at least one) into *p; returns non-zero on overflow or no memory. */
+static int falloc(float **p, size_t a, size_t b)
+{
+    size_t n;
+    if (kvb__mul_size(a ? a : 1, b ? b : 1, &n) || kvb__mul_size(n, sizeof(float), &n))
+        return -1;
+    *p = malloc(n);
+    return *p == NULL;
+}
+
+static int scratch_alloc(fwd_t *f)
+{
+    const kvb_pd_config_t *c = f->c;
+    size_t qd = c->attn == KVB_KV_ATTN_GQA ? c->head_dim : (size_t)c->nope_dim + c->rope_dim;
+    size_t hd = c->attn == KVB_KV_ATTN_GQA ? c->head_dim : c->kv_lora_rank;
+    int bad = falloc(&f->x, f->n, c->hidden) | falloc(&f->xn, f->n, c->hidden) |
+              falloc(&f->cosv, f->n, rope_dim(c) / 2) | falloc(&f->sinv, f->n, rope_dim(c) / 2) |
+              falloc(&f->q, qd, 1) | falloc(&f->qlat, c->kv_lora_rank, 1) |
+              falloc(&f->kv, (size_t)c->kv_lora_rank + c->rope_dim, 1) |
+              falloc(&f->scores, (size_t)f->pos0 + f->n, 1) | falloc(&f->hout, hd, 1) |
+              falloc(&f->vout, c->v_head_dim, 1) | falloc(&f->sum, c->hidden, 1) |
+              falloc(&f->ffn, c->ffn, 2) | falloc(&f->contrib, c->n_heads, c->hidden);
+    if (bad)
+        scratch_free(f);
+    return bad;
+}
+
+int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, uint32_t tp,
+                   kvb_pd_seq_t *seq, const uint32_t *tokens, size_t n_tokens, float *logits,
+                   const kvb_pd_hook_t *hook, char *r, size_t cap)
+{
+    int rc;
+    if (!model)
+        return kvb__pd_fail(r, cap, INVAL, "model is NULL");
+    if ((rc = check_ranks(model, caches, tp, r, cap)) ||
+        (rc = check_seq(model, caches[0], seq, tokens, n_tokens, r, cap)))
+        return rc;
+    fwd_t f = {.m = model,
+               .c = &model->cfg,
+               .caches = caches,
+               .tp = tp,
+               .blocks = seq->blocks,
+               .tpb = caches[0]->tpb,
+               .pos0 = seq->len,
+               .n = n_tokens};
+    if (scratch_alloc(&f))
+        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
+    run(&f, tokens, logits, hook);
+    scratch_free(&f);
+    seq->len += (uint32_t)n_tokens;
+    kvb__pd_clear(r, cap);
+    return KVB_OK;
+}
