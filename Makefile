@@ -6,7 +6,7 @@ ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
-BUILD_PKGS := gcc make cmake pkg-config libjansson-dev
+BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev
 DEMO_PKGS  := $(BUILD_PKGS)
 

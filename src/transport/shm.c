@@ -71,6 +71,7 @@ struct kvb_shm_link {
     bool cma_ok, broken;
     uint64_t *shared;
     size_t nshared, cap;
+    uint64_t hit_base, hit_len; /* the allocation last found shared: most ops fall inside it */
 };
 
 typedef struct {
@@ -175,6 +176,7 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
             if (link_call(l, &m, -1, kvb__deadline_ms(2000)) != KVB_OK)
                 l->broken = true; /* the peer is gone or stuck; its mapping goes with it */
             l->shared[i] = l->shared[--l->nshared];
+            l->hit_base = l->hit_len = 0;
             break;
         }
         pthread_mutex_unlock(&l->mu);
@@ -713,8 +715,13 @@ static int share(kvb_shm_link_t *l, uint64_t id)
 
 bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
 {
-    uint64_t id, base;
-    if (!l->shm || !kvb__shm_alloc_of(l->shm, addr, len, &id, &base, NULL))
+    pthread_mutex_lock(&l->mu);
+    bool hit = kvb__range_within(addr, len, l->hit_base, l->hit_len);
+    pthread_mutex_unlock(&l->mu);
+    if (hit)
+        return true;
+    uint64_t id, base, alen;
+    if (!l->shm || !kvb__shm_alloc_of(l->shm, addr, len, &id, &base, &alen))
         return l->cma_ok;
     bool ok = false;
     pthread_mutex_lock(&l->mu);
@@ -722,6 +729,10 @@ bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
         ok = l->shared[i] == id;
     if (!ok && !l->broken)
         ok = share(l, id) == KVB_OK;
+    if (ok) {
+        l->hit_base = base;
+        l->hit_len = alen;
+    }
     pthread_mutex_unlock(&l->mu);
     return ok || l->cma_ok;
 }

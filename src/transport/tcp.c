@@ -1381,6 +1381,12 @@ static void lane_append(tcp_conn_t *c, kvb_op_t *head)
         conn_fail(c, rc, "send failed");
 }
 
+/* What an op puts on its lane: its data, or for a same-host op just a header and an address. */
+static uint64_t wire_bytes(const kvb_op_t *op)
+{
+    return KVB_WIRE_HDR_SIZE + (op->shm ? 8 : op->len);
+}
+
 static void hint_release(void *hint)
 {
     conn_release(hint);
@@ -1397,7 +1403,7 @@ static void set_drive_hint(kvb_op_t *ops, tcp_conn_t *c)
     for (kvb_op_t *op = ops; op; op = op->next) {
         if (op->batch != b)
             return;
-        bytes += op->len;
+        bytes += wire_bytes(op);
     }
     if (bytes >= LANE_SPREAD || b->drive_hint) {
         if (b->drive_hint) { /* a second run to another peer: no single connection */
@@ -1465,10 +1471,10 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
     set_drive_hint(ops, tpp->lanes[lane]);
     while (ops) {
         kvb_op_t *head = ops, *tail = ops;
-        uint64_t bytes = ops->len;
+        uint64_t bytes = wire_bytes(ops);
         ops = ops->next;
         while (ops && bytes < LANE_SPREAD) {
-            bytes += ops->len;
+            bytes += wire_bytes(ops);
             tail = ops;
             ops = ops->next;
         }
