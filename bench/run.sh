@@ -76,7 +76,7 @@ goal_pair tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 ratio tcp 1M -- --pr
 goal_pair tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 ratio tcp 1M -- --protocol tcp --operation write --block-size 1M --batch-size 32
 goal_pair tcp-64k "TCP 64 KiB blocks batch 128 READ" 0.80 ratio tcp 64K -- --protocol tcp --operation read --block-size 64K --batch-size 128
 goal_pair tcp-4k "TCP 4 KiB blocks batch 128 READ" 1.0 abs - - -- --protocol tcp --operation read --block-size 4K --batch-size 128
-goal_pair shm-64k "shm 64 KiB blocks batch 128 READ, 2 submitting threads" 0.85 ratio memcpy 64K -- --protocol shm --operation read --block-size 64K --batch-size 128 --threads 2
+goal_pair shm-64k "shm 64 KiB blocks batch 128 READ with 2 submitting threads" 0.85 ratio memcpy 64K -- --protocol shm --operation read --block-size 64K --batch-size 128 --threads 2
 goal_pair shm-1m "shm 1 MiB blocks batch 32 WRITE" 0.85 ratio memcpy 1M -- --protocol shm --operation write --block-size 1M --batch-size 32
 
 say "latency"
@@ -124,7 +124,8 @@ set terminal pngcairo size 1000,600 noenhanced
 set output "$OUT/throughput.png"
 set title "kvbridge loopback throughput (batch 128, 1 thread) and ceilings"
 set logscale x 2
-set xlabel "block size (bytes)"
+set xlabel "block size"
+set format x "%.0b%B"
 set ylabel "GB/s"
 set key outside right
 set grid

@@ -60,6 +60,7 @@ typedef struct {
 } worker_t;
 
 static volatile sig_atomic_t g_stop;
+static atomic_ullong g_progress_bytes; /* for the progress line of long runs on a terminal */
 
 static void on_signal(int sig)
 {
@@ -264,6 +265,8 @@ static void *worker_main(void *arg)
                 kvb_batch_status(b, i, &st);
                 if (st.state == KVB_REQ_COMPLETED) {
                     w->bytes += o->block;
+                    atomic_fetch_add_explicit(&g_progress_bytes, o->block,
+                                              memory_order_relaxed);
                     w->reqs++;
                 } else {
                     w->errors++;
@@ -435,8 +438,19 @@ static int run_initiator(bench_opts_t *o)
                           .deadline = deadline};
         pthread_create(&tids[t], NULL, worker_main, &w[t]);
     }
+    /* Long runs on a terminal show how they go, once a second, on stderr. */
+    bool tty = isatty(STDERR_FILENO) && o->duration >= 3;
+    for (uint64_t s = 1; tty && s < o->duration && !g_stop; s++) {
+        struct timespec one = {.tv_sec = 1};
+        nanosleep(&one, NULL);
+        double gb = (double)atomic_load(&g_progress_bytes) / 1e9;
+        fprintf(stderr, "\r  %llu/%llu s  %.2f GB  %.3f GB/s ", (unsigned long long)s,
+                (unsigned long long)o->duration, gb, gb / (double)s);
+    }
     for (uint64_t t = 0; t < o->threads; t++)
         pthread_join(tids[t], NULL);
+    if (tty)
+        fprintf(stderr, "\r%60s\r", "");
     double secs = (double)(kvb__now_ns() - t0) / 1e9;
     int verified = -1;
     uint64_t errors = 0, mismatches = 0;
