@@ -22,7 +22,7 @@ ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size 
 
 # ---- sweep ------------------------------------------------------------------------------------
 blocks=(4K 16K 64K 256K 1M 4M)
-total=$(( ${#blocks[@]} * 2 * 2 * 4 ))
+total=$(( ${#blocks[@]} * 2 * 2 * 3 * 2 ))
 echo "protocol,operation,block_size,batch_size,threads,gbps,ceiling,ceiling_gbps,ratio" > "$OUT/sweep.csv"
 declare -A ceil_tcp ceil_mem
 for b in "${blocks[@]}"; do
@@ -36,7 +36,6 @@ for proto in tcp shm; do
     for b in "${blocks[@]}"; do
       for batch in 1 16 128; do
         for t in 1 2; do
-          [ "$t" = 2 ] && [ "$batch" != 128 ] && continue # two threads only where it matters
           k=$((k + 1))
           say "[$k/$total] $proto $op block $b batch $batch threads $t"
           g=$(kvb_gbps --protocol "$proto" --operation "$op" --block-size "$b" \
