@@ -1,0 +1,196 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The ids an instance holds (requests in progress, pull leases, push reservations) and the reaper
+ * thread that frees a lease's blocks once every routed decode rank confirmed its reads (or the
+ * lease expired), expires reservations, and releases the agents' expectations of aborted ones. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "pd/server_int.h"
+
+/* One kvb_kv_wait of the reaper is short, so that one slow id delays no other. */
+#define WAIT_SLICE_MS 10
+#define IDLE_MS       100 /* sleep when there is nothing to wait for */
+#define JOBS_MAX      64  /* ids served per pass */
+
+int kvb__pd_ent_add(kvb_pd_server_t *srv, const char *id, kvb__pd_ent_t **out)
+{
+    kvb__pd_ent_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return KVB_ERR_NOMEM;
+    snprintf(e->id, sizeof e->id, "%s", id);
+    e->kind = KVB_PD_ENT_ACTIVE;
+    kvb_pd_seq_init(&e->seq);
+    pthread_mutex_lock(&srv->mu);
+    int rc = kvb__pd_ent_find(srv, id) ? KVB_ERR_BUSY : KVB_OK;
+    if (!rc) {
+        e->next = srv->ents;
+        srv->ents = e;
+    }
+    pthread_mutex_unlock(&srv->mu);
+    if (rc) {
+        free(e);
+        return rc;
+    }
+    if (out)
+        *out = e;
+    return KVB_OK;
+}
+
+kvb__pd_ent_t *kvb__pd_ent_find(kvb_pd_server_t *srv, const char *id)
+{
+    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next)
+        if (!strcmp(e->id, id))
+            return e;
+    return NULL;
+}
+
+void kvb__pd_ent_remove(kvb_pd_server_t *srv, kvb__pd_ent_t *e)
+{
+    for (kvb__pd_ent_t **p = &srv->ents; *p; p = &(*p)->next)
+        if (*p == e) {
+            *p = e->next;
+            break;
+        }
+    kvb_pd_seq_release(&e->seq, srv->pool);
+    free(e->toks);
+    free(e->segs);
+    free(e);
+}
+
+void kvb__pd_ent_done(kvb_pd_server_t *srv, const char *id)
+{
+    pthread_mutex_lock(&srv->mu);
+    kvb__pd_ent_t *e = kvb__pd_ent_find(srv, id);
+    if (e && e->kind == KVB_PD_ENT_ACTIVE)
+        kvb__pd_ent_remove(srv, e);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n)
+{
+    e->segs = calloc(n ? n : 1, sizeof *e->segs);
+    if (!e->segs)
+        return KVB_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++)
+        snprintf(e->segs[i], sizeof e->segs[i], "%s", segs[i]);
+    e->nsegs = n;
+    return KVB_OK;
+}
+
+void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, uint64_t deadline)
+{
+    if (!mask) {
+        kvb__pd_ent_remove(srv, e);
+        return;
+    }
+    kvb_pd_seq_release(&e->seq, srv->pool);
+    e->kind = KVB_PD_ENT_DRAIN;
+    e->pending_mask = mask;
+    e->deadline_ns = deadline;
+    pthread_cond_broadcast(&srv->cv);
+}
+
+/* ---- the reaper -------------------------------------------------------------------------------
+ */
+
+typedef struct {
+    kvb__pd_ent_t *e; /* LEASE and DRAIN entries are removed by the reaper only: stable */
+    char id[KVB_PD_REQ_ID_MAX + 1];
+    uint64_t mask;
+} job_t;
+
+/* Expires reservations, and lists the ids to wait for. Caller holds srv->mu. */
+static size_t collect(kvb_pd_server_t *srv, job_t *jobs)
+{
+    uint64_t now = kvb__now_ns();
+    size_t n = 0;
+    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next) {
+        if (e->kind == KVB_PD_ENT_RESERVED && now >= e->deadline_ns) {
+            KVB_WARN("reservation of request %s expired unused; freeing its blocks", e->id);
+            kvb_pd_seq_release(&e->seq, srv->pool);
+            e->kind = KVB_PD_ENT_DRAIN;
+        }
+        bool waits = e->kind == KVB_PD_ENT_LEASE || e->kind == KVB_PD_ENT_DRAIN;
+        if (waits && e->pending_mask && n < JOBS_MAX) {
+            jobs[n].e = e;
+            jobs[n].mask = e->pending_mask;
+            memcpy(jobs[n].id, e->id, sizeof jobs[n].id);
+            n++;
+        }
+    }
+    return n;
+}
+
+/* One rank of a lease or drain has its answer: log what a lease ended with. */
+static void rank_done(kvb_pd_server_t *srv, job_t *j, uint32_t r, int rc)
+{
+    bool lease = j->e->kind == KVB_PD_ENT_LEASE;
+    if (lease && rc == KVB_ERR_TIMEOUT)
+        KVB_WARN("lease of request %s expired after %u ms (rank %u): freeing its blocks", j->id,
+                 srv->opts.lease_ms, r);
+    else if (lease && rc)
+        KVB_WARN("request %s, rank %u: decode side reported %s; freeing its blocks", j->id, r,
+                 kvb_strerror(rc));
+    if (KVB_IS_PEER_ERROR(rc))
+        for (size_t i = 0; i < j->e->nsegs; i++)
+            kvb__pd_links_drop(srv, j->e->segs[i]);
+    pthread_mutex_lock(&srv->mu);
+    j->e->pending_mask &= ~(1ull << r);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+static void run_job(kvb_pd_server_t *srv, job_t *j)
+{
+    for (uint32_t r = 0; r < srv->tp; r++) {
+        if (!(j->mask & (1ull << r)))
+            continue;
+        int rc = kvb_kv_wait(srv->ranks[r].agent, j->id, WAIT_SLICE_MS);
+        if (rc != KVB_ERR_AGAIN)
+            rank_done(srv, j, r, rc);
+    }
+}
+
+/* Frees the entries whose every rank has answered. Caller holds srv->mu. */
+static void sweep(kvb_pd_server_t *srv)
+{
+    kvb__pd_ent_t *e = srv->ents, *next;
+    for (; e; e = next) {
+        next = e->next;
+        bool waits = e->kind == KVB_PD_ENT_LEASE || e->kind == KVB_PD_ENT_DRAIN;
+        if (waits && !e->pending_mask)
+            kvb__pd_ent_remove(srv, e);
+    }
+}
+
+void *kvb__pd_reaper_main(void *arg)
+{
+    kvb_pd_server_t *srv = arg;
+    job_t *jobs = calloc(JOBS_MAX, sizeof *jobs);
+    pthread_mutex_lock(&srv->mu);
+    while (!srv->stop) {
+        size_t n = jobs ? collect(srv, jobs) : 0;
+        if (!n) {
+            struct timespec ts = kvb__timespec_of(kvb__now_ns() + IDLE_MS * 1000000ull);
+            pthread_cond_timedwait(&srv->cv, &srv->mu, &ts);
+            continue;
+        }
+        pthread_mutex_unlock(&srv->mu);
+        for (size_t i = 0; i < n; i++)
+            run_job(srv, &jobs[i]);
+        pthread_mutex_lock(&srv->mu);
+        sweep(srv);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    free(jobs);
+    return NULL;
+}
+
+void kvb__pd_ents_clear(kvb_pd_server_t *srv)
+{
+    pthread_mutex_lock(&srv->mu);
+    while (srv->ents)
+        kvb__pd_ent_remove(srv, srv->ents);
+    pthread_mutex_unlock(&srv->mu);
+}

@@ -1,0 +1,207 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* What the server modules share: the instance, its ranks, peer links, the table of active requests
+ * (leases, reservations) and metrics. Private to src/pd/server*.c. */
+#ifndef KVB_PD_SERVER_INT_H
+#define KVB_PD_SERVER_INT_H
+
+#include <jansson.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "kvbridge/engine.h"
+#include "kvbridge/kv.h"
+#include "pd/http.h"
+#include "pd/model.h"
+#include "pd/server.h"
+
+#define KVB_PD_REQ_ID_MAX 64u
+#define KVB_PD_SEGS_MAX   KVB_PD_SERVER_TP_MAX
+#define KVB_PD_HIST_N     14 /* histogram buckets, +Inf included */
+
+/* One TP rank: its engine, the cache in that engine's kvb_alloc memory, and its KV agent. */
+typedef struct {
+    kvb_engine_t *engine;
+    kvb_pd_cache_t *cache;
+    kvb_kv_agent_t *agent; /* NULL for a colocated instance: it never transfers */
+    kvb_kv_layout_t layout;
+    kvb_kv_slot_t *slots;
+    uint64_t block_bytes; /* sum of the layout's block_bytes: what one block of this rank holds */
+} kvb__pd_rank_t;
+
+/* The links of every local rank to one remote rank (segment), or why the guard refused them. */
+typedef struct {
+    char seg[KVB_NAME_MAX + 1];
+    kvb_kv_link_t **links; /* [tp]; NULL entries when refused */
+    kvb_kv_verdict_t verdict;
+    char reason[KVB_KV_REASON_MAX];
+    bool refused;
+} kvb__pd_peer_t;
+
+/* An id the instance holds: a prefill's lease (pull), a decode's reservation (push), or a request
+ * being served (so that an id used twice while active is refused). */
+typedef enum {
+    KVB_PD_ENT_ACTIVE = 1, /* a request in a handler: nothing for the reaper */
+    KVB_PD_ENT_LEASE,      /* prefill, pull: blocks kept until every routed decode rank read */
+    KVB_PD_ENT_RESERVED,   /* decode, push: blocks reserved, notices expected */
+    KVB_PD_ENT_DRAIN,      /* blocks gone; the agents' expectations still to be released */
+} kvb__pd_ent_kind_t;
+
+typedef struct kvb__pd_ent {
+    struct kvb__pd_ent *next;
+    char id[KVB_PD_REQ_ID_MAX + 1];
+    kvb__pd_ent_kind_t kind;
+    kvb_pd_seq_t seq;               /* LEASE / RESERVED: the blocks held */
+    uint32_t n_prompt;              /* RESERVED: tokens of the prompt */
+    uint32_t *toks;                 /* RESERVED: the prompt's tokens */
+    uint64_t deadline_ns;           /* LEASE / RESERVED / DRAIN: when the agents give up */
+    uint64_t pending_mask;          /* ranks whose kvb_kv_wait has not returned (bit r) */
+    char (*segs)[KVB_NAME_MAX + 1]; /* the peer's segments, to relink if it is lost */
+    size_t nsegs;
+} kvb__pd_ent_t;
+
+typedef struct {
+    uint64_t count;
+    double sum;
+    uint64_t buckets[KVB_PD_HIST_N];
+} kvb__pd_hist_t;
+
+struct kvb_pd_server {
+    kvb_pd_server_opts_t opts;
+    char addr[64];
+    char model_spec[4096];
+    kvb_pd_model_t *model;
+    uint32_t tp, tpb;
+    kvb__pd_rank_t *ranks;
+    kvb_pd_cache_t **caches; /* [tp], for kvb_pd_forward */
+    kvb_pd_blocks_t *pool;
+    uint64_t total_blocks;
+    uint64_t stall_layer; /* fault hook KVB_PD_FAULT_STALL_LAYER: push stalls after it; or ~0 */
+
+    /* Forward passes are serialized: the caches are not thread-safe per sequence, and one
+     * pass at a time keeps a small instance simple and deterministic. */
+    pthread_mutex_t fwd_mu;
+
+    pthread_mutex_t links_mu; /* peers, dead links */
+    kvb__pd_peer_t *peers;
+    size_t npeers;
+    kvb_kv_link_t **dead; /* links to lost peers, closed at destroy (in-flight users may remain) */
+    size_t ndead;
+
+    pthread_mutex_t mu; /* the entry table, metrics, stop */
+    pthread_cond_t cv;
+    kvb__pd_ent_t *ents;
+    bool stop;
+    pthread_t reaper;
+    bool reaper_started;
+    atomic_ulong req_counter;
+
+    uint64_t m_requests, m_failures, m_kv_bytes;
+    double m_kv_seconds;
+    kvb__pd_hist_t m_ttft, m_tpot;
+
+    struct MHD_Daemon *httpd;
+    uint16_t port;
+};
+
+/* ---- server.c -------------------------------------------------------------------------------- */
+
+/* Routes one complete request; `body` is NUL-terminated. */
+enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
+                              const char *url, const char *body, size_t len);
+
+/* ---- server_ents.c: the entry table and the reaper ------------------------------------------ */
+
+/* Adds an entry for `id` (ACTIVE); KVB_ERR_BUSY if the id is held, KVB_ERR_NOMEM. */
+int kvb__pd_ent_add(kvb_pd_server_t *srv, const char *id, kvb__pd_ent_t **out);
+/* Finds the entry of `id`; caller holds srv->mu. */
+kvb__pd_ent_t *kvb__pd_ent_find(kvb_pd_server_t *srv, const char *id);
+/* Unlinks and frees an entry (its blocks must be released already); caller holds srv->mu. */
+void kvb__pd_ent_remove(kvb_pd_server_t *srv, kvb__pd_ent_t *e);
+/* Drops the ACTIVE entry of `id` (handlers call this when they end). */
+void kvb__pd_ent_done(kvb_pd_server_t *srv, const char *id);
+/* Copies segs[0..n) into the entry (KVB_ERR_NOMEM). Caller holds srv->mu or owns the entry. */
+int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n);
+/* Turns the entry into DRAIN for the ranks in `mask` (releasing its blocks now), or removes it
+ * when mask is 0. Caller holds srv->mu. */
+void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, uint64_t deadline);
+void *kvb__pd_reaper_main(void *arg);
+/* Frees every entry's blocks (at shutdown). */
+void kvb__pd_ents_clear(kvb_pd_server_t *srv);
+
+/* ---- server_links.c ------------------------------------------------------------------------- */
+
+/* Links every local rank to every segment of segs[0..n): out[r * n + m] is rank r's link to
+ * segs[m]. Cached by segment. On a refusal returns KVB_ERR_INCOMPATIBLE; on any error `why`
+ * says which peer and why. */
+int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
+                      char *why, size_t why_cap);
+/* Moves the cached links to `seg` aside (the peer was lost), so the next request relinks. */
+void kvb__pd_links_drop(kvb_pd_server_t *srv, const char *seg);
+/* Appends the /health "links" array. */
+void kvb__pd_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded);
+void kvb__pd_links_free(kvb_pd_server_t *srv);
+
+/* ---- server_gen.c: generation, completions, streaming --------------------------------------- */
+
+/* Parameters of a generation, parsed from a body. */
+typedef struct {
+    const char *prompt; /* the body's string, valid while the body is */
+    size_t prompt_len;
+    uint32_t max_tokens;
+    bool stream;
+    float temperature;
+    uint64_t seed;
+    uint32_t timeout_ms;
+} kvb__pd_params_t;
+
+typedef struct kvb__pd_gen kvb__pd_gen_t;
+
+/* Reads the generation fields of `body` (defaults for missing ones; "prompt" may be missing
+ * unless need_prompt, then p->prompt is NULL); an error's 400 text in `why`. */
+int kvb__pd_params_parse(json_t *body, kvb__pd_params_t *p, bool need_prompt, char *why,
+                         size_t cap);
+
+/* Creates a generation over `seq` (taken over: the generation releases its blocks) holding
+ * n_prompt cached positions (or, when colocated, none yet: the first step runs the prompt).
+ * has_t0: t0 is the first token, already sampled by a prefill. */
+int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_params_t *p,
+                       uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
+                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out);
+/* Records the KV transfer of this request (for the answer's stats). */
+void kvb__pd_gen_set_kv(kvb__pd_gen_t *g, uint64_t bytes, double seconds);
+/* Answers: the whole completion as JSON, or an SSE stream. Frees `g` (now or when the stream
+ * ends) and drops the request's entry. */
+enum MHD_Result kvb__pd_gen_respond(kvb__pd_gen_t *g, struct MHD_Connection *conn);
+
+/* POST /v1/completions on a colocated instance. */
+enum MHD_Result kvb__pd_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                    json_t *body);
+
+/* Tokenizes prompt with BOS into a malloc'd array. */
+int kvb__pd_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n);
+
+/* ---- server_pd.c: the /pd endpoints --------------------------------------------------------- */
+
+enum MHD_Result kvb__pd_info(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+enum MHD_Result kvb__pd_prefill(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__pd_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__pd_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+
+/* ---- server_metrics.c ----------------------------------------------------------------------- */
+
+void kvb__pd_metric_request(kvb_pd_server_t *srv);
+void kvb__pd_metric_failure(kvb_pd_server_t *srv);
+void kvb__pd_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot);
+void kvb__pd_metric_kv(kvb_pd_server_t *srv, uint64_t bytes, double seconds);
+enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+
+/* A failure answer that also counts in the failures metric. */
+enum MHD_Result kvb__pd_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                  unsigned status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+#endif

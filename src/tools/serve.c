@@ -1,0 +1,126 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* kvbridge serve: runs one PD instance (prefill, decode or colocated) until SIGINT or SIGTERM. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "pd/server.h"
+#include "tools/cli.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
+            "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
+            "                      [--blocks N] [--lease-ms N]\n\n"
+            "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
+            "  --role R        prefill, decode, or both (colocated: /v1/completions locally)\n"
+            "  --model M       a preset (tiny-gqa, tiny-mla) or a weight file\n"
+            "  --seed N        seed of a preset's weights (default 0)\n"
+            "  --tp N          TP ranks, each with its own engine and cache (default 1)\n"
+            "  --port P        HTTP port (0: any free one; the ready line says which)\n"
+            "  --bind ADDR     address of HTTP and the engines (default 127.0.0.1)\n"
+            "  --kv-mode M     pull (default) or push\n"
+            "  --blocks N      KV blocks of 16 tokens per rank (default %u)\n"
+            "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u)\n\n"
+            "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
+            "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
+            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS);
+}
+
+static int bad(const char *what, const char *arg)
+{
+    fprintf(stderr, "kvbridge serve: %s%s%s\n(see kvbridge serve --help)\n", what, arg ? ": " : "",
+            arg ? arg : "");
+    return 2;
+}
+
+/* One option and its value; returns 0, 1 for help, or 2 after a message. */
+static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, bool *port_set)
+{
+    uint64_t v;
+    if (!strcmp(opt, "--role"))
+        return kvb_pd_role_parse(val, &o->role) ? bad("bad --role", val) : 0;
+    if (!strcmp(opt, "--kv-mode"))
+        return kvb_pd_kv_mode_parse(val, &o->kv_mode) ? bad("bad --kv-mode", val) : 0;
+    if (!strcmp(opt, "--model"))
+        return (o->model = val) && *val ? 0 : bad("empty --model", NULL);
+    if (!strcmp(opt, "--bind"))
+        return (o->bind = val) && *val ? 0 : bad("empty --bind", NULL);
+    if (!strcmp(opt, "--seed"))
+        return kvb_cli_parse_uint(val, UINT64_MAX, &o->seed) ? bad("bad --seed", val) : 0;
+    if (!strcmp(opt, "--tp")) {
+        if (kvb_cli_parse_uint(val, KVB_PD_SERVER_TP_MAX, &v) || !v)
+            return bad("bad --tp", val);
+        o->tp = (uint32_t)v;
+    } else if (!strcmp(opt, "--port")) {
+        if (kvb_cli_parse_uint(val, 65535, &v))
+            return bad("bad --port", val);
+        o->port = (uint16_t)v;
+        *port_set = true;
+    } else if (!strcmp(opt, "--blocks")) {
+        if (kvb_cli_parse_uint(val, UINT32_MAX, &o->blocks) || !o->blocks)
+            return bad("bad --blocks", val);
+    } else if (!strcmp(opt, "--lease-ms")) {
+        if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
+            return bad("bad --lease-ms", val);
+        o->lease_ms = (uint32_t)v;
+    } else {
+        return bad("unknown option", opt);
+    }
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, kvb_pd_server_opts_t *o)
+{
+    bool port_set = false;
+    *o = (kvb_pd_server_opts_t){.kv_mode = KVB_PD_KV_PULL, .tp = 1};
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 1;
+        }
+        if (i + 1 >= argc)
+            return bad("missing value of", argv[i]);
+        int rc = parse_opt(o, argv[i], argv[i + 1], &port_set);
+        if (rc)
+            return rc;
+        i++;
+    }
+    if (!o->role)
+        return bad("--role is required", NULL);
+    if (!o->model)
+        return bad("--model is required", NULL);
+    return port_set ? 0 : bad("--port is required", NULL);
+}
+
+int kvb_cmd_serve(int argc, char **argv)
+{
+    kvb_pd_server_opts_t o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    /* Blocked before any thread starts, so every thread inherits the mask and the signals
+     * reach only sigwait() below: the server stops from this thread, never from a handler. */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a client gone mid-answer is an error return, not a death */
+    char why[512];
+    kvb_pd_server_t *srv = NULL;
+    if (kvb_pd_server_create(&o, &srv, why, sizeof why)) {
+        fprintf(stderr, "kvbridge serve: %s\n", why);
+        return 1;
+    }
+    printf("serving %s on http://%s:%u (tp %u, kv-mode %s)\n", kvb_pd_role_name(o.role),
+           kvb_pd_server_addr(srv), kvb_pd_server_port(srv), o.tp, kvb_pd_kv_mode_name(o.kv_mode));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&set, &sig);
+    fprintf(stderr, "kvbridge serve: %s, stopping\n", strsignal(sig));
+    kvb_pd_server_destroy(srv);
+    return 0;
+}

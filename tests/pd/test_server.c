@@ -1,0 +1,578 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Tests for the PD instance server (src/pd/server*.c): real instances in child processes (forked,
+ * running the server API), driven over HTTP with libcurl the way the proxy drives them. Checks
+ * that colocated, pull and push answers equal kvb_pd_generate() token for token, that bad
+ * requests get 400/413, an incompatible pair 409 with the guard's reason, and that a prefill
+ * killed mid-transfer fails the decode's request promptly and gives its blocks back. */
+#include <criterion/criterion.h>
+#include <curl/curl.h>
+#include <jansson.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pd/model.h"
+#include "pd/server.h"
+
+#define MAX_INST   4
+#define BLOCKS     64
+#define MAX_TOKENS 8
+
+typedef struct {
+    pid_t pid;
+    uint16_t port;
+} inst_t;
+
+static inst_t insts[MAX_INST];
+static int ninst;
+
+/* ---- instances -------------------------------------------------------------------------------
+ */
+
+static void child_main(const kvb_pd_server_opts_t *o, int fd, const char *stall)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigprocmask(SIG_BLOCK, &set, NULL); /* before any thread: only sigwait() sees SIGTERM */
+    if (stall)
+        setenv("KVB_PD_FAULT_STALL_LAYER", stall, 1);
+    kvb_pd_server_t *srv = NULL;
+    char why[512];
+    uint16_t port = 0;
+    if (kvb_pd_server_create(o, &srv, why, sizeof why) == KVB_OK)
+        port = kvb_pd_server_port(srv);
+    else
+        fprintf(stderr, "server: %s\n", why);
+    if (write(fd, &port, sizeof port) != sizeof port || !srv)
+        _exit(1);
+    int sig;
+    sigwait(&set, &sig);
+    kvb_pd_server_destroy(srv);
+    _exit(0);
+}
+
+/* Starts an instance (port picked by the server) and waits until it serves. */
+static inst_t *start(kvb_pd_role_t role, const char *model, uint64_t seed, uint32_t tp,
+                     kvb_pd_kv_mode_t mode, const char *stall)
+{
+    cr_assert_lt(ninst, MAX_INST);
+    kvb_pd_server_opts_t o = {.role = role,
+                              .kv_mode = mode,
+                              .model = model,
+                              .seed = seed,
+                              .tp = tp,
+                              .blocks = BLOCKS,
+                              .lease_ms = 3000};
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(p[0]);
+        child_main(&o, p[1], stall);
+    }
+    close(p[1]);
+    inst_t *in = &insts[ninst++];
+    in->pid = pid;
+    struct pollfd pfd = {.fd = p[0], .events = POLLIN};
+    uint16_t port = 0;
+    if (poll(&pfd, 1, 20000) == 1 && read(p[0], &port, sizeof port) == sizeof port)
+        in->port = port;
+    close(p[0]);
+    cr_assert_neq(in->port, 0, "instance did not start");
+    return in;
+}
+
+static void stop(inst_t *in)
+{
+    if (in->pid <= 0)
+        return;
+    kill(in->pid, SIGTERM);
+    for (int i = 0; i < 100; i++) { /* 5 s to stop cleanly, then killed */
+        if (waitpid(in->pid, NULL, WNOHANG) == in->pid) {
+            in->pid = 0;
+            return;
+        }
+        usleep(50000);
+    }
+    kill(in->pid, SIGKILL);
+    waitpid(in->pid, NULL, 0);
+    in->pid = 0;
+}
+
+static void kill_now(inst_t *in)
+{
+    kill(in->pid, SIGKILL);
+    waitpid(in->pid, NULL, 0);
+    in->pid = 0;
+}
+
+static void setup(void)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    ninst = 0;
+}
+
+static void teardown(void)
+{
+    for (int i = 0; i < ninst; i++)
+        stop(&insts[i]);
+    curl_global_cleanup();
+}
+
+TestSuite(server, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- HTTP ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    char *s;
+    size_t len;
+} buf_t;
+
+static size_t on_data(char *p, size_t size, size_t n, void *user)
+{
+    buf_t *b = user;
+    size_t k = size * n;
+    char *s = realloc(b->s, b->len + k + 1);
+    if (!s)
+        return 0;
+    memcpy(s + b->len, p, k);
+    b->s = s;
+    b->len += k;
+    s[b->len] = '\0';
+    return k;
+}
+
+/* POSTs `body` (GET when NULL); returns the status (0 on a transport error) and the answer. */
+static long http(const inst_t *in, const char *path, const char *body, char **out, long timeout_ms)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u%s", in->port, path);
+    CURL *c = curl_easy_init();
+    buf_t b = {.s = calloc(1, 1)};
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    if (body)
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    long status = 0;
+    if (curl_easy_perform(c) == CURLE_OK)
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(c);
+    if (out)
+        *out = b.s;
+    else
+        free(b.s);
+    return status;
+}
+
+/* POSTs and parses a JSON answer; asserts the status. */
+static json_t *post_json(const inst_t *in, const char *path, long want, const char *fmt, ...)
+{
+    char body[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(body, sizeof body, fmt, ap);
+    va_end(ap);
+    char *out = NULL;
+    long st = http(in, path, body, &out, 20000);
+    cr_assert_eq(st, want, "%s -> %ld, want %ld: %s", path, st, want, out);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_assert_not_null(j, "%s answered no JSON: %s", path, out);
+    free(out);
+    return j;
+}
+
+static json_t *get_json(const inst_t *in, const char *path)
+{
+    char *out = NULL;
+    cr_assert_eq(http(in, path, NULL, &out, 5000), 200, "GET %s: %s", path, out);
+    json_t *j = json_loads(out, 0, NULL);
+    free(out);
+    cr_assert_not_null(j);
+    return j;
+}
+
+static char *dump(json_t *j)
+{
+    return json_dumps(j, JSON_COMPACT);
+}
+
+static long free_blocks(const inst_t *in)
+{
+    json_t *h = get_json(in, "/health");
+    long n = (long)json_integer_value(json_object_get(h, "free_blocks"));
+    json_decref(h);
+    return n;
+}
+
+/* Waits up to 3 s for the instance's free block count to come back to `want`. */
+static void expect_free(const inst_t *in, long want)
+{
+    long n = -1;
+    for (int i = 0; i < 60 && (n = free_blocks(in)) != want; i++)
+        usleep(50000);
+    cr_assert_eq(n, want, "free blocks %ld, want %ld", n, want);
+}
+
+/* ---- the reference --------------------------------------------------------------------------- */
+
+static const char *prompts[] = {
+    "",                                                   /* BOS only: 1 token */
+    "Hello world",                                        /* 12 tokens */
+    "exactly 1 block",                                    /* 15 bytes + BOS = 16 */
+    "thirty-one bytes make two block",                    /* 32: two full blocks */
+    "a prompt that is longer than two blocks of sixteen", /* 51 */
+};
+#define NPROMPTS (sizeof prompts / sizeof *prompts)
+
+static size_t reference(const char *model, const char *prompt, uint32_t *out)
+{
+    kvb_pd_model_t *m = NULL;
+    char why[256];
+    cr_assert_eq(kvb_pd_model_preset(model, 0, &m, why, sizeof why), KVB_OK, "%s", why);
+    uint32_t toks[128];
+    size_t n = 0, n_out = 0;
+    cr_assert_eq(kvb_pd_tokenize(prompt, strlen(prompt), true, toks, 128, &n), KVB_OK);
+    kvb_pd_gen_opts_t o = {.tp = 1, .max_tokens = MAX_TOKENS};
+    cr_assert_eq(kvb_pd_generate(m, &o, toks, n, out, &n_out, why, sizeof why), KVB_OK, "%s", why);
+    kvb_pd_model_free(m);
+    return n_out;
+}
+
+/* Asserts that a completion's kvbridge.tokens are the reference's. */
+static void check_tokens(json_t *answer, const char *model, const char *prompt)
+{
+    uint32_t want[MAX_TOKENS];
+    size_t n = reference(model, prompt, want);
+    json_t *toks = json_object_get(json_object_get(answer, "kvbridge"), "tokens");
+    cr_assert_eq(json_array_size(toks), n, "prompt \"%s\": %zu tokens, want %zu", prompt,
+                 json_array_size(toks), n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(json_integer_value(json_array_get(toks, i)), want[i],
+                     "prompt \"%s\": token %zu differs", prompt, i);
+    json_t *ch = json_array_get(json_object_get(answer, "choices"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")),
+                     n == MAX_TOKENS && want[n - 1] != KVB_PD_EOS ? "length" : "stop");
+}
+
+/* ---- colocated ------------------------------------------------------------------------------- */
+
+Test(server, colocated_equals_generate)
+{
+    inst_t *both = start(KVB_PD_ROLE_BOTH, "tiny-gqa", 0, 2, KVB_PD_KV_PULL, NULL);
+    for (size_t i = 0; i < NPROMPTS; i++) {
+        json_t *prompt = json_string(prompts[i]);
+        char *p = json_dumps(prompt, JSON_ENCODE_ANY);
+        json_t *a = post_json(both, "/v1/completions", 200, "{\"prompt\": %s, \"max_tokens\": %d}",
+                              p, MAX_TOKENS);
+        check_tokens(a, "tiny-gqa", prompts[i]);
+        cr_assert_str_eq(json_string_value(json_object_get(a, "object")), "text_completion");
+        json_decref(a);
+        free(p);
+        json_decref(prompt);
+    }
+    cr_assert_eq(free_blocks(both), BLOCKS);
+}
+
+Test(server, colocated_stream)
+{
+    inst_t *both = start(KVB_PD_ROLE_BOTH, "tiny-mla", 0, 1, KVB_PD_KV_PULL, NULL);
+    char *out = NULL;
+    long st =
+        http(both, "/v1/completions",
+             "{\"prompt\": \"Hello world\", \"max_tokens\": 8, \"stream\": true}", &out, 10000);
+    cr_assert_eq(st, 200);
+    /* 8 token events, one final event, then [DONE] */
+    int events = 0;
+    json_t *last = NULL;
+    for (char *p = out; (p = strstr(p, "data: ")); p += 6) {
+        events++;
+        if (!strncmp(p + 6, "[DONE]", 6))
+            break;
+        json_decref(last);
+        last = json_loads(p + 6, JSON_DISABLE_EOF_CHECK, NULL);
+        cr_assert_not_null(last, "bad event: %.80s", p);
+    }
+    cr_assert_eq(events, MAX_TOKENS + 2, "%s", out);
+    cr_assert(strstr(out, "data: [DONE]\n\n"));
+    check_tokens(last, "tiny-mla", "Hello world");
+    json_decref(last);
+    free(out);
+}
+
+/* ---- disaggregated, driven as the proxy does ----------------------------------------------- */
+
+static json_t *segments(const inst_t *in)
+{
+    json_t *info = get_json(in, "/pd/info");
+    json_t *s = json_incref(json_object_get(info, "segments"));
+    json_decref(info);
+    return s;
+}
+
+static json_t *pd_pull(const inst_t *pre, const inst_t *dec, const char *id, const char *prompt)
+{
+    json_t *ps = segments(pre), *ds = segments(dec), *pj = json_string(prompt);
+    char *pss = dump(ps), *dss = dump(ds), *p = json_dumps(pj, JSON_ENCODE_ANY);
+    json_t *r = post_json(pre, "/pd/prefill", 200,
+                          "{\"request_id\": \"%s\", \"prompt\": %s, \"kv_mode\": \"pull\", "
+                          "\"decode_segments\": %s}",
+                          id, p, dss);
+    char *blocks = dump(json_object_get(r, "blocks"));
+    json_t *a = post_json(dec, "/pd/decode", 200,
+                          "{\"request_id\": \"%s\", \"prompt\": %s, \"t0\": %lld, "
+                          "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
+                          "\"kv_mode\": \"pull\"}",
+                          id, p, (long long)json_integer_value(json_object_get(r, "t0")), blocks,
+                          pss, MAX_TOKENS);
+    free(blocks), free(pss), free(dss), free(p);
+    json_decref(r), json_decref(ps), json_decref(ds), json_decref(pj);
+    return a;
+}
+
+static json_t *pd_push(const inst_t *pre, const inst_t *dec, const char *id, const char *prompt)
+{
+    json_t *ps = segments(pre), *ds = segments(dec), *pj = json_string(prompt);
+    char *pss = dump(ps), *dss = dump(ds), *p = json_dumps(pj, JSON_ENCODE_ANY);
+    json_t *res =
+        post_json(dec, "/pd/reserve", 200,
+                  "{\"request_id\": \"%s\", \"prompt\": %s, \"prefill_segments\": %s}", id, p, pss);
+    char *blocks = dump(json_object_get(res, "blocks"));
+    json_t *r = post_json(pre, "/pd/prefill", 200,
+                          "{\"request_id\": \"%s\", \"prompt\": %s, \"kv_mode\": \"push\", "
+                          "\"decode_segments\": %s, \"decode_blocks\": %s}",
+                          id, p, dss, blocks);
+    json_t *a =
+        post_json(dec, "/pd/decode", 200,
+                  "{\"request_id\": \"%s\", \"prompt\": %s, \"t0\": %lld, \"max_tokens\": "
+                  "%d, \"kv_mode\": \"push\"}",
+                  id, p, (long long)json_integer_value(json_object_get(r, "t0")), MAX_TOKENS);
+    free(blocks), free(pss), free(dss), free(p);
+    json_decref(res), json_decref(r), json_decref(ps), json_decref(ds), json_decref(pj);
+    return a;
+}
+
+static void pd_run(const char *model, kvb_pd_kv_mode_t mode)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, model, 0, 2, mode, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, model, 0, 1, mode, NULL);
+    for (size_t i = 0; i < NPROMPTS; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "r-%zu", i);
+        json_t *a = mode == KVB_PD_KV_PULL ? pd_pull(pre, dec, id, prompts[i])
+                                           : pd_push(pre, dec, id, prompts[i]);
+        check_tokens(a, model, prompts[i]);
+        json_decref(a);
+    }
+    expect_free(dec, BLOCKS);
+    expect_free(pre, BLOCKS); /* pull: leases freed by the decode's notices */
+}
+
+Test(server, pull_gqa)
+{
+    pd_run("tiny-gqa", KVB_PD_KV_PULL);
+}
+
+Test(server, push_gqa)
+{
+    pd_run("tiny-gqa", KVB_PD_KV_PUSH);
+}
+
+Test(server, pull_mla)
+{
+    pd_run("tiny-mla", KVB_PD_KV_PULL);
+}
+
+Test(server, push_mla)
+{
+    pd_run("tiny-mla", KVB_PD_KV_PUSH);
+}
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+static void expect_error(const inst_t *in, const char *path, const char *body, long want,
+                         const char *needle)
+{
+    char *out = NULL;
+    long st = http(in, path, body, &out, 5000);
+    cr_assert_eq(st, want, "%s %s -> %ld: %s", path, body ? body : "GET", st, out);
+    json_t *j = json_loads(out, 0, NULL);
+    const char *msg = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    cr_assert_not_null(msg, "no error message: %s", out);
+    cr_assert(strstr(msg, needle), "message \"%s\" lacks \"%s\"", msg, needle);
+    json_decref(j);
+    free(out);
+}
+
+Test(server, bad_requests)
+{
+    inst_t *both = start(KVB_PD_ROLE_BOTH, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    expect_error(both, "/v1/completions", "{\"prompt\": \"x\"", 400, "malformed JSON");
+    expect_error(both, "/v1/completions", "[1]", 400, "JSON object");
+    expect_error(both, "/v1/completions", "{\"max_tokens\": 3}", 400, "prompt");
+    expect_error(both, "/v1/completions", "{\"prompt\": 3}", 400, "prompt");
+    expect_error(both, "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 0}", 400,
+                 "max_tokens");
+    expect_error(both, "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 4097}", 400,
+                 "max_tokens");
+    expect_error(both, "/v1/completions", "{\"prompt\": \"x\", \"temperature\": -1}", 400,
+                 "temperature");
+    expect_error(both, "/v1/completions", "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream");
+    expect_error(both, "/nope", "{}", 404, "no such endpoint");
+    expect_error(both, "/health", "{}", 405, "does not take");
+    expect_error(both, "/pd/prefill", "{}", 404, "prefill instances");
+    char *big = malloc((2u << 20) + 64); /* over the 1 MiB body limit */
+    memset(big, 'a', 2u << 20);
+    memcpy(big, "{\"prompt\": \"", 12);
+    strcpy(big + (2u << 20), "\"}");
+    expect_error(both, "/v1/completions", big, 413, "over");
+    free(big);
+    cr_assert_eq(free_blocks(both), BLOCKS);
+}
+
+Test(server, pd_bad_requests)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    expect_error(pre, "/pd/prefill", "{\"prompt\": \"x\", \"decode_segments\": [\"a:1\"]}", 400,
+                 "request_id");
+    expect_error(pre, "/pd/prefill", "{\"request_id\": \"r\", \"prompt\": \"x\"}", 400,
+                 "decode_segments");
+    expect_error(dec, "/pd/decode", "{\"request_id\": \"r\", \"prompt\": \"x\", \"t0\": 99999}",
+                 400, "t0");
+    expect_error(dec, "/pd/decode", "{\"request_id\": \"r\", \"t0\": 1, \"kv_mode\": \"push\"}",
+                 404, "no reservation");
+    expect_error(dec, "/pd/abort", "{\"request_id\": \"nope\"}", 404, "no reservation");
+    cr_assert_eq(free_blocks(dec), BLOCKS);
+}
+
+/* Different weights (seed) mean different model ids: the guard refuses the pair. */
+Test(server, incompatible_pair)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 2, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 7, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *mla = start(KVB_PD_ROLE_DECODE, "tiny-mla", 0, 1, KVB_PD_KV_PULL, NULL);
+    const inst_t *decs[2] = {dec, mla};
+    for (int k = 0; k < 2; k++) {
+        json_t *ds = segments(decs[k]);
+        char *dss = dump(ds), body[1024];
+        snprintf(body, sizeof body,
+                 "{\"request_id\": \"x%d\", \"prompt\": \"hi\", \"decode_segments\": %s}", k, dss);
+        expect_error(pre, "/pd/prefill", body, 409, "refused");
+        free(dss);
+        json_decref(ds);
+    }
+    json_t *h = get_json(pre, "/health");
+    cr_assert_str_eq(json_string_value(json_object_get(h, "status")), "degraded");
+    json_t *l = json_array_get(json_object_get(h, "links"), 0);
+    cr_assert(strlen(json_string_value(json_object_get(l, "reason"))) > 0);
+    cr_assert_str_neq(json_string_value(json_object_get(l, "verdict")), "ALLOW_HOMO");
+    json_decref(h);
+    cr_assert_eq(free_blocks(pre), BLOCKS);
+}
+
+/* ---- a prefill lost mid-transfer ------------------------------------------------------------ */
+
+typedef struct {
+    const inst_t *dec;
+    char body[256];
+    long status;
+    double secs;
+} bg_t;
+
+static void *bg_decode(void *arg)
+{
+    bg_t *b = arg;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    b->status = http(b->dec, "/pd/decode", b->body, NULL, 20000);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    b->secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    return NULL;
+}
+
+Test(server, push_prefill_killed)
+{
+    /* The prefill stalls after pushing layer 1 of 4 (fault hook), and is killed there. */
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 2, KVB_PD_KV_PUSH, "1");
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds);
+    const char *prompt = "a prompt that is longer than two blocks of sixteen";
+    json_t *res = post_json(
+        dec, "/pd/reserve", 200,
+        "{\"request_id\": \"k1\", \"prompt\": \"%s\", \"prefill_segments\": %s}", prompt, pss);
+    cr_assert_lt(free_blocks(dec), BLOCKS);
+    char *blocks = dump(json_object_get(res, "blocks")), body[1024];
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"k1\", \"prompt\": \"%s\", \"kv_mode\": \"push\", "
+             "\"decode_segments\": %s, \"decode_blocks\": %s}",
+             prompt, dss, blocks);
+    cr_assert_eq(http(pre, "/pd/prefill", body, NULL, 500), 0); /* stalled: client times out */
+    bg_t b = {.dec = dec};
+    snprintf(b.body, sizeof b.body,
+             "{\"request_id\": \"k1\", \"t0\": 65, \"max_tokens\": 4, \"kv_mode\": \"push\"}");
+    pthread_t th;
+    pthread_create(&th, NULL, bg_decode, &b);
+    usleep(300000);
+    kill_now(pre);
+    pthread_join(th, NULL);
+    cr_assert_geq(b.status, 500, "decode answered %ld", b.status);
+    cr_assert_lt(b.secs, 5.0, "decode took %.1f s to fail", b.secs);
+    expect_free(dec, BLOCKS);
+    free(blocks), free(pss), free(dss);
+    json_decref(res), json_decref(ps), json_decref(ds);
+}
+
+Test(server, pull_prefill_killed)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-mla", 0, 2, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-mla", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds);
+    json_t *r = post_json(pre, "/pd/prefill", 200,
+                          "{\"request_id\": \"k2\", \"prompt\": \"Hello world\", "
+                          "\"decode_segments\": %s}",
+                          dss);
+    char *blocks = dump(json_object_get(r, "blocks"));
+    kill_now(pre); /* before the decode reads */
+    bg_t b = {.dec = dec};
+    snprintf(b.body, sizeof b.body,
+             "{\"request_id\": \"k2\", \"prompt\": \"Hello world\", \"t0\": 65, "
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s}",
+             blocks, pss);
+    bg_decode(&b);
+    cr_assert_geq(b.status, 500, "decode answered %ld", b.status);
+    cr_assert_lt(b.secs, 5.0, "decode took %.1f s to fail", b.secs);
+    expect_free(dec, BLOCKS);
+    free(blocks), free(pss), free(dss);
+    json_decref(r), json_decref(ps), json_decref(ds);
+}
+
+/* A decode that dies before reading: the prefill's lease frees the blocks at once. */
+Test(server, decode_killed_frees_lease)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ds = segments(dec);
+    char *dss = dump(ds);
+    json_t *r = post_json(pre, "/pd/prefill", 200,
+                          "{\"request_id\": \"k3\", \"prompt\": \"Hello world\", "
+                          "\"decode_segments\": %s}",
+                          dss);
+    cr_assert_eq(free_blocks(pre), BLOCKS - 1);
+    kill_now(dec); /* the decode dies: the lease ends at once (peer lost) */
+    expect_free(pre, BLOCKS);
+    free(dss);
+    json_decref(r), json_decref(ds);
+}
