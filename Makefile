@@ -37,10 +37,10 @@ test-asan: deps-test
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
-# Until the serving demo exists: a verified loopback benchmark, READ then WRITE.
+# The PD serving demo: proxy, prefill (TP 2), decode (TP 1) and a colocated reference instance on
+# loopback; prompts through both; fails on any difference.
 demo: deps-build build
-	$(BUILD)/kvbridge bench --loopback --verify --operation read --duration 3
-	$(BUILD)/kvbridge bench --loopback --verify --operation write --duration 3
+	$(BUILD)/kvbridge demo
 
 # The benchmark suite (about 8 minutes): writes bench/results/ (CSV, Markdown, PNG).
 bench: deps-bench build

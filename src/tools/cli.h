@@ -7,8 +7,12 @@
 #include <stdint.h>
 
 int kvb_cmd_bench(int argc, char **argv);
-int kvb_cmd_topo(int argc, char **argv);  /* src/tools/topo.c */
-int kvb_cmd_model(int argc, char **argv); /* src/tools/model.c */
+int kvb_cmd_topo(int argc, char **argv);    /* src/tools/topo.c */
+int kvb_cmd_model(int argc, char **argv);   /* src/tools/model.c */
+int kvb_cmd_serve(int argc, char **argv);   /* src/tools/serve.c */
+int kvb_cmd_proxy(int argc, char **argv);   /* src/tools/proxy.c */
+int kvb_cmd_loadgen(int argc, char **argv); /* src/tools/loadgen.c */
+int kvb_cmd_demo(int argc, char **argv);    /* src/tools/demo.c */
 
 /* The KV-shaped workload of `kvbridge bench --kv` (src/tools/bench_kv.c). */
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,

@@ -70,6 +70,10 @@ static void usage(FILE *f)
         "usage: kvbridge <command> [options]\n\n"
         "commands:\n"
         "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
+        "  serve     run a prefill, decode or colocated instance (kvbridge serve --help)\n"
+        "  proxy     OpenAI-style front end over prefill and decode instances\n"
+        "  loadgen   load a completions endpoint; TTFT and TPOT percentiles\n"
+        "  demo      start a PD deployment on loopback and check it against colocated\n"
         "  model     write or inspect reference-model weight files (kvbridge model --help)\n"
         "  topo      check a prefill/decode topology and print its routes (kvbridge topo --help)\n"
         "  version   print the version\n",
@@ -89,6 +93,14 @@ int main(int argc, char **argv)
         return kvb_cmd_topo(argc - 1, argv + 1);
     if (!strcmp(cmd, "model"))
         return kvb_cmd_model(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve"))
+        return kvb_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "proxy"))
+        return kvb_cmd_proxy(argc - 1, argv + 1);
+    if (!strcmp(cmd, "loadgen"))
+        return kvb_cmd_loadgen(argc - 1, argv + 1);
+    if (!strcmp(cmd, "demo"))
+        return kvb_cmd_demo(argc - 1, argv + 1);
     if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) {
         printf("kvbridge %s\n", KVB_VERSION_STRING);
         return 0;

@@ -1,0 +1,427 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The PD proxy's HTTP front end (libmicrohttpd, one thread per connection): routes, request bodies,
+ * JSON errors, /health and /metrics, and the proxy's lifetime. The flow itself is in
+ * proxy_flow.c, the streaming relay in proxy_stream.c. */
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/checked.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "kvbridge/status.h"
+#include "pd/proxy_internal.h"
+
+#define HEALTH_TIMEOUT_MS 1000u
+
+/* ---- Responses ------------------------------------------------------------------------------- */
+
+static enum MHD_Result respond(struct MHD_Connection *c, unsigned status, const char *type,
+                               const char *text)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_MUST_COPY);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", type);
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result respond_json(struct MHD_Connection *c, unsigned status, json_t *j)
+{
+    char *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    enum MHD_Result ret = text ? respond(c, status, "application/json", text) : MHD_NO;
+    free(text);
+    return ret;
+}
+
+static enum MHD_Result respond_err(struct MHD_Connection *c, const kvb__pxy_err_t *e)
+{
+    json_t *j = json_pack("{s:{s:s, s:s}}", "error", "message", e->msg, "type", e->type);
+    enum MHD_Result ret = respond_json(c, e->status, j);
+    json_decref(j);
+    return ret;
+}
+
+static enum MHD_Result respond_simple(struct MHD_Connection *c, unsigned status, const char *type,
+                                      const char *msg)
+{
+    kvb__pxy_err_t e = {.status = status};
+    kvb__pxy_fmt(e.type, sizeof e.type, "%s", type);
+    kvb__pxy_fmt(e.msg, sizeof e.msg, "%s", msg);
+    return respond_err(c, &e);
+}
+
+/* ---- POST /v1/completions -------------------------------------------------------------------- */
+
+static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c, const char *body,
+                                   size_t len)
+{
+    kvb__pxy_creq_t rq;
+    kvb__pxy_err_t err = {0};
+    kvb__pxy_job_t job;
+    if (kvb__pxy_parse(body, len, px->timeout_ms, &rq, &err))
+        return respond_err(c, &err); /* a client's mistake: not an upstream failure */
+    enum MHD_Result ret;
+    if (kvb__pxy_prepare(px, &rq, &job, &err)) {
+        kvb__pxy_job_clear(&job);
+        kvb__pxy_record(px, NULL, rq.stream);
+        ret = respond_err(c, &err);
+    } else if (rq.stream) {
+        struct MHD_Response *resp;
+        if (kvb__pxy_stream(&job, &resp, &err)) {
+            kvb__pxy_record(px, NULL, true);
+            ret = respond_err(c, &err);
+        } else {
+            ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
+            MHD_destroy_response(resp);
+        }
+    } else {
+        json_t *ans = NULL;
+        int rc = kvb__pxy_decode_whole(&job, &ans, &err);
+        kvb__pxy_record(px, rc ? NULL : ans, false);
+        ret = rc ? respond_err(c, &err) : respond_json(c, 200, ans);
+        json_decref(ans);
+        kvb__pxy_job_clear(&job);
+    }
+    json_decref(rq.root);
+    return ret;
+}
+
+/* ---- GET /health ----------------------------------------------------------------------------- */
+
+/* One instance's live health, and whether it counts as ok. */
+static json_t *instance_health(const kvb__upstream_t *u, bool *ok)
+{
+    char url[300], err[256], *body = NULL;
+    kvb__pxy_fmt(url, sizeof url, "%s/health", u->url);
+    long st = kvb_pd_http(url, NULL, HEALTH_TIMEOUT_MS, &body, err, sizeof err);
+    json_t *h = st == 200 && body ? json_loads(body, 0, NULL) : NULL;
+    free(body);
+    const char *status = json_string_value(json_object_get(h, "status"));
+    bool good = status && !strcmp(status, "ok");
+    *ok = *ok && good;
+    json_t *e = json_pack("{s:s, s:s, s:b}", "url", u->url, "role",
+                          u->prefill ? "prefill" : "decode", "reachable", h != NULL);
+    if (e && h)
+        json_object_set(e, "health", h);
+    else if (e)
+        json_object_set_new(e, "error", json_string(st ? "bad /health answer" : err));
+    json_decref(h);
+    return e;
+}
+
+static enum MHD_Result health(kvb_pd_proxy_t *px, struct MHD_Connection *c)
+{
+    bool ok = true;
+    json_t *insts = json_array();
+    for (size_t i = 0; i < px->n_prefill; i++)
+        json_array_append_new(insts, instance_health(&px->prefill[i], &ok));
+    for (size_t i = 0; i < px->n_decode; i++)
+        json_array_append_new(insts, instance_health(&px->decode[i], &ok));
+    const char *mode = px->kv_mode == KVB_PD_KV_PUSH   ? "push"
+                       : px->kv_mode == KVB_PD_KV_PULL ? "pull"
+                                                       : "auto";
+    json_t *j = json_pack("{s:s, s:s, s:s, s:o}", "status", ok ? "ok" : "degraded", "role", "proxy",
+                          "kv_mode", mode, "instances", insts);
+    enum MHD_Result ret = respond_json(c, 200, j);
+    json_decref(j);
+    return ret;
+}
+
+/* ---- GET /metrics ---------------------------------------------------------------------------- */
+
+typedef struct {
+    char *buf;
+    size_t len, cap;
+} text_t;
+
+static void put(text_t *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(text_t *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = t->buf ? vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap) : -1;
+    va_end(ap);
+    if (n < 0 || (size_t)n >= t->cap - t->len) {
+        t->len = t->cap; /* the page is sized for the worst case; never reached */
+        return;
+    }
+    t->len += (size_t)n;
+}
+
+static void put_hist(text_t *t, const char *name, const char *help, const kvb__hist_t *h)
+{
+    put(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < KVB__PXY_BUCKETS; i++)
+        put(t, "%s_bucket{role=\"proxy\",le=\"%g\"} %llu\n", name, kvb__pxy_bucket_bound(i),
+            (unsigned long long)h->buckets[i]);
+    put(t, "%s_bucket{role=\"proxy\",le=\"+Inf\"} %llu\n", name, (unsigned long long)h->count);
+    put(t, "%s_sum{role=\"proxy\"} %.6f\n%s_count{role=\"proxy\"} %llu\n", name, h->sum, name,
+        (unsigned long long)h->count);
+}
+
+static enum MHD_Result metrics(kvb_pd_proxy_t *px, struct MHD_Connection *c)
+{
+    text_t t = {.cap = 8192};
+    t.buf = malloc(t.cap);
+    kvb__pxy_metrics_t m;
+    pthread_mutex_lock(&px->m.mu);
+    m = px->m;
+    pthread_mutex_unlock(&px->m.mu);
+    put(&t,
+        "# HELP kvbridge_requests_total Completions requests answered.\n"
+        "# TYPE kvbridge_requests_total counter\n"
+        "kvbridge_requests_total{role=\"proxy\"} %llu\n"
+        "# HELP kvbridge_streams_total Requests answered as server-sent events.\n"
+        "# TYPE kvbridge_streams_total counter\n"
+        "kvbridge_streams_total{role=\"proxy\"} %llu\n"
+        "# TYPE kvbridge_request_failures_total counter\n"
+        "kvbridge_request_failures_total{role=\"proxy\"} %llu\n",
+        (unsigned long long)m.requests, (unsigned long long)m.streams,
+        (unsigned long long)m.failures);
+    put_hist(&t, "kvbridge_ttft_seconds", "Time to first token, seen by the proxy.", &m.ttft);
+    put_hist(&t, "kvbridge_tpot_seconds", "Time per output token after the first.", &m.tpot);
+    put(&t,
+        "# TYPE kvbridge_kv_bytes_total counter\nkvbridge_kv_bytes_total{role=\"proxy\"} %llu\n"
+        "# TYPE kvbridge_kv_transfer_seconds_total counter\n"
+        "kvbridge_kv_transfer_seconds_total{role=\"proxy\"} %.6f\n",
+        (unsigned long long)m.kv_bytes, m.kv_seconds);
+    enum MHD_Result ret = MHD_NO;
+    if (t.buf && t.len < t.cap)
+        ret = respond(c, 200, "text/plain; version=0.0.4", t.buf);
+    free(t.buf);
+    return ret;
+}
+
+/* ---- Routing --------------------------------------------------------------------------------- */
+
+typedef struct {
+    char *buf;
+    size_t len, cap;
+    bool too_large;
+} body_t;
+
+static void body_append(body_t *b, const char *data, size_t n)
+{
+    size_t need;
+    if (b->too_large || kvb__add_size(b->len, n, &need) || need > KVB_PD_PROXY_BODY_MAX) {
+        b->too_large = true;
+        return;
+    }
+    if (need > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (cap < need)
+            cap *= 2;
+        char *nb = realloc(b->buf, cap);
+        if (!nb) {
+            b->too_large = true;
+            return;
+        }
+        b->buf = nb;
+        b->cap = cap;
+    }
+    memcpy(b->buf + b->len, data, n);
+    b->len += n;
+}
+
+static enum MHD_Result route(kvb_pd_proxy_t *px, struct MHD_Connection *c, const char *url,
+                             const char *method, body_t *b)
+{
+    bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
+    if (!strcmp(url, "/v1/completions")) {
+        if (!post)
+            return respond_simple(c, 405, "invalid_request_error", "use POST");
+        if (b->too_large)
+            return respond_simple(c, 413, "invalid_request_error", "request body too large");
+        return completions(px, c, b->buf, b->len);
+    }
+    if (!strcmp(url, "/health") || !strcmp(url, "/metrics")) {
+        if (!get)
+            return respond_simple(c, 405, "invalid_request_error", "use GET");
+        return url[1] == 'h' ? health(px, c) : metrics(px, c);
+    }
+    return respond_simple(c, 404, "not_found", "no such endpoint");
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version, const char *data,
+                                  size_t *data_len, void **con_cls)
+{
+    (void)version;
+    if (!*con_cls) {
+        body_t *b = calloc(1, sizeof *b);
+        if (!b)
+            return MHD_NO;
+        *con_cls = b;
+        return MHD_YES;
+    }
+    body_t *b = *con_cls;
+    if (*data_len) {
+        body_append(b, data, *data_len);
+        *data_len = 0;
+        return MHD_YES;
+    }
+    return route(cls, c, url, method, b);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                         enum MHD_RequestTerminationCode why)
+{
+    (void)cls, (void)c, (void)why;
+    body_t *b = *con_cls;
+    if (b) {
+        free(b->buf);
+        free(b);
+    }
+    *con_cls = NULL;
+}
+
+/* ---- Lifetime -------------------------------------------------------------------------------- */
+
+static int check_url(const char *u, char *reason, size_t cap)
+{
+    if (!u || strncmp(u, "http://", 7) || strlen(u) < 8 || strlen(u) >= 256) {
+        kvb__pxy_fmt(reason, cap, "bad instance URL '%s' (want http://HOST:PORT)", u ? u : "");
+        return -1;
+    }
+    return 0;
+}
+
+static int init_upstreams(kvb__upstream_t **out, const char *const *urls, size_t n, bool prefill,
+                          char *reason, size_t cap)
+{
+    if (!n || !urls) {
+        kvb__pxy_fmt(reason, cap, "no %s instance given", prefill ? "prefill" : "decode");
+        return KVB_ERR_INVALID_ARG;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (check_url(urls[i], reason, cap))
+            return KVB_ERR_INVALID_ARG;
+    kvb__upstream_t *u = calloc(n, sizeof *u);
+    if (!u)
+        return KVB_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++) {
+        u[i].prefill = prefill;
+        pthread_mutex_init(&u[i].mu, NULL);
+        kvb__pxy_fmt(u[i].url, sizeof u[i].url, "%s", urls[i]);
+        size_t l = strlen(u[i].url);
+        while (l > 7 && u[i].url[l - 1] == '/')
+            u[i].url[--l] = '\0';
+    }
+    *out = u;
+    return KVB_OK;
+}
+
+static void free_upstreams(kvb__upstream_t *u, size_t n)
+{
+    for (size_t i = 0; u && i < n; i++) {
+        json_decref(u[i].info);
+        pthread_mutex_destroy(&u[i].mu);
+    }
+    free(u);
+}
+
+static int listen_on(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(o->port)};
+    if (inet_pton(AF_INET, px->bind, &sa.sin_addr) != 1) {
+        kvb__pxy_fmt(reason, cap, "bad bind address '%s' (want IPv4)", px->bind);
+        return KVB_ERR_INVALID_ARG;
+    }
+    /* Thread per connection: a streamed answer's content reader may block on the relay pipe. */
+    px->mhd = MHD_start_daemon(
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG, 0,
+        NULL, NULL, on_request, px, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, px, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)(px->timeout_ms / 1000 + 60), MHD_OPTION_END);
+    if (!px->mhd) {
+        kvb__pxy_fmt(reason, cap, "cannot listen on %s:%u", px->bind, (unsigned)o->port);
+        return KVB_ERR_SYSTEM;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(px->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    px->port = di ? di->port : o->port;
+    return KVB_OK;
+}
+
+static kvb_pd_proxy_t *proxy_new(const kvb_pd_proxy_opts_t *o)
+{
+    kvb_pd_proxy_t *px = calloc(1, sizeof *px);
+    if (!px)
+        return NULL;
+    px->kv_mode = o->kv_mode;
+    px->timeout_ms = o->timeout_ms ? o->timeout_ms : KVB_PD_PROXY_TIMEOUT_MS;
+    kvb__pxy_fmt(px->bind, sizeof px->bind, "%s", o->bind ? o->bind : "127.0.0.1");
+    px->boot = (uint32_t)(kvb__now_ns() ^ ((uint64_t)getpid() << 16) ^ (uint64_t)time(NULL));
+    atomic_init(&px->stopping, false);
+    pthread_mutex_init(&px->wk_mu, NULL);
+    pthread_cond_init(&px->wk_cv, NULL);
+    pthread_mutex_init(&px->m.mu, NULL);
+    return px;
+}
+
+int kvb_pd_proxy_start(const kvb_pd_proxy_opts_t *opts, kvb_pd_proxy_t **out, char *reason,
+                       size_t reason_cap)
+{
+    if (!opts || !out ||
+        (opts->kv_mode != KVB_PD_KV_AUTO && opts->kv_mode != KVB_PD_KV_PULL &&
+         opts->kv_mode != KVB_PD_KV_PUSH)) {
+        kvb__pxy_fmt(reason, reason_cap, "invalid options");
+        return KVB_ERR_INVALID_ARG;
+    }
+    if (kvb_pd_client_init()) {
+        kvb__pxy_fmt(reason, reason_cap, "libcurl initialization failed");
+        return KVB_ERR_SYSTEM;
+    }
+    kvb_pd_proxy_t *px = proxy_new(opts);
+    if (!px)
+        return KVB_ERR_NOMEM;
+    int rc = init_upstreams(&px->prefill, opts->prefill, opts->n_prefill, true, reason, reason_cap);
+    px->n_prefill = rc ? 0 : opts->n_prefill;
+    if (!rc) {
+        rc = init_upstreams(&px->decode, opts->decode, opts->n_decode, false, reason, reason_cap);
+        px->n_decode = rc ? 0 : opts->n_decode;
+    }
+    if (!rc)
+        rc = listen_on(px, opts, reason, reason_cap);
+    if (rc) {
+        kvb_pd_proxy_stop(px);
+        return rc;
+    }
+    *out = px;
+    return KVB_OK;
+}
+
+uint16_t kvb_pd_proxy_port(const kvb_pd_proxy_t *px)
+{
+    return px->port;
+}
+
+void kvb_pd_proxy_stop(kvb_pd_proxy_t *px)
+{
+    if (!px)
+        return;
+    atomic_store(&px->stopping, true);
+    if (px->mhd)
+        MHD_stop_daemon(px->mhd); /* joins the connection threads */
+    pthread_mutex_lock(&px->wk_mu);
+    while (px->workers)
+        pthread_cond_wait(&px->wk_cv, &px->wk_mu);
+    pthread_mutex_unlock(&px->wk_mu);
+    free_upstreams(px->prefill, px->n_prefill);
+    free_upstreams(px->decode, px->n_decode);
+    pthread_mutex_destroy(&px->m.mu);
+    pthread_cond_destroy(&px->wk_cv);
+    pthread_mutex_destroy(&px->wk_mu);
+    free(px);
+}

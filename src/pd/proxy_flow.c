@@ -1,0 +1,435 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The proxy's request flow (docs/pd-protocol.md): client body validation, the choice of a
+ * prefill/decode pair, /pd/info caching, the pull and push sequences up to the decode call, and
+ * the mapping of every upstream failure to a client error. */
+#include <jansson.h>
+#include <stdarg.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "pd/proxy_internal.h"
+
+#define INFO_TIMEOUT_MS  5000u
+#define ABORT_TIMEOUT_MS 2000u
+
+void (*kvb__pxy_fault_hook)(const char *stage, const kvb__pxy_job_t *job);
+
+static void fault(const char *stage, const kvb__pxy_job_t *job)
+{
+    if (kvb__pxy_fault_hook)
+        kvb__pxy_fault_hook(stage, job);
+}
+
+static void set_err(kvb__pxy_err_t *err, unsigned status, const char *type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void set_err(kvb__pxy_err_t *err, unsigned status, const char *type, const char *fmt, ...)
+{
+    err->status = status;
+    kvb__pxy_fmt(err->type, sizeof err->type, "%s", type);
+    va_list ap;
+    va_start(ap, fmt);
+    if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
+        err->msg[0] = '\0';
+    va_end(ap);
+}
+
+/* ---- Client body ----------------------------------------------------------------------------- */
+
+/* An optional integer field in [lo, hi]; -1 with *err when present and wrong. */
+static int get_uint(json_t *root, const char *key, uint64_t lo, uint64_t hi, uint64_t *v,
+                    kvb__pxy_err_t *err)
+{
+    json_t *j = json_object_get(root, key);
+    if (!j || json_is_null(j))
+        return 0;
+    if (!json_is_integer(j) || json_integer_value(j) < 0 || (uint64_t)json_integer_value(j) < lo ||
+        (uint64_t)json_integer_value(j) > hi) {
+        set_err(err, 400, "invalid_request_error", "'%s' must be an integer in [%llu, %llu]", key,
+                (unsigned long long)lo, (unsigned long long)hi);
+        return -1;
+    }
+    *v = (uint64_t)json_integer_value(j);
+    return 0;
+}
+
+static int get_fields(json_t *root, kvb__pxy_creq_t *out, kvb__pxy_err_t *err)
+{
+    json_t *prompt = json_object_get(root, "prompt"), *model = json_object_get(root, "model");
+    json_t *stream = json_object_get(root, "stream"), *temp = json_object_get(root, "temperature");
+    if (!json_is_string(prompt)) {
+        set_err(err, 400, "invalid_request_error", "'prompt' must be a string");
+        return -1;
+    }
+    if (model && !json_is_string(model) && !json_is_null(model)) {
+        set_err(err, 400, "invalid_request_error", "'model' must be a string");
+        return -1;
+    }
+    if (stream && !json_is_boolean(stream) && !json_is_null(stream)) {
+        set_err(err, 400, "invalid_request_error", "'stream' must be a boolean");
+        return -1;
+    }
+    if (temp && !json_is_null(temp) &&
+        (!json_is_number(temp) || !(json_number_value(temp) >= 0) ||
+         !isfinite(json_number_value(temp)))) {
+        set_err(err, 400, "invalid_request_error", "'temperature' must be a number >= 0");
+        return -1;
+    }
+    out->prompt = json_string_value(prompt);
+    out->stream = json_is_true(stream);
+    out->temperature = temp ? json_number_value(temp) : 0.0;
+    return 0;
+}
+
+int kvb__pxy_parse(const char *body, size_t len, uint32_t default_timeout_ms, kvb__pxy_creq_t *out,
+                   kvb__pxy_err_t *err)
+{
+    memset(out, 0, sizeof *out);
+    json_error_t je;
+    json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        set_err(err, 400, "invalid_request_error", "malformed JSON body: %s (line %d, column %d)",
+                je.text, je.line, je.column);
+        return -1;
+    }
+    uint64_t max_tokens = 16, seed = 0, timeout = default_timeout_ms;
+    if (!json_is_object(root)) {
+        set_err(err, 400, "invalid_request_error", "the body must be a JSON object");
+    } else if (!get_fields(root, out, err) &&
+               !get_uint(root, "max_tokens", 1, KVB_PD_SERVER_MAX_TOKENS, &max_tokens, err) &&
+               !get_uint(root, "seed", 0, INT64_MAX, &seed, err) &&
+               !get_uint(root, "timeout_ms", 1, 600000, &timeout, err)) {
+        out->root = root;
+        out->max_tokens = (uint32_t)max_tokens;
+        out->seed = seed;
+        out->timeout_ms = (uint32_t)timeout;
+        return 0;
+    }
+    json_decref(root);
+    memset(out, 0, sizeof *out);
+    return -1;
+}
+
+/* ---- Upstream calls -------------------------------------------------------------------------- */
+
+static const char *role_name(const kvb__upstream_t *u)
+{
+    return u->prefill ? "prefill" : "decode";
+}
+
+void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
+                             const kvb__pxy_res_t *rs, kvb__pxy_err_t *err)
+{
+    const char *who = role_name(u);
+    if (rs->status >= 200 && rs->status < 300 && !rc) {
+        set_err(err, 502, "upstream_error", "%s %s%s: malformed answer", who, u->url, path);
+    } else if (rs->status >= 300 && !(rc && rs->canceled)) {
+        json_t *root = rs->body ? json_loads(rs->body, 0, NULL) : NULL;
+        json_t *e = json_object_get(root, "error");
+        const char *msg = json_string_value(json_object_get(e, "message"));
+        const char *type = json_string_value(json_object_get(e, "type"));
+        /* 4xx carry the instance's verdict (a refused pair is 409 with the guard's reason):
+         * pass them through; 503/504 too; any other failure of theirs is a bad gateway. */
+        unsigned st = rs->status < 500 || rs->status == 503 || rs->status == 504
+                          ? (unsigned)rs->status
+                          : 502u;
+        set_err(err, st, type ? type : "upstream_error", "%s %s%s: HTTP %ld: %s", who, u->url, path,
+                rs->status, msg && *msg ? msg : "(no reason given)");
+        json_decref(root);
+    } else if (rs->timed_out) {
+        set_err(err, 504, "timeout", "%s %s%s: no answer before the deadline", who, u->url, path);
+    } else if (rs->canceled) {
+        set_err(err, 503, "unavailable", "%s %s%s: canceled (the proxy is stopping)", who, u->url,
+                path);
+    } else {
+        set_err(err, 502, "upstream_unreachable", "%s %s%s: %s", who, u->url, path, rs->error);
+    }
+}
+
+/* POSTs `req` (or GETs when NULL) to u + path and returns its JSON object answer, or NULL with
+ * *err set. Takes `req` over. */
+static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, json_t *req,
+                    uint64_t deadline, kvb__pxy_err_t *err)
+{
+    char url[300], *text = req ? json_dumps(req, JSON_COMPACT) : NULL;
+    json_decref(req);
+    if (req && !text) {
+        set_err(err, 500, "internal_error", "out of memory");
+        return NULL;
+    }
+    kvb__pxy_fmt(url, sizeof url, "%s%s", u->url, path);
+    kvb__pxy_req_t rq = {
+        .url = url, .body = text, .deadline_ns = deadline, .cancel = &job->px->stopping};
+    kvb__pxy_res_t rs;
+    int rc = kvb__pxy_call(&rq, &rs);
+    free(text);
+    json_t *ans = !rc && rs.status == 200 && rs.body ? json_loads(rs.body, 0, NULL) : NULL;
+    if (!json_is_object(ans)) {
+        json_decref(ans);
+        ans = NULL;
+        kvb__pxy_upstream_error(u, path, rc, &rs, err);
+        KVB_WARN("proxy %s: %s", job->rid, err->msg);
+    }
+    free(rs.body);
+    return ans;
+}
+
+/* The instance's /pd/info (a new reference), fetched on first use and cached. A failed fetch is
+ * not cached, so an instance that comes up later is used then. */
+static json_t *info_of(kvb__pxy_job_t *job, kvb__upstream_t *u, kvb__pxy_err_t *err)
+{
+    pthread_mutex_lock(&u->mu);
+    json_t *info = json_incref(u->info);
+    pthread_mutex_unlock(&u->mu);
+    if (info)
+        return info;
+    uint64_t dl = kvb__deadline_ms(INFO_TIMEOUT_MS);
+    if (dl > job->deadline)
+        dl = job->deadline;
+    info = call(job, u, "/pd/info", NULL, dl, err);
+    if (!info)
+        return NULL;
+    const char *role = json_string_value(json_object_get(info, "role"));
+    bool fits = role && (!strcmp(role, "both") || !strcmp(role, role_name(u)));
+    if (!fits || !json_is_array(json_object_get(info, "segments"))) {
+        set_err(err, 502, "upstream_error", "%s %s: /pd/info says role '%s'%s", role_name(u),
+                u->url, role ? role : "?", fits ? " but lists no segments" : "");
+        json_decref(info);
+        return NULL;
+    }
+    pthread_mutex_lock(&u->mu);
+    if (!u->info)
+        u->info = json_incref(info);
+    pthread_mutex_unlock(&u->mu);
+    return info;
+}
+
+static kvb_pd_kv_mode_t mode_of(const kvb_pd_proxy_t *px, json_t *pinfo)
+{
+    kvb_pd_kv_mode_t m = px->kv_mode;
+    const char *s = json_string_value(json_object_get(pinfo, "kv_mode"));
+    if (m == KVB_PD_KV_AUTO && (!s || kvb_pd_kv_mode_parse(s, &m)))
+        m = KVB_PD_KV_PULL;
+    return m;
+}
+
+static int left_ms(const kvb__pxy_job_t *job)
+{
+    int ms = kvb__ms_left(job->deadline);
+    return ms < 1 ? 1 : ms;
+}
+
+/* The fields every step's body shares. */
+static json_t *base_body(const kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq)
+{
+    return json_pack("{s:s, s:s, s:f, s:I, s:s, s:i}", "request_id", job->rid, "prompt", rq->prompt,
+                     "temperature", rq->temperature, "seed", (json_int_t)rq->seed, "kv_mode",
+                     job->mode == KVB_PD_KV_PUSH ? "push" : "pull", "timeout_ms", left_ms(job));
+}
+
+/* The /pd/decode body, kept as text for whichever thread makes the call. */
+static int decode_body(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *psegs,
+                       json_t *pblocks, kvb__pxy_err_t *err)
+{
+    json_t *b = base_body(job, rq);
+    json_t *t0 = json_object_get(job->prefill_reply, "t0");
+    if (b) {
+        json_object_set(b, "t0", t0);
+        json_object_set(b, "prefill_segments", psegs);
+        json_object_set_new(b, "prefill_blocks", pblocks ? json_incref(pblocks) : json_array());
+        json_object_set_new(b, "max_tokens", json_integer(rq->max_tokens));
+        json_object_set_new(b, "stream", json_boolean(rq->stream));
+    }
+    job->decode_body = b ? json_dumps(b, JSON_COMPACT) : NULL;
+    json_decref(b);
+    kvb__pxy_fmt(job->decode_url, sizeof job->decode_url, "%s/pd/decode", job->d->url);
+    if (!job->decode_body) {
+        set_err(err, 500, "internal_error", "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+static bool valid_t0(json_t *ans)
+{
+    json_t *t0 = json_object_get(ans, "t0");
+    return json_is_integer(t0) && json_integer_value(t0) >= 0;
+}
+
+static int run_pull(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinfo, json_t *dinfo,
+                    kvb__pxy_err_t *err)
+{
+    json_t *b = base_body(job, rq);
+    if (b)
+        json_object_set(b, "decode_segments", json_object_get(dinfo, "segments"));
+    uint64_t t = kvb__now_ns();
+    job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
+    job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
+    if (!job->prefill_reply)
+        return -1;
+    if (!valid_t0(job->prefill_reply)) {
+        set_err(err, 502, "upstream_error", "prefill %s/pd/prefill: answer has no t0", job->p->url);
+        return -1;
+    }
+    fault("prefilled", job);
+    json_t *psegs = json_object_get(job->prefill_reply, "prefill_segments");
+    return decode_body(job, rq, psegs ? psegs : json_object_get(pinfo, "segments"),
+                       json_object_get(job->prefill_reply, "blocks"), err);
+}
+
+static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinfo, json_t *dinfo,
+                    kvb__pxy_err_t *err)
+{
+    json_t *psegs = json_object_get(pinfo, "segments");
+    json_t *b = json_pack("{s:s, s:s, s:O, s:i}", "request_id", job->rid, "prompt", rq->prompt,
+                          "prefill_segments", psegs, "timeout_ms", left_ms(job));
+    json_t *res = b ? call(job, job->d, "/pd/reserve", b, job->deadline, err) : NULL;
+    if (!res)
+        return -1;
+    job->reserved = true;
+    fault("reserved", job);
+    json_t *dsegs = json_object_get(res, "decode_segments");
+    b = base_body(job, rq);
+    if (b) {
+        json_object_set(b, "decode_blocks", json_object_get(res, "blocks"));
+        json_object_set(b, "decode_segments", dsegs ? dsegs : json_object_get(dinfo, "segments"));
+    }
+    json_decref(res);
+    uint64_t t = kvb__now_ns();
+    job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
+    job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
+    if (!job->prefill_reply)
+        return -1;
+    if (!valid_t0(job->prefill_reply)) {
+        set_err(err, 502, "upstream_error", "prefill %s/pd/prefill: answer has no t0", job->p->url);
+        return -1;
+    }
+    fault("prefilled", job);
+    return decode_body(job, rq, psegs, NULL, err);
+}
+
+int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
+                     kvb__pxy_err_t *err)
+{
+    memset(job, 0, sizeof *job);
+    job->px = px;
+    job->t_start = kvb__now_ns();
+    job->deadline = kvb__deadline_ms(rq->timeout_ms);
+    kvb__pxy_fmt(job->rid, sizeof job->rid, "r-%08x-%llu", px->boot,
+                 (unsigned long long)atomic_fetch_add(&px->next_id, 1));
+    job->p = &px->prefill[atomic_fetch_add(&px->rr_prefill, 1) % px->n_prefill];
+    job->d = &px->decode[atomic_fetch_add(&px->rr_decode, 1) % px->n_decode];
+    json_t *pinfo = info_of(job, job->p, err);
+    json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
+    int rc = -1;
+    if (dinfo) {
+        job->mode = mode_of(px, pinfo);
+        rc = job->mode == KVB_PD_KV_PUSH ? run_push(job, rq, pinfo, dinfo, err)
+                                         : run_pull(job, rq, pinfo, dinfo, err);
+    }
+    json_decref(pinfo);
+    json_decref(dinfo);
+    if (rc)
+        kvb__pxy_abort(job);
+    return rc;
+}
+
+/* ---- Answers --------------------------------------------------------------------------------- */
+
+void kvb__pxy_patch_stats(const kvb__pxy_job_t *job, json_t *answer, double ttft_ms)
+{
+    json_t *kv = json_object_get(answer, "kvbridge");
+    if (!json_is_object(kv))
+        return;
+    json_t *pr = job->prefill_reply;
+    /* In push mode the prefill moved the KV and may be the one that counted it. */
+    if (json_integer_value(json_object_get(kv, "kv_bytes")) == 0 &&
+        json_is_integer(json_object_get(pr, "kv_bytes"))) {
+        json_object_set(kv, "kv_bytes", json_object_get(pr, "kv_bytes"));
+        json_object_set(kv, "kv_transfer_ms", json_object_get(pr, "kv_transfer_ms"));
+    }
+    json_object_set_new(kv, "ttft_ms", json_real(ttft_ms));
+    json_object_set_new(kv, "prefill_ms", json_real(job->prefill_ms));
+    json_object_set_new(kv, "kv_mode", json_string(job->mode == KVB_PD_KV_PUSH ? "push" : "pull"));
+    json_object_set_new(kv, "prefill", json_string(job->p->url));
+    json_object_set_new(kv, "decode", json_string(job->d->url));
+}
+
+int kvb__pxy_decode_whole(kvb__pxy_job_t *job, json_t **answer, kvb__pxy_err_t *err)
+{
+    json_t *b = json_loads(job->decode_body, 0, NULL);
+    uint64_t t = kvb__now_ns();
+    json_t *ans = b ? call(job, job->d, "/pd/decode", b, job->deadline, err) : NULL;
+    if (!ans) {
+        if (!b)
+            set_err(err, 500, "internal_error", "out of memory");
+        kvb__pxy_abort(job);
+        return -1;
+    }
+    /* No stream to time: the first token left the decode after its own TTFT (KV read included). */
+    double dttft = json_number_value(json_object_get(json_object_get(ans, "kvbridge"), "ttft_ms"));
+    double before = (double)(t - job->t_start) / 1e6;
+    kvb__pxy_patch_stats(job, ans, before + dttft);
+    *answer = ans;
+    return 0;
+}
+
+void kvb__pxy_abort(kvb__pxy_job_t *job)
+{
+    if (!job->reserved)
+        return;
+    job->reserved = false;
+    json_t *b = json_pack("{s:s}", "request_id", job->rid);
+    kvb__pxy_err_t err;
+    json_t *ans =
+        b ? call(job, job->d, "/pd/abort", b, kvb__deadline_ms(ABORT_TIMEOUT_MS), &err) : NULL;
+    json_decref(ans);
+}
+
+void kvb__pxy_job_clear(kvb__pxy_job_t *job)
+{
+    json_decref(job->prefill_reply);
+    free(job->decode_body);
+    job->prefill_reply = NULL;
+    job->decode_body = NULL;
+}
+
+/* ---- Metrics --------------------------------------------------------------------------------- */
+
+static const double bounds[KVB__PXY_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                0.25,  0.5,    1,     2.5,  5,     10};
+
+static void observe(kvb__hist_t *h, double v)
+{
+    h->count++;
+    h->sum += v;
+    for (int i = 0; i < KVB__PXY_BUCKETS; i++)
+        if (v <= bounds[i])
+            h->buckets[i]++;
+}
+
+void kvb__pxy_record(kvb_pd_proxy_t *px, json_t *answer, bool stream)
+{
+    json_t *kv = json_object_get(answer, "kvbridge");
+    pthread_mutex_lock(&px->m.mu);
+    px->m.requests++;
+    px->m.streams += stream;
+    if (!answer) {
+        px->m.failures++;
+    } else {
+        observe(&px->m.ttft, json_number_value(json_object_get(kv, "ttft_ms")) / 1e3);
+        observe(&px->m.tpot, json_number_value(json_object_get(kv, "tpot_ms")) / 1e3);
+        px->m.kv_bytes += (uint64_t)json_integer_value(json_object_get(kv, "kv_bytes"));
+        px->m.kv_seconds += json_number_value(json_object_get(kv, "kv_transfer_ms")) / 1e3;
+    }
+    pthread_mutex_unlock(&px->m.mu);
+}
+
+double kvb__pxy_bucket_bound(int i)
+{
+    return bounds[i];
+}

@@ -1,0 +1,203 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* What the proxy's modules share: a libcurl call with a deadline and a cancel flag, a server-sent
+ * events splitter, and the bounded pipe between a libcurl write callback and a libmicrohttpd
+ * content reader. Private to src/pd/proxy*.c and its tests. */
+#ifndef KVB_PD_PROXY_INTERNAL_H
+#define KVB_PD_PROXY_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "pd/proxy.h"
+
+#define KVB__PXY_BODY_MAX  (16u << 20) /* largest upstream answer kept in memory */
+#define KVB__PXY_EVENT_MAX (1u << 20)  /* largest server-sent event */
+
+/* Receives a 2xx answer's body as it arrives; returns false to abort the transfer. */
+typedef bool (*kvb__pxy_sink_cb)(const char *data, size_t len, void *user);
+
+typedef struct {
+    const char *url;
+    const char *body;           /* NULL: GET, else POST of this JSON text */
+    uint64_t deadline_ns;       /* CLOCK_MONOTONIC; the whole call ends by then */
+    const atomic_bool *cancel;  /* may be NULL: the call is aborted soon after it turns true */
+    const atomic_bool *cancel2; /* a second such flag, may be NULL */
+    kvb__pxy_sink_cb sink;      /* may be NULL: a 2xx body is collected instead */
+    void *user;
+} kvb__pxy_req_t;
+
+typedef struct {
+    long status; /* 0: no response */
+    char *body;  /* collected body (non-2xx always; 2xx without a sink), NUL-terminated */
+    size_t len;
+    bool timed_out;             /* the deadline passed */
+    bool canceled;              /* the cancel flag or the sink stopped it */
+    bool content_sse;           /* Content-Type was text/event-stream */
+    char error[KVB_PD_ERR_MAX]; /* transport error text when status is 0 or the call broke */
+} kvb__pxy_res_t;
+
+/* Performs one HTTP call on its own easy handle. Returns 0 when an answer arrived complete
+ * (whatever its status), -1 otherwise (rs->error says why). rs->body must be freed by the caller
+ * in both cases. */
+int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs);
+
+/* Splits a byte stream into server-sent events; calls `on_event` with each event's data (the
+ * text after "data: ", lines joined by '\n', NUL-terminated, valid during the call). Returns false
+ * from feed when an event exceeds KVB__PXY_EVENT_MAX or on_event returned false. */
+typedef bool (*kvb__pxy_sse_event_cb)(const char *data, size_t len, void *user);
+typedef struct {
+    char *buf;
+    size_t len, cap;
+    kvb__pxy_sse_event_cb on_event;
+    void *user;
+} kvb__pxy_sse_t;
+
+void kvb__pxy_sse_init(kvb__pxy_sse_t *s, kvb__pxy_sse_event_cb on_event, void *user);
+bool kvb__pxy_sse_feed(kvb__pxy_sse_t *s, const char *data, size_t len);
+void kvb__pxy_sse_free(kvb__pxy_sse_t *s);
+
+/* A bounded byte pipe with one writer and one reader, blocking with deadlines on both sides. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *buf;
+    size_t cap, head, len;
+    bool closed;   /* the writer is done: the reader drains then sees the end */
+    bool detached; /* the reader is gone: writes fail */
+} kvb__pxy_pipe_t;
+
+int kvb__pxy_pipe_init(kvb__pxy_pipe_t *p, size_t cap);
+void kvb__pxy_pipe_destroy(kvb__pxy_pipe_t *p);
+/* Writes all of data[0..len), waiting for room until `deadline_ns` or `*cancel`. Returns 0, or -1
+ * (reader detached, deadline passed, or canceled). */
+int kvb__pxy_pipe_write(kvb__pxy_pipe_t *p, const char *data, size_t len, uint64_t deadline_ns,
+                        const atomic_bool *cancel);
+/* Reads up to `max` bytes, waiting for some. Returns the count, 0 at the end (closed and
+ * drained), or -1 when `*cancel` turned true first. */
+ssize_t kvb__pxy_pipe_read(kvb__pxy_pipe_t *p, char *out, size_t max, const atomic_bool *cancel);
+void kvb__pxy_pipe_close(kvb__pxy_pipe_t *p);
+void kvb__pxy_pipe_detach(kvb__pxy_pipe_t *p);
+
+/* ---- The proxy ------------------------------------------------------------------------------- */
+
+#define KVB__PXY_BUCKETS 13 /* histogram buckets, +Inf aside */
+
+/* An instance the proxy routes to, with its /pd/info once learned. */
+typedef struct {
+    char url[256]; /* base URL, no trailing slash */
+    bool prefill;  /* which list it is in */
+    pthread_mutex_t mu;
+    struct json_t *info; /* NULL until fetched; immutable once set (readers take a reference) */
+} kvb__upstream_t;
+
+typedef struct {
+    uint64_t count, buckets[KVB__PXY_BUCKETS]; /* cumulative counts per le bucket */
+    double sum;
+} kvb__hist_t;
+
+typedef struct {
+    pthread_mutex_t mu;
+    uint64_t requests, failures, streams;
+    kvb__hist_t ttft, tpot;
+    uint64_t kv_bytes;
+    double kv_seconds;
+} kvb__pxy_metrics_t;
+
+struct MHD_Daemon;
+struct MHD_Response;
+
+struct kvb_pd_proxy {
+    struct MHD_Daemon *mhd;
+    kvb__upstream_t *prefill, *decode;
+    size_t n_prefill, n_decode;
+    atomic_uint_fast64_t rr_prefill, rr_decode, next_id;
+    kvb_pd_kv_mode_t kv_mode;
+    uint32_t timeout_ms;
+    uint16_t port;
+    char bind[64];
+    uint32_t boot; /* request ids carry it so that two proxies' ids differ */
+    atomic_bool stopping;
+    pthread_mutex_t wk_mu; /* relay threads in flight: stop waits for them */
+    pthread_cond_t wk_cv;
+    unsigned workers;
+    kvb__pxy_metrics_t m;
+};
+
+/* A client's error: what the proxy answers, as HTTP status and a JSON error body. */
+typedef struct {
+    unsigned status;
+    char type[32];
+    char msg[KVB_PD_ERR_MAX];
+} kvb__pxy_err_t;
+
+/* A validated POST /v1/completions. */
+typedef struct {
+    struct json_t *root; /* the client's body (owns prompt and model) */
+    const char *prompt;
+    uint32_t max_tokens;
+    bool stream;
+    double temperature;
+    uint64_t seed;
+    uint32_t timeout_ms;
+} kvb__pxy_creq_t;
+
+/* One request on its way: the chosen pair, what the prefill step answered, and the decode call
+ * still to be made. */
+typedef struct {
+    kvb_pd_proxy_t *px;
+    char rid[48];
+    kvb__upstream_t *p, *d;
+    kvb_pd_kv_mode_t mode;
+    bool reserved; /* push: the decode holds blocks for us until /pd/abort or its deadline */
+    uint64_t t_start, deadline;
+    double prefill_ms;
+    struct json_t *prefill_reply;
+    char decode_url[300];
+    char *decode_body; /* JSON text */
+} kvb__pxy_job_t;
+
+/* Validates a client body; fills *out (whose root the caller frees with json_decref) or *err. */
+int kvb__pxy_parse(const char *body, size_t len, uint32_t default_timeout_ms, kvb__pxy_creq_t *out,
+                   kvb__pxy_err_t *err);
+
+/* Picks a pair and runs everything before the decode call. Returns 0 with *job ready, or -1 with
+ * *err set (the job then needs no cleanup beyond kvb__pxy_job_clear). */
+int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
+                     kvb__pxy_err_t *err);
+/* The decode call for a whole answer: returns 0 with the patched answer in *answer, or -1 with
+ * *err (and the reservation aborted). */
+int kvb__pxy_decode_whole(kvb__pxy_job_t *job, struct json_t **answer, kvb__pxy_err_t *err);
+/* The error for a failed upstream call. */
+void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
+                             const kvb__pxy_res_t *rs, kvb__pxy_err_t *err);
+/* Rewrites an answer's "kvbridge" stats as the proxy sees them (end-to-end TTFT, the KV moved by
+ * whichever side moved it). */
+void kvb__pxy_patch_stats(const kvb__pxy_job_t *job, struct json_t *answer, double ttft_ms);
+/* Push mode: releases the decode's reservation after a failure (best effort, short deadline). */
+void kvb__pxy_abort(kvb__pxy_job_t *job);
+void kvb__pxy_job_clear(kvb__pxy_job_t *job);
+/* Records one finished request in the metrics (answer NULL: a failure). */
+void kvb__pxy_record(kvb_pd_proxy_t *px, struct json_t *answer, bool stream);
+
+/* Test-only fault hook: when set, called at each step of a request's flow ("reserved" after a
+ * push reservation, "prefilled" after the prefill answered), so that a test can kill an instance
+ * at a precise point. NULL in production. */
+extern void (*kvb__pxy_fault_hook)(const char *stage, const kvb__pxy_job_t *job);
+
+/* The upper bound of histogram bucket i (seconds). */
+double kvb__pxy_bucket_bound(int i);
+
+/* Starts the streamed decode call on a relay thread and waits until the decode starts streaming
+ * or fails. Returns 0 with *resp (a libmicrohttpd response that owns the relay), or -1 with *err.
+ * Takes the job over in both cases. */
+int kvb__pxy_stream(kvb__pxy_job_t *job, struct MHD_Response **resp, kvb__pxy_err_t *err);
+
+/* snprintf into a fixed buffer, never failing (truncates). */
+void kvb__pxy_fmt(char *buf, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif

@@ -1,0 +1,123 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* `kvbridge proxy`: the PD front end - OpenAI-style completions routed over prefill and decode
+ * instances (docs/pd-protocol.md), until SIGINT or SIGTERM. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd/proxy.h"
+#include "tools/cli.h"
+
+#define MAX_INSTANCES 64
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvbridge proxy --prefill URL[,URL...] --decode URL[,URL...] --port P\n"
+               "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n\n"
+               "Serves POST /v1/completions, GET /health and GET /metrics; each request goes to\n"
+               "the next prefill and decode instance in turn. --kv-mode defaults to what the\n"
+               "prefill instance reports; --timeout-ms (default 30000) bounds every request.\n");
+}
+
+/* Splits a comma-separated list in place into urls[], appending to *n. */
+static int split_urls(char *list, const char **urls, size_t *n)
+{
+    for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (*n == MAX_INSTANCES)
+            return -1;
+        urls[(*n)++] = tok;
+    }
+    return 0;
+}
+
+typedef struct {
+    const char *prefill[MAX_INSTANCES], *decode[MAX_INSTANCES];
+    kvb_pd_proxy_opts_t o;
+} args_t;
+
+static int parse_one(args_t *a, const char *opt, char *val)
+{
+    uint64_t v;
+    if (!strcmp(opt, "--prefill"))
+        return split_urls(val, a->prefill, &a->o.n_prefill);
+    if (!strcmp(opt, "--decode"))
+        return split_urls(val, a->decode, &a->o.n_decode);
+    if (!strcmp(opt, "--bind")) {
+        a->o.bind = val;
+        return 0;
+    }
+    if (!strcmp(opt, "--kv-mode"))
+        return kvb_pd_kv_mode_parse(val, &a->o.kv_mode);
+    if (!strcmp(opt, "--port")) {
+        if (kvb_cli_parse_uint(val, 65535, &v))
+            return -1;
+        a->o.port = (uint16_t)v;
+        return 0;
+    }
+    if (!strcmp(opt, "--timeout-ms")) {
+        if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
+            return -1;
+        a->o.timeout_ms = (uint32_t)v;
+        return 0;
+    }
+    return -1;
+}
+
+static int parse(args_t *a, int argc, char **argv)
+{
+    bool have_port = false;
+    for (int i = 1; i < argc; i++) {
+        if (i + 1 >= argc || parse_one(a, argv[i], argv[i + 1])) {
+            fprintf(stderr, "kvbridge proxy: bad or incomplete option '%s'\n", argv[i]);
+            return -1;
+        }
+        have_port |= !strcmp(argv[i], "--port");
+        i++;
+    }
+    if (!a->o.n_prefill || !a->o.n_decode || !have_port) {
+        fprintf(stderr, "kvbridge proxy: --prefill, --decode and --port are required\n");
+        return -1;
+    }
+    a->o.prefill = a->prefill;
+    a->o.decode = a->decode;
+    return 0;
+}
+
+int kvb_cmd_proxy(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        }
+    args_t a = {0};
+    if (parse(&a, argc, argv)) {
+        usage(stderr);
+        return 2;
+    }
+    /* Block the stop signals before any thread exists, so that all inherit the mask and only
+     * sigwait() below ever sees them. */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    kvb_pd_proxy_t *px;
+    char why[256];
+    if (kvb_pd_proxy_start(&a.o, &px, why, sizeof why)) {
+        fprintf(stderr, "kvbridge proxy: %s\n", why);
+        return 1;
+    }
+    printf("proxy on http://%s:%u\n", a.o.bind ? a.o.bind : "127.0.0.1",
+           (unsigned)kvb_pd_proxy_port(px));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&set, &sig);
+    fprintf(stderr, "kvbridge proxy: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    kvb_pd_proxy_stop(px);
+    return 0;
+}
