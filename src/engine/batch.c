@@ -378,7 +378,9 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
             pthread_mutex_unlock(&b->mu);
             int drc = tp->drive(b, until);
             pthread_mutex_lock(&b->mu);
-            if (drc != KVB_ERR_BUSY)
+            /* Another thread drives the connection: sleep on the condition - but only after
+             * looking again, since answers may have landed while we held no lock. */
+            if (drc != KVB_ERR_BUSY || batch_done(b))
                 continue;
         }
         struct timespec ts = kvb__timespec_of(until);

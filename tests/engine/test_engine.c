@@ -2,6 +2,7 @@
 /* Engine API semantics with engines in one process: configuration, ports, segments, batches with
  * several lanes and progress threads, notifications and their limits. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
