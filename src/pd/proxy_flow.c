@@ -260,12 +260,9 @@ static bool valid_t0(json_t *ans)
     return json_is_integer(t0) && json_integer_value(t0) >= 0;
 }
 
-static int run_pull(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinfo, json_t *dinfo,
-                    kvb__pxy_err_t *err)
+/* Calls the prefill with body `b` (consumed), timing it; its answer must carry T0. */
+static int prefill(kvb__pxy_job_t *job, json_t *b, kvb__pxy_err_t *err)
 {
-    json_t *b = base_body(job, rq);
-    if (b)
-        json_object_set(b, "decode_segments", json_object_get(dinfo, "segments"));
     uint64_t t = kvb__now_ns();
     job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
     job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
@@ -276,6 +273,17 @@ static int run_pull(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
         return -1;
     }
     fault("prefilled", job);
+    return 0;
+}
+
+static int run_pull(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinfo, json_t *dinfo,
+                    kvb__pxy_err_t *err)
+{
+    json_t *b = base_body(job, rq);
+    if (b)
+        json_object_set(b, "decode_segments", json_object_get(dinfo, "segments"));
+    if (prefill(job, b, err))
+        return -1;
     json_t *psegs = json_object_get(job->prefill_reply, "prefill_segments");
     return decode_body(job, rq, psegs ? psegs : json_object_get(pinfo, "segments"),
                        json_object_get(job->prefill_reply, "blocks"), err);
@@ -299,16 +307,8 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
         json_object_set(b, "decode_segments", dsegs ? dsegs : json_object_get(dinfo, "segments"));
     }
     json_decref(res);
-    uint64_t t = kvb__now_ns();
-    job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
-    job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
-    if (!job->prefill_reply)
+    if (prefill(job, b, err))
         return -1;
-    if (!valid_t0(job->prefill_reply)) {
-        set_err(err, 502, "upstream_error", "prefill %s/pd/prefill: answer has no t0", job->p->url);
-        return -1;
-    }
-    fault("prefilled", job);
     return decode_body(job, rq, psegs, NULL, err);
 }
 
