@@ -265,8 +265,7 @@ static void *worker_main(void *arg)
                 kvb_batch_status(b, i, &st);
                 if (st.state == KVB_REQ_COMPLETED) {
                     w->bytes += o->block;
-                    atomic_fetch_add_explicit(&g_progress_bytes, o->block,
-                                              memory_order_relaxed);
+                    atomic_fetch_add_explicit(&g_progress_bytes, o->block, memory_order_relaxed);
                     w->reqs++;
                 } else {
                     w->errors++;
