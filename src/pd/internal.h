@@ -69,7 +69,6 @@ void kvb__pd_clear(char *reason, size_t cap);
 
 /* CRC32C (Castagnoli, reflected, init and final xor ~0) of buf[0..len) continuing from `crc`
  * (0 to start). Uses SSE4.2 where the CPU has it. */
-uint32_t kvb__pd_crc32c(uint32_t crc, const void *buf, size_t len);
 
 /* The canonical tensor table of a checked config: stores a malloc'd array in *out, its length in
  * *n and the payload size in floats in *floats. Returns KVB_OK or KVB_ERR_NOMEM. */

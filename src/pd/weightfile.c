@@ -2,6 +2,7 @@
 /* The weight-file format (documented in pd/model.h): writing it, and a parser that checks every
  * field of a possibly hostile file before trusting it - sizes against the file length with checked
  * arithmetic, the table against the canonical one, both checksums - and says what is wrong. */
+#include "common/crc32c.h"
 #include "pd/internal.h"
 
 #include <errno.h>
@@ -72,9 +73,9 @@ static uint32_t *dim_fields(kvb_pd_config_t *c, size_t i)
 static uint32_t header_crc(const unsigned char *h, size_t header_bytes)
 {
     static const unsigned char zero[4];
-    uint32_t crc = kvb__pd_crc32c(0, h, OFF_HEADER_CRC);
-    crc = kvb__pd_crc32c(crc, zero, 4);
-    return kvb__pd_crc32c(crc, h + OFF_HEADER_CRC + 4, header_bytes - OFF_HEADER_CRC - 4);
+    uint32_t crc = kvb__crc32c(0, h, OFF_HEADER_CRC);
+    crc = kvb__crc32c(crc, zero, 4);
+    return kvb__crc32c(crc, h + OFF_HEADER_CRC + 4, header_bytes - OFF_HEADER_CRC - 4);
 }
 
 /* The header and tensor table of `m`, malloc'd, header_bytes long. */
@@ -270,7 +271,7 @@ static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__
     if (len > total)
         return kvb__pd_fail(r, cap, INVAL, "%llu unexpected bytes after the payload",
                             (unsigned long long)(len - total));
-    uint32_t want = get32(b + OFF_PAYLOAD_CRC), got = kvb__pd_crc32c(0, b + hb, (size_t)pb);
+    uint32_t want = get32(b + OFF_PAYLOAD_CRC), got = kvb__crc32c(0, b + hb, (size_t)pb);
     if (want != got)
         return kvb__pd_fail(r, cap, INVAL,
                             "payload checksum mismatch: stored %08x, computed %08x (corrupt file)",

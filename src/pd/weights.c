@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Model weights: allocation around the canonical tensor table, seeded generation for presets,
  * and the model's identity (payload checksum and id). The file format lives in weightfile.c. */
+#include "common/crc32c.h"
 #include "pd/internal.h"
 
 #include <math.h>
@@ -90,7 +91,7 @@ nomem:
 
 void kvb__pd_model_seal(kvb_pd_model_t *m)
 {
-    m->payload_crc = kvb__pd_crc32c(0, m->data, (size_t)m->payload_bytes);
+    m->payload_crc = kvb__crc32c(0, m->data, (size_t)m->payload_bytes);
     snprintf(m->id, sizeof m->id, "%s@%08x", m->name, m->payload_crc);
 }
 

@@ -2,7 +2,7 @@
 /* CRC32C (Castagnoli) for weight files and model ids: the SSE4.2 instruction where the CPU has it,
  * else a table-driven loop. Both give the same value; the fast path matters because a model id is
  * a checksum over all weights, computed whenever a preset is generated. */
-#include "pd/internal.h"
+#include "common/crc32c.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -59,7 +59,7 @@ static int have_hw(void)
 }
 #endif
 
-uint32_t kvb__pd_crc32c(uint32_t crc, const void *buf, size_t len)
+uint32_t kvb__crc32c(uint32_t crc, const void *buf, size_t len)
 {
     uint32_t c = ~crc;
 #if defined(__x86_64__)
