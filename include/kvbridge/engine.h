@@ -207,8 +207,10 @@ KVB_API int kvb_batch_status(kvb_batch_t *batch, size_t i, kvb_req_status_t *out
  * never spins. */
 KVB_API int kvb_batch_wait(kvb_batch_t *batch, int timeout_ms);
 
-/* Marks every pending request CANCELED. Data that arrives for them later is discarded; after this
- * returns, no READ writes into their local buffers any more. */
+/* Marks every pending request CANCELED. Over TCP, data that arrives for them later is discarded:
+ * after this returns no READ writes into their local buffers any more. Over shared memory the
+ * peer copies into the buffer itself, so a copy already under way may still land until its answer
+ * arrives; kvb_unregister() of the buffer waits for that. */
 KVB_API int kvb_batch_cancel(kvb_batch_t *batch);
 
 /* Cancels what is pending and releases the batch. Safe while requests are in flight: their late
