@@ -213,8 +213,8 @@ KVB_API int kvb_batch_wait(kvb_batch_t *batch, int timeout_ms);
  * arrives; kvb_unregister() of the buffer waits for that. */
 KVB_API int kvb_batch_cancel(kvb_batch_t *batch);
 
-/* Cancels what is pending and releases the batch. Safe while requests are in flight: their late
- * replies are discarded. NULL is ignored. */
+/* Cancels what is pending (as kvb_batch_cancel) and releases the batch. Safe while requests are in
+ * flight: their late replies are discarded. NULL is ignored. */
 KVB_API void kvb_batch_free(kvb_batch_t *batch);
 
 /* A notification as received. */
