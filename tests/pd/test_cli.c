@@ -3,13 +3,12 @@
  * write, describe and generate from weight files and presets, checks that its tokens are the
  * library's for every TP size, and that bad command lines exit 2 and bad files 1, with a message.
  */
+#include "helpers/cli.h"
 #include "pd_fixture.h"
 
 #include <stdio.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#define MAXARGS 24
 
 typedef struct {
     int status; /* exit code, or -1 if it did not exit normally */
@@ -22,48 +21,13 @@ static char file[64];
 
 TestSuite(cli, .timeout = 60);
 
-static void read_all(int fd, char *buf, size_t cap)
-{
-    size_t n = 0;
-    ssize_t k;
-    while (n < cap - 1 && (k = read(fd, buf + n, cap - 1 - n)) > 0)
-        n += (size_t)k;
-    buf[n] = '\0';
-    close(fd);
-}
-
-/* Runs `kvbridge model args...` (NULL-terminated), capturing stdout and stderr (both small, so
- * reading stdout to the end first cannot block the child on a full stderr pipe). */
+/* Runs `kvbridge model args...` (NULL-terminated), capturing stdout and stderr. */
 static void run(const char *const *args)
 {
-    const char *bin = getenv("KVB_BIN");
-    if (!bin || !*bin)
+    if (!getenv("KVB_BIN"))
         cr_skip_test("KVB_BIN is not set (run through ctest)");
-    const char *argv[MAXARGS] = {bin, "model"};
-    int argc = 2;
-    for (; args[argc - 2]; argc++)
-        argv[argc] = args[argc - 2];
-    argv[argc] = NULL;
-    int po[2], pe[2];
-    cr_assert_eq(pipe(po), 0);
-    cr_assert_eq(pipe(pe), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        close(po[0]);
-        close(pe[0]);
-        execv(bin, (char *const *)argv);
-        _exit(127);
-    }
-    close(po[1]);
-    close(pe[1]);
-    read_all(po[0], res.out, sizeof res.out);
-    read_all(pe[0], res.err, sizeof res.err);
-    int st;
-    cr_assert_eq(waitpid(pid, &st, 0), pid);
-    res.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    res.status = test_run_cli("model", args, res.out, sizeof res.out, res.err, sizeof res.err);
+    cr_assert_neq(res.status, -2, "cannot run $KVB_BIN model");
 }
 
 #define RUN(...) run((const char *const[]){__VA_ARGS__, NULL})

@@ -2,6 +2,7 @@
 /* Tests for `kvbridge topo` (src/tools/topo.c, on top of the guard and routes): runs the built
  * binary (KVB_BIN, set by CTest), parses its --json output with jansson and checks the routes;
  * bad command lines exit 2 with a message and never crash. */
+#include "helpers/cli.h"
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <stdlib.h>
@@ -9,7 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define MAXARGS 24
+#define MAXARGS 20 /* arguments a test passes, at most (test_run_cli takes 20) */
 #define OUTMAX  (1 << 20)
 
 typedef struct {
@@ -20,50 +21,13 @@ typedef struct {
 
 static result_t res;
 
-static void read_all(int fd, char *buf, size_t cap)
-{
-    size_t n = 0;
-    ssize_t k;
-    while ((k = read(fd, buf + n, cap - 1 - n)) > 0 && n + (size_t)k < cap - 1)
-        n += (size_t)k;
-    if (k > 0)
-        n += (size_t)k;
-    buf[n] = '\0';
-    close(fd);
-}
-
-/* Runs `kvbridge topo args...` (NULL-terminated), capturing stdout and stderr. The outputs are
- * small, so reading stdout to the end before stderr cannot fill the stderr pipe. */
+/* Runs `kvbridge topo args...` (NULL-terminated), capturing stdout and stderr. */
 static void run(const char *const *args)
 {
-    const char *bin = getenv("KVB_BIN");
-    if (!bin || !*bin)
+    if (!getenv("KVB_BIN"))
         cr_skip_test("KVB_BIN is not set (run through ctest)");
-    const char *argv[MAXARGS] = {bin, "topo"};
-    int argc = 2;
-    for (; args[argc - 2]; argc++)
-        argv[argc] = args[argc - 2];
-    argv[argc] = NULL;
-    int po[2], pe[2];
-    cr_assert_eq(pipe(po), 0);
-    cr_assert_eq(pipe(pe), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        close(po[0]);
-        close(pe[0]);
-        execv(bin, (char *const *)argv);
-        _exit(127);
-    }
-    close(po[1]);
-    close(pe[1]);
-    read_all(po[0], res.out, sizeof res.out);
-    read_all(pe[0], res.err, sizeof res.err);
-    int st;
-    cr_assert_eq(waitpid(pid, &st, 0), pid);
-    res.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    res.status = test_run_cli("topo", args, res.out, sizeof res.out, res.err, sizeof res.err);
+    cr_assert_neq(res.status, -2, "cannot run $KVB_BIN topo");
 }
 
 /* Runs with --json appended and returns the parsed object (exactly status, reason, routes). */
