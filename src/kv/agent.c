@@ -135,7 +135,7 @@ int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *layout, kvb
                         kvb_kv_agent_t **out, char *reason, size_t cap)
 {
     if (!engine || !layout || !out || (role != KVB_KV_ROLE_PREFILL && role != KVB_KV_ROLE_DECODE))
-        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "missing engine, layout or role");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "missing engine, layout or role");
     int rc = kvb_kv_layout_validate(layout, reason, cap);
     if (rc)
         return rc;
@@ -158,12 +158,12 @@ int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *layout, kvb
     if (!rc)
         rc = register_buffers(a, reason, cap);
     if (!rc && (rc = publish(a)))
-        kvb__kv_fail(reason, cap, rc, "cannot publish the layout: %s", kvb_strerror(rc));
+        kvb__fail(reason, cap, rc, "cannot publish the layout: %s", kvb_strerror(rc));
     if (rc) {
         kvb_kv_agent_destroy(a);
         return rc;
     }
-    kvb__kv_clear(reason, cap);
+    kvb__reason_clear(reason, cap);
     *out = a;
     return KVB_OK;
 }
@@ -233,8 +233,7 @@ static int fetch_layout(kvb_kv_link_t *l, char *reason, size_t cap)
     if (rc == KVB_ERR_NOT_FOUND && kvb_segment_refresh(e, l->seg) == KVB_OK)
         rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, NULL, 0, &len);
     if (rc)
-        return kvb__kv_fail(reason, cap, rc, "the peer publishes no KV layout: %s",
-                            kvb_strerror(rc));
+        return kvb__fail(reason, cap, rc, "the peer publishes no KV layout: %s", kvb_strerror(rc));
     char *json = malloc(len ? len : 1);
     if (!json)
         return KVB_ERR_NOMEM;
@@ -284,7 +283,7 @@ int kvb_kv_link_open(kvb_kv_agent_t *a, const char *segment, kvb_kv_link_t **out
                      size_t cap)
 {
     if (!a || !segment || !out)
-        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "missing agent or segment");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "missing agent or segment");
     kvb_kv_link_t *l = calloc(1, sizeof *l);
     if (!l)
         return KVB_ERR_NOMEM;
@@ -292,8 +291,7 @@ int kvb_kv_link_open(kvb_kv_agent_t *a, const char *segment, kvb_kv_link_t **out
     int rc = kvb_segment_open(a->engine, segment, &l->seg);
     if (rc) {
         free(l);
-        return kvb__kv_fail(reason, cap, rc, "cannot open segment %s: %s", segment,
-                            kvb_strerror(rc));
+        return kvb__fail(reason, cap, rc, "cannot open segment %s: %s", segment, kvb_strerror(rc));
     }
     kvb_peer_t *p = kvb__segment_peer(a->engine, l->seg);
     if (p) {
@@ -311,7 +309,7 @@ int kvb_kv_link_open(kvb_kv_agent_t *a, const char *segment, kvb_kv_link_t **out
         free(l);
         return rc;
     }
-    kvb__kv_clear(reason, cap);
+    kvb__reason_clear(reason, cap);
     *out = l;
     return KVB_OK;
 }
@@ -388,14 +386,14 @@ int kvb_kv_xfer_begin(kvb_kv_link_t *l, const char *req_id, kvb_opcode_t op, con
                       char *reason, size_t cap)
 {
     if (!l || !out || !id_ok(req_id) || timeout_ms <= 0)
-        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "bad link, request id or timeout");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bad link, request id or timeout");
     kvb_kv_role_t want = op == KVB_OP_READ ? KVB_KV_ROLE_DECODE : KVB_KV_ROLE_PREFILL;
     if (l->agent->role != want)
-        return kvb__kv_fail(reason, cap, KVB_ERR_INVALID_ARG, "%s is issued by the %s side",
-                            op == KVB_OP_READ ? "pull" : "push",
-                            want == KVB_KV_ROLE_DECODE ? "decode" : "prefill");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "%s is issued by the %s side",
+                         op == KVB_OP_READ ? "pull" : "push",
+                         want == KVB_KV_ROLE_DECODE ? "decode" : "prefill");
     if (!l->has_route)
-        return kvb__kv_fail(reason, cap, KVB_ERR_NOT_FOUND, "no route between these ranks");
+        return kvb__fail(reason, cap, KVB_ERR_NOT_FOUND, "no route between these ranks");
     kvb_kv_xfer_t *x = calloc(1, sizeof *x);
     uint32_t L = l->agent->layout.num_layers;
     if (!x)
@@ -415,7 +413,7 @@ int kvb_kv_xfer_begin(kvb_kv_link_t *l, const char *req_id, kvb_opcode_t op, con
         kvb_kv_xfer_free(x);
         return rc;
     }
-    kvb__kv_clear(reason, cap);
+    kvb__reason_clear(reason, cap);
     *out = x;
     return KVB_OK;
 }

@@ -143,11 +143,11 @@ static int check_keys(dec_t *d, json_t *o, const char *const *keys)
         while (keys[i] && strcmp(keys[i], key))
             i++;
         if (!keys[i])
-            return kvb__kv_fail(d->reason, d->cap, INVAL, "unknown field '%s%.64s'", d->where, key);
+            return kvb__fail(d->reason, d->cap, INVAL, "unknown field '%s%.64s'", d->where, key);
     }
     for (size_t i = 0; keys[i]; i++) {
         if (!json_object_get(o, keys[i]))
-            return kvb__kv_fail(d->reason, d->cap, INVAL, "%s%s: missing", d->where, keys[i]);
+            return kvb__fail(d->reason, d->cap, INVAL, "%s%s: missing", d->where, keys[i]);
     }
     return KVB_OK;
 }
@@ -157,8 +157,8 @@ static int get_uint(dec_t *d, json_t *o, const char *key, uint64_t max, uint64_t
     json_t *v = json_object_get(o, key);
     json_int_t x = json_is_integer(v) ? json_integer_value(v) : -1;
     if (x < 0 || (uint64_t)x > max)
-        return kvb__kv_fail(d->reason, d->cap, INVAL, "%s%s: expected an integer in 0..%" PRIu64,
-                            d->where, key, max);
+        return kvb__fail(d->reason, d->cap, INVAL, "%s%s: expected an integer in 0..%" PRIu64,
+                         d->where, key, max);
     *out = (uint64_t)x;
     return KVB_OK;
 }
@@ -185,7 +185,7 @@ static int get_str(dec_t *d, json_t *o, const char *key, const char **out)
 {
     json_t *v = json_object_get(o, key);
     if (!json_is_string(v))
-        return kvb__kv_fail(d->reason, d->cap, INVAL, "%s%s: expected a string", d->where, key);
+        return kvb__fail(d->reason, d->cap, INVAL, "%s%s: expected a string", d->where, key);
     *out = json_string_value(v);
     return KVB_OK;
 }
@@ -197,8 +197,7 @@ static int get_enum(dec_t *d, json_t *o, const char *key, int (*parse)(const cha
     const char *s;
     int rc = get_str(d, o, key, &s);
     if (!rc && parse(s, out))
-        rc =
-            kvb__kv_fail(d->reason, d->cap, INVAL, "%s%s: unknown value '%.32s'", d->where, key, s);
+        rc = kvb__fail(d->reason, d->cap, INVAL, "%s%s: unknown value '%.32s'", d->where, key, s);
     return rc;
 }
 
@@ -236,8 +235,8 @@ static int get_addr(dec_t *d, json_t *o, const char *key, uint64_t *out)
         v = (v << 4) | (uint64_t)(digit & 0xf);
     }
     if (!ok)
-        return kvb__kv_fail(d->reason, d->cap, INVAL, "%s%s: expected \"0x\" and 1..16 hex digits",
-                            d->where, key);
+        return kvb__fail(d->reason, d->cap, INVAL, "%s%s: expected \"0x\" and 1..16 hex digits",
+                         d->where, key);
     *out = v;
     return KVB_OK;
 }
@@ -246,8 +245,8 @@ static int decode_slot(dec_t *d, json_t *o, kvb_kv_slot_t *s)
 {
     int kind = 0, order = 0;
     if (!json_is_object(o))
-        return kvb__kv_fail(d->reason, d->cap, INVAL, "%.*s: expected an object",
-                            (int)strlen(d->where) - 1, d->where); /* without the '.' */
+        return kvb__fail(d->reason, d->cap, INVAL, "%.*s: expected an object",
+                         (int)strlen(d->where) - 1, d->where); /* without the '.' */
     int rc = check_keys(d, o, slot_keys);
     rc = rc ? rc : get_u32(d, o, "layer", &s->layer);
     rc = rc ? rc : get_enum(d, o, "kind", parse_slot, &kind);
@@ -270,12 +269,11 @@ static int decode_header(dec_t *d, json_t *o, kvb_kv_layout_t *l)
     int dtype = 0, attn = 0;
     int rc = get_uint(d, o, "version", UINT32_MAX, &version);
     if (!rc && version != DESC_VERSION)
-        rc = kvb__kv_fail(d->reason, d->cap, INVAL, "unsupported descriptor version %" PRIu64,
-                          version);
+        rc =
+            kvb__fail(d->reason, d->cap, INVAL, "unsupported descriptor version %" PRIu64, version);
     rc = rc ? rc : get_str(d, o, "model", &model);
     if (!rc && strlen(model) > KVB_KV_MODEL_MAX)
-        rc =
-            kvb__kv_fail(d->reason, d->cap, INVAL, "model: longer than %d bytes", KVB_KV_MODEL_MAX);
+        rc = kvb__fail(d->reason, d->cap, INVAL, "model: longer than %d bytes", KVB_KV_MODEL_MAX);
     if (!rc)
         strcpy(l->model, model);
     rc = rc ? rc : get_enum(d, o, "dtype", parse_dtype, &dtype);
@@ -295,20 +293,20 @@ static int decode_header(dec_t *d, json_t *o, kvb_kv_layout_t *l)
 static int decode_root(dec_t *d, json_t *root, owned_layout_t **out)
 {
     if (!json_is_object(root))
-        return kvb__kv_fail(d->reason, d->cap, INVAL, "descriptor is not a JSON object");
+        return kvb__fail(d->reason, d->cap, INVAL, "descriptor is not a JSON object");
     int rc = check_keys(d, root, root_keys);
     json_t *slots = json_object_get(root, "slots");
     if (!rc && !json_is_array(slots))
-        rc = kvb__kv_fail(d->reason, d->cap, INVAL, "slots: expected an array");
+        rc = kvb__fail(d->reason, d->cap, INVAL, "slots: expected an array");
     size_t n = rc ? 0 : json_array_size(slots);
     if (!rc && (n == 0 || n > (size_t)KVB_KV_LAYERS_MAX * KVB_KV_SLOT_COUNT))
-        rc = kvb__kv_fail(d->reason, d->cap, INVAL, "slots: %zu entries, expected 1..%d", n,
-                          KVB_KV_LAYERS_MAX * KVB_KV_SLOT_COUNT);
+        rc = kvb__fail(d->reason, d->cap, INVAL, "slots: %zu entries, expected 1..%d", n,
+                       KVB_KV_LAYERS_MAX * KVB_KV_SLOT_COUNT);
     if (rc)
         return rc;
     owned_layout_t *o = calloc(1, sizeof *o + n * sizeof o->slots[0]);
     if (!o)
-        return kvb__kv_fail(d->reason, d->cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(d->reason, d->cap, KVB_ERR_NOMEM, "out of memory");
     rc = decode_header(d, root, &o->layout);
     for (size_t i = 0; i < n && !rc; i++) {
         snprintf(d->where, sizeof d->where, "slots[%zu].", i);
@@ -334,7 +332,7 @@ static int decode_and_validate(dec_t *d, json_t *root, kvb_kv_layout_t **out)
     rc = kvb_kv_layout_validate(&o->layout, msg, sizeof msg);
     if (rc) {
         free(o);
-        return kvb__kv_fail(d->reason, d->cap, rc, "invalid layout: %s", msg);
+        return kvb__fail(d->reason, d->cap, rc, "invalid layout: %s", msg);
     }
     *out = &o->layout;
     return KVB_OK;
@@ -346,18 +344,18 @@ int kvb_kv_layout_decode(const char *json, size_t len, kvb_kv_layout_t **out, ch
     dec_t d = {.reason = reason, .cap = reason_cap};
     json_error_t err;
     if (!out || (!json && len))
-        return kvb__kv_fail(reason, reason_cap, INVAL, "json and out must not be NULL");
+        return kvb__fail(reason, reason_cap, INVAL, "json and out must not be NULL");
     if (len > KVB_KV_DESC_MAX)
-        return kvb__kv_fail(reason, reason_cap, KVB_ERR_TOO_LARGE,
-                            "descriptor is %zu bytes, the limit is %u", len, KVB_KV_DESC_MAX);
+        return kvb__fail(reason, reason_cap, KVB_ERR_TOO_LARGE,
+                         "descriptor is %zu bytes, the limit is %u", len, KVB_KV_DESC_MAX);
     json_t *root = json_loadb(json ? json : "", len, JSON_REJECT_DUPLICATES, &err);
     if (!root)
-        return kvb__kv_fail(reason, reason_cap, INVAL, "malformed JSON at line %d column %d: %s",
-                            err.line, err.column, err.text);
+        return kvb__fail(reason, reason_cap, INVAL, "malformed JSON at line %d column %d: %s",
+                         err.line, err.column, err.text);
     int rc = decode_and_validate(&d, root, out);
     json_decref(root);
     if (!rc)
-        kvb__kv_clear(reason, reason_cap);
+        kvb__reason_clear(reason, reason_cap);
     return rc;
 }
 

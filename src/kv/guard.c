@@ -24,8 +24,7 @@ const char *kvb_kv_verdict_name(kvb_kv_verdict_t verdict)
 static int check_size(const char *what, int32_t v, char *r, size_t cap)
 {
     if (v <= 0 || v > KVB_KV_TP_MAX)
-        return kvb__kv_fail(r, cap, INVAL, "%s %" PRId32 " is outside 1..%d", what, v,
-                            KVB_KV_TP_MAX);
+        return kvb__fail(r, cap, INVAL, "%s %" PRId32 " is outside 1..%d", what, v, KVB_KV_TP_MAX);
     return KVB_OK;
 }
 
@@ -35,16 +34,15 @@ static int check_heads(const kvb_kv_topo_t *t, char *r, size_t cap)
 {
     uint32_t h = t->num_kv_heads, tp = (uint32_t)t->tp_size;
     if (t->attn == KVB_KV_ATTN_MLA)
-        return h ? kvb__kv_fail(r, cap, INVAL,
-                                "MLA has no KV heads to split (num_kv_heads %" PRIu32 " must be 0)",
-                                h)
+        return h ? kvb__fail(r, cap, INVAL,
+                             "MLA has no KV heads to split (num_kv_heads %" PRIu32 " must be 0)", h)
                  : KVB_OK;
     if (h == 0 || h > KVB_KV_HEADS_MAX)
-        return kvb__kv_fail(r, cap, INVAL, "GQA num_kv_heads %" PRIu32 " is outside 1..%d", h,
-                            KVB_KV_HEADS_MAX);
+        return kvb__fail(r, cap, INVAL, "GQA num_kv_heads %" PRIu32 " is outside 1..%d", h,
+                         KVB_KV_HEADS_MAX);
     if ((tp <= h && h % tp) || (tp > h && tp % h))
-        return kvb__kv_fail(r, cap, INVAL,
-                            "%" PRIu32 " KV heads do not divide over tp_size %" PRIu32, h, tp);
+        return kvb__fail(r, cap, INVAL, "%" PRIu32 " KV heads do not divide over tp_size %" PRIu32,
+                         h, tp);
     return KVB_OK;
 }
 
@@ -56,7 +54,7 @@ int kvb__kv_topo_check(const kvb_kv_topo_t *t, char *reason, size_t cap)
     if (rc)
         return rc;
     if (!kvb__kv_attn_name(t->attn))
-        return kvb__kv_fail(reason, cap, INVAL, "unknown attention kind %d", (int)t->attn);
+        return kvb__fail(reason, cap, INVAL, "unknown attention kind %d", (int)t->attn);
     return check_heads(t, reason, cap);
 }
 
@@ -64,15 +62,14 @@ int kvb__kv_topo_check(const kvb_kv_topo_t *t, char *reason, size_t cap)
 static int topo_valid(const kvb_kv_topo_t *t, char *r, size_t cap)
 {
     if (!t)
-        return kvb__kv_fail(r, cap, INVAL, "topology is NULL");
+        return kvb__fail(r, cap, INVAL, "topology is NULL");
     int rc = kvb__kv_topo_check(t, r, cap);
     if (rc)
         return rc;
     if (t->attn == KVB_KV_ATTN_MLA && t->order != KVB_KV_ORDER_NONE)
-        return kvb__kv_fail(r, cap, INVAL, "MLA blocks are not head split (order must be NONE)");
+        return kvb__fail(r, cap, INVAL, "MLA blocks are not head split (order must be NONE)");
     if (t->attn == KVB_KV_ATTN_GQA && t->order != KVB_KV_ORDER_HND && t->order != KVB_KV_ORDER_NHD)
-        return kvb__kv_fail(r, cap, INVAL, "GQA block order %d is neither HND nor NHD",
-                            (int)t->order);
+        return kvb__fail(r, cap, INVAL, "GQA block order %d is neither HND nor NHD", (int)t->order);
     return KVB_OK;
 }
 

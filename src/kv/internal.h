@@ -8,19 +8,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/reason.h"
 #include "kvbridge/kv.h"
 
-/* Writes a formatted reason (when reason/cap allow) and returns `status`, so that a check reads
- * `return kvb__kv_fail(r, cap, KVB_ERR_INVALID_ARG, "...", ...)`. */
-int kvb__kv_fail(char *reason, size_t cap, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-/* Like kvb__kv_fail, prefixed with "layer L slot S: ". */
+/* Like kvb__fail, prefixed with "layer L slot S: ". */
 int kvb__kv_slot_fail(char *reason, size_t cap, int status, const kvb_kv_slot_t *slot,
                       const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-
-/* Empties the reason buffer (success). */
-void kvb__kv_clear(char *reason, size_t cap);
 
 /* Names for the enums; NULL if the value is unknown. Parsers return 0 on success. */
 const char *kvb__kv_dtype_name(kvb_kv_dtype_t dtype);

@@ -16,18 +16,18 @@
 static int check_header(const kvb_kv_layout_t *l, char *r, size_t cap)
 {
     if (!memchr(l->model, '\0', sizeof l->model))
-        return kvb__kv_fail(r, cap, INVAL, "model id is longer than %d bytes", KVB_KV_MODEL_MAX);
+        return kvb__fail(r, cap, INVAL, "model id is longer than %d bytes", KVB_KV_MODEL_MAX);
     if (!l->model[0])
-        return kvb__kv_fail(r, cap, INVAL, "model id is empty");
+        return kvb__fail(r, cap, INVAL, "model id is empty");
     if (!kvb__kv_dtype_name(l->dtype))
-        return kvb__kv_fail(r, cap, INVAL, "unknown dtype %d", (int)l->dtype);
+        return kvb__fail(r, cap, INVAL, "unknown dtype %d", (int)l->dtype);
     if (l->tokens_per_block == 0)
-        return kvb__kv_fail(r, cap, INVAL, "tokens_per_block is 0");
+        return kvb__fail(r, cap, INVAL, "tokens_per_block is 0");
     if (l->num_layers == 0 || l->num_layers > KVB_KV_LAYERS_MAX)
-        return kvb__kv_fail(r, cap, INVAL, "num_layers %" PRIu32 " is outside 1..%d", l->num_layers,
-                            KVB_KV_LAYERS_MAX);
+        return kvb__fail(r, cap, INVAL, "num_layers %" PRIu32 " is outside 1..%d", l->num_layers,
+                         KVB_KV_LAYERS_MAX);
     if (!l->slots || l->num_slots == 0)
-        return kvb__kv_fail(r, cap, INVAL, "the layout has no slots");
+        return kvb__fail(r, cap, INVAL, "the layout has no slots");
     kvb_kv_topo_t t = {.dp_size = l->dp_size,
                        .tp_size = l->tp_size,
                        .attn = l->attn,
@@ -36,11 +36,11 @@ static int check_header(const kvb_kv_layout_t *l, char *r, size_t cap)
     if (rc)
         return rc;
     if (l->dp_rank < 0 || l->dp_rank >= l->dp_size)
-        return kvb__kv_fail(r, cap, INVAL, "dp_rank %" PRId32 " is outside dp_size %" PRId32,
-                            l->dp_rank, l->dp_size);
+        return kvb__fail(r, cap, INVAL, "dp_rank %" PRId32 " is outside dp_size %" PRId32,
+                         l->dp_rank, l->dp_size);
     if (l->tp_rank < 0 || l->tp_rank >= l->tp_size)
-        return kvb__kv_fail(r, cap, INVAL, "tp_rank %" PRId32 " is outside tp_size %" PRId32,
-                            l->tp_rank, l->tp_size);
+        return kvb__fail(r, cap, INVAL, "tp_rank %" PRId32 " is outside tp_size %" PRId32,
+                         l->tp_rank, l->tp_size);
     return KVB_OK;
 }
 
@@ -119,15 +119,15 @@ static int check_slot(const kvb_kv_layout_t *l, size_t i, uint8_t *seen, char *r
 {
     const kvb_kv_slot_t *s = &l->slots[i];
     if (s->layer >= l->num_layers)
-        return kvb__kv_fail(r, cap, INVAL,
-                            "slot entry %zu: layer id %" PRIu32 " is out of range (num_layers "
-                            "%" PRIu32 ")",
-                            i, s->layer, l->num_layers);
+        return kvb__fail(r, cap, INVAL,
+                         "slot entry %zu: layer id %" PRIu32 " is out of range (num_layers "
+                         "%" PRIu32 ")",
+                         i, s->layer, l->num_layers);
     if ((unsigned)s->kind >= KVB_KV_SLOT_COUNT)
-        return kvb__kv_fail(r, cap, INVAL,
-                            "slot entry %zu (layer %" PRIu32 "): slot id %u is out "
-                            "of range",
-                            i, s->layer, (unsigned)s->kind);
+        return kvb__fail(r, cap, INVAL,
+                         "slot entry %zu (layer %" PRIu32 "): slot id %u is out "
+                         "of range",
+                         i, s->layer, (unsigned)s->kind);
     if (seen[s->layer] & (1u << s->kind))
         return kvb__kv_slot_fail(r, cap, INVAL, s, "duplicate (layer, slot) at entry %zu", i);
     seen[s->layer] |= (uint8_t)(1u << s->kind);
@@ -152,7 +152,7 @@ static int check_overlaps(const kvb_kv_layout_t *l, char *r, size_t cap)
 {
     const kvb_kv_slot_t **v = malloc(l->num_slots * sizeof *v);
     if (!v)
-        return kvb__kv_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     for (size_t i = 0; i < l->num_slots; i++)
         v[i] = &l->slots[i];
     qsort(v, l->num_slots, sizeof *v, cmp_base);
@@ -170,13 +170,13 @@ static int check_slots(const kvb_kv_layout_t *l, char *r, size_t cap)
 {
     uint8_t *seen = calloc(l->num_layers, 1);
     if (!seen)
-        return kvb__kv_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     int rc = KVB_OK;
     for (size_t i = 0; i < l->num_slots && !rc; i++)
         rc = check_slot(l, i, seen, r, cap);
     for (uint32_t layer = 0; layer < l->num_layers && !rc; layer++) {
         if (!seen[layer])
-            rc = kvb__kv_fail(r, cap, INVAL, "layer %" PRIu32 " has no slots", layer);
+            rc = kvb__fail(r, cap, INVAL, "layer %" PRIu32 " has no slots", layer);
     }
     free(seen);
     return rc ? rc : check_overlaps(l, r, cap);
@@ -185,12 +185,12 @@ static int check_slots(const kvb_kv_layout_t *l, char *r, size_t cap)
 int kvb_kv_layout_validate(const kvb_kv_layout_t *layout, char *reason, size_t reason_cap)
 {
     if (!layout)
-        return kvb__kv_fail(reason, reason_cap, INVAL, "layout is NULL");
+        return kvb__fail(reason, reason_cap, INVAL, "layout is NULL");
     int rc = check_header(layout, reason, reason_cap);
     if (!rc)
         rc = check_slots(layout, reason, reason_cap);
     if (!rc)
-        kvb__kv_clear(reason, reason_cap);
+        kvb__reason_clear(reason, reason_cap);
     return rc;
 }
 
@@ -236,29 +236,29 @@ static int validate_side(const char *side, const kvb_kv_layout_t *l, char *r, si
 {
     char msg[KVB_KV_REASON_MAX];
     int rc = kvb_kv_layout_validate(l, msg, sizeof msg);
-    return rc ? kvb__kv_fail(r, cap, rc, "%s layout: %s", side, msg) : KVB_OK;
+    return rc ? kvb__fail(r, cap, rc, "%s layout: %s", side, msg) : KVB_OK;
 }
 
 static int pair_header(const kvb_kv_layout_t *a, const kvb_kv_layout_t *b, char *r, size_t cap)
 {
     if (strcmp(a->model, b->model))
-        return kvb__kv_fail(r, cap, INVAL, "model '%s' locally, '%s' remotely", a->model, b->model);
+        return kvb__fail(r, cap, INVAL, "model '%s' locally, '%s' remotely", a->model, b->model);
     if (a->dtype != b->dtype)
-        return kvb__kv_fail(r, cap, INVAL, "dtype %s locally, %s remotely",
-                            kvb__kv_dtype_name(a->dtype), kvb__kv_dtype_name(b->dtype));
+        return kvb__fail(r, cap, INVAL, "dtype %s locally, %s remotely",
+                         kvb__kv_dtype_name(a->dtype), kvb__kv_dtype_name(b->dtype));
     if (a->tokens_per_block != b->tokens_per_block)
-        return kvb__kv_fail(r, cap, INVAL,
-                            "tokens_per_block %" PRIu32 " locally, %" PRIu32 " remotely",
-                            a->tokens_per_block, b->tokens_per_block);
+        return kvb__fail(r, cap, INVAL,
+                         "tokens_per_block %" PRIu32 " locally, %" PRIu32 " remotely",
+                         a->tokens_per_block, b->tokens_per_block);
     if (a->attn != b->attn)
-        return kvb__kv_fail(r, cap, INVAL, "attention %s locally, %s remotely",
-                            kvb__kv_attn_name(a->attn), kvb__kv_attn_name(b->attn));
+        return kvb__fail(r, cap, INVAL, "attention %s locally, %s remotely",
+                         kvb__kv_attn_name(a->attn), kvb__kv_attn_name(b->attn));
     if (a->num_kv_heads != b->num_kv_heads)
-        return kvb__kv_fail(r, cap, INVAL, "num_kv_heads %" PRIu32 " locally, %" PRIu32 " remotely",
-                            a->num_kv_heads, b->num_kv_heads);
+        return kvb__fail(r, cap, INVAL, "num_kv_heads %" PRIu32 " locally, %" PRIu32 " remotely",
+                         a->num_kv_heads, b->num_kv_heads);
     if (a->num_layers != b->num_layers)
-        return kvb__kv_fail(r, cap, INVAL, "num_layers %" PRIu32 " locally, %" PRIu32 " remotely",
-                            a->num_layers, b->num_layers);
+        return kvb__fail(r, cap, INVAL, "num_layers %" PRIu32 " locally, %" PRIu32 " remotely",
+                         a->num_layers, b->num_layers);
     return KVB_OK;
 }
 
@@ -298,9 +298,9 @@ static int pair_slots(const kvb_kv_layout_t *a, const kvb_kv_layout_t *b, const 
             const kvb_kv_slot_t *sa = kvb__kv_slot_at(a, ia, layer, k);
             const kvb_kv_slot_t *sb = kvb__kv_slot_at(b, ib, layer, k);
             if (!sa != !sb)
-                return kvb__kv_fail(r, cap, INVAL, "layer %" PRIu32 " slot %s: present %s only",
-                                    layer, kvb_kv_slot_name((kvb_kv_slot_kind_t)k),
-                                    sa ? "locally" : "remotely");
+                return kvb__fail(r, cap, INVAL, "layer %" PRIu32 " slot %s: present %s only", layer,
+                                 kvb_kv_slot_name((kvb_kv_slot_kind_t)k),
+                                 sa ? "locally" : "remotely");
             int rc = sa ? pair_slot(sa, sb, hetero, r, cap) : KVB_OK;
             if (rc)
                 return rc;
@@ -321,12 +321,12 @@ int kvb_kv_layout_check_pair(const kvb_kv_layout_t *local, const kvb_kv_layout_t
         return rc;
     uint32_t *ia = NULL, *ib = NULL;
     if (kvb__kv_slot_index(local, &ia) || kvb__kv_slot_index(remote, &ib))
-        rc = kvb__kv_fail(reason, reason_cap, KVB_ERR_NOMEM, "out of memory");
+        rc = kvb__fail(reason, reason_cap, KVB_ERR_NOMEM, "out of memory");
     else
         rc = pair_slots(local, remote, ia, ib, reason, reason_cap);
     free(ia);
     free(ib);
     if (!rc)
-        kvb__kv_clear(reason, reason_cap);
+        kvb__reason_clear(reason, reason_cap);
     return rc;
 }

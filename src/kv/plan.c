@@ -36,16 +36,16 @@ typedef struct {
 static int check_lists(const kvb_kv_plan_args_t *a, char *r, size_t cap)
 {
     if (a->op != KVB_OP_READ && a->op != KVB_OP_WRITE)
-        return kvb__kv_fail(r, cap, INVAL, "op %d is neither READ nor WRITE", (int)a->op);
+        return kvb__fail(r, cap, INVAL, "op %d is neither READ nor WRITE", (int)a->op);
     if (a->segment == 0)
-        return kvb__kv_fail(r, cap, INVAL, "segment handle 0 is never valid");
+        return kvb__fail(r, cap, INVAL, "segment handle 0 is never valid");
     if (a->num_src != a->num_dst)
-        return kvb__kv_fail(r, cap, INVAL, "%zu source blocks but %zu destination blocks",
-                            a->num_src, a->num_dst);
+        return kvb__fail(r, cap, INVAL, "%zu source blocks but %zu destination blocks", a->num_src,
+                         a->num_dst);
     if (a->num_src && (!a->src_blocks || !a->dst_blocks))
-        return kvb__kv_fail(r, cap, INVAL, "block list is NULL");
+        return kvb__fail(r, cap, INVAL, "block list is NULL");
     if (a->layers && a->num_layers == 0)
-        return kvb__kv_fail(r, cap, INVAL, "layer list is empty (pass NULL for all layers)");
+        return kvb__fail(r, cap, INVAL, "layer list is empty (pass NULL for all layers)");
     return KVB_OK;
 }
 
@@ -55,16 +55,16 @@ static int check_layers(const kvb_kv_plan_args_t *a, uint32_t num_layers, char *
         return KVB_OK;
     uint8_t *seen = calloc(num_layers, 1);
     if (!seen)
-        return kvb__kv_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     int rc = KVB_OK;
     for (size_t i = 0; i < a->num_layers && !rc; i++) {
         uint32_t l = a->layers[i];
         if (l >= num_layers)
-            rc = kvb__kv_fail(r, cap, INVAL,
-                              "layer %" PRIu32 " is out of range (num_layers %" PRIu32 ")", l,
-                              num_layers);
+            rc = kvb__fail(r, cap, INVAL,
+                           "layer %" PRIu32 " is out of range (num_layers %" PRIu32 ")", l,
+                           num_layers);
         else if (seen[l]++)
-            rc = kvb__kv_fail(r, cap, INVAL, "layer %" PRIu32 " is listed twice", l);
+            rc = kvb__fail(r, cap, INVAL, "layer %" PRIu32 " is listed twice", l);
     }
     free(seen);
     return rc;
@@ -87,13 +87,13 @@ static int check_dst_unique(const kvb_kv_plan_args_t *a, char *r, size_t cap)
 {
     uint64_t *d = malloc(a->num_dst * sizeof *d);
     if (!d)
-        return kvb__kv_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     memcpy(d, a->dst_blocks, a->num_dst * sizeof *d);
     qsort(d, a->num_dst, sizeof *d, cmp_u64);
     int rc = KVB_OK;
     for (size_t i = 1; i < a->num_dst && !rc; i++) {
         if (d[i] == d[i - 1])
-            rc = kvb__kv_fail(r, cap, INVAL, "destination block %" PRIu64 " is listed twice", d[i]);
+            rc = kvb__fail(r, cap, INVAL, "destination block %" PRIu64 " is listed twice", d[i]);
     }
     free(d);
     return rc;
@@ -107,7 +107,7 @@ static int make_runs(plan_t *p)
     size_t n = a->num_src, m = 0;
     run_t *v = malloc(n * sizeof *v);
     if (!v)
-        return kvb__kv_fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
     for (size_t i = 0; i < n; i++)
         v[i] = (run_t){.src = a->src_blocks[i], .dst = a->dst_blocks[i], .n = 1};
     qsort(v, n, sizeof *v, cmp_run_src);
@@ -115,8 +115,8 @@ static int make_runs(plan_t *p)
         if (v[i].src == v[i - 1].src) {
             uint64_t dup = v[i].src;
             free(v);
-            return kvb__kv_fail(p->reason, p->cap, INVAL,
-                                "source block %" PRIu64 " is listed twice", dup);
+            return kvb__fail(p->reason, p->cap, INVAL, "source block %" PRIu64 " is listed twice",
+                             dup);
         }
     }
     for (size_t i = 0; i < n; i++) {
@@ -143,11 +143,11 @@ static int route_heads(plan_t *p, const kvb_kv_route_t *rt)
     uint32_t dl = df + kvb__kv_heads_held(d->tp_size, h);
     if (rt->head_begin >= rt->head_end || rt->head_begin < sf || rt->head_end > sl ||
         rt->head_begin < df || rt->head_end > dl)
-        return kvb__kv_fail(p->reason, p->cap, INVAL,
-                            "route heads [%" PRIu32 ", %" PRIu32 ") are not held by both the "
-                            "sender ([%" PRIu32 ", %" PRIu32 ")) and the receiver ([%" PRIu32
-                            ", %" PRIu32 "))",
-                            rt->head_begin, rt->head_end, sf, sl, df, dl);
+        return kvb__fail(p->reason, p->cap, INVAL,
+                         "route heads [%" PRIu32 ", %" PRIu32 ") are not held by both the "
+                         "sender ([%" PRIu32 ", %" PRIu32 ")) and the receiver ([%" PRIu32
+                         ", %" PRIu32 "))",
+                         rt->head_begin, rt->head_end, sf, sl, df, dl);
     p->partial = !(rt->head_begin == sf && rt->head_end == sl && sf == df && sl == dl);
     p->h0 = rt->head_begin;
     p->h1 = rt->head_end;
@@ -161,20 +161,20 @@ static int resolve_route(plan_t *p)
     p->send_unsplit = 1;
     if (!rt) {
         if (p->src_l->tp_size != p->dst_l->tp_size && p->src_l->attn == KVB_KV_ATTN_GQA)
-            return kvb__kv_fail(p->reason, p->cap, INVAL,
-                                "GQA sides with different TP (%" PRId32 " and %" PRId32
-                                ") need the pair's route",
-                                p->src_l->tp_size, p->dst_l->tp_size);
+            return kvb__fail(p->reason, p->cap, INVAL,
+                             "GQA sides with different TP (%" PRId32 " and %" PRId32
+                             ") need the pair's route",
+                             p->src_l->tp_size, p->dst_l->tp_size);
         return KVB_OK;
     }
     if (rt->src_rank != p->src_l->tp_rank || rt->dst_rank != p->dst_l->tp_rank)
-        return kvb__kv_fail(p->reason, p->cap, INVAL,
-                            "route is for ranks %" PRId32 " -> %" PRId32 ", the layouts are ranks "
-                            "%" PRId32 " -> %" PRId32,
-                            rt->src_rank, rt->dst_rank, p->src_l->tp_rank, p->dst_l->tp_rank);
+        return kvb__fail(p->reason, p->cap, INVAL,
+                         "route is for ranks %" PRId32 " -> %" PRId32 ", the layouts are ranks "
+                         "%" PRId32 " -> %" PRId32,
+                         rt->src_rank, rt->dst_rank, p->src_l->tp_rank, p->dst_l->tp_rank);
     if (p->src_l->attn == KVB_KV_ATTN_MLA) {
         if (rt->head_begin || rt->head_end)
-            return kvb__kv_fail(p->reason, p->cap, INVAL, "an MLA route has no head range");
+            return kvb__fail(p->reason, p->cap, INVAL, "an MLA route has no head range");
         return KVB_OK;
     }
     return route_heads(p, rt);
@@ -208,7 +208,7 @@ static int count_requests(const plan_t *p, size_t *out)
         for (unsigned k = 0; k < KVB_KV_SLOT_COUNT; k++) {
             const kvb_kv_slot_t *s = kvb__kv_slot_at(p->src_l, p->src_idx, layer_at(p, i), k);
             if (s && kvb__add_size(total, slot_requests(p, s), &total))
-                return kvb__kv_fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
+                return kvb__fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
         }
     }
     *out = total;
@@ -316,7 +316,7 @@ static int prepare(plan_t *p)
         rc = make_runs(p);
     if (!rc &&
         (kvb__kv_slot_index(p->src_l, &p->src_idx) || kvb__kv_slot_index(p->dst_l, &p->dst_idx)))
-        rc = kvb__kv_fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
+        rc = kvb__fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
     return rc;
 }
 
@@ -329,10 +329,10 @@ static int build(plan_t *p, size_t *total)
     if (rc || *total == 0)
         return rc;
     if (kvb__mul_size(*total, sizeof *p->out, &bytes))
-        return kvb__kv_fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
+        return kvb__fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
     p->out = malloc(bytes);
     if (!p->out)
-        return kvb__kv_fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(p->reason, p->cap, KVB_ERR_NOMEM, "out of memory");
     return emit_all(p);
 }
 
@@ -341,7 +341,7 @@ int kvb_kv_plan(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
                 size_t reason_cap)
 {
     if (!args || !reqs || !count)
-        return kvb__kv_fail(reason, reason_cap, INVAL, "args, reqs and count must not be NULL");
+        return kvb__fail(reason, reason_cap, INVAL, "args, reqs and count must not be NULL");
     int read = args->op == KVB_OP_READ;
     plan_t p = {.args = args,
                 .local = local,
@@ -361,7 +361,7 @@ int kvb_kv_plan(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
     }
     *reqs = p.out;
     *count = total;
-    kvb__kv_clear(reason, reason_cap);
+    kvb__reason_clear(reason, reason_cap);
     return KVB_OK;
 }
 

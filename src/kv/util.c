@@ -111,17 +111,6 @@ int kvb__kv_slot_parse(const char *s, kvb_kv_slot_kind_t *out)
     return 0;
 }
 
-int kvb__kv_fail(char *reason, size_t cap, int status, const char *fmt, ...)
-{
-    if (reason && cap) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(reason, cap, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
 int kvb__kv_slot_fail(char *reason, size_t cap, int status, const kvb_kv_slot_t *slot,
                       const char *fmt, ...)
 {
@@ -130,12 +119,6 @@ int kvb__kv_slot_fail(char *reason, size_t cap, int status, const kvb_kv_slot_t 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return kvb__kv_fail(reason, cap, status, "layer %u slot %s: %s", (unsigned)slot->layer,
-                        kvb_kv_slot_name(slot->kind), msg);
-}
-
-void kvb__kv_clear(char *reason, size_t cap)
-{
-    if (reason && cap)
-        reason[0] = '\0';
+    return kvb__fail(reason, cap, status, "layer %u slot %s: %s", (unsigned)slot->layer,
+                     kvb_kv_slot_name(slot->kind), msg);
 }

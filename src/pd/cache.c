@@ -174,11 +174,11 @@ static int geometry(kvb_pd_cache_t *c, const kvb_pd_config_t *cfg, char *r, size
     uint32_t split = cfg->attn == KVB_KV_ATTN_GQA ? cfg->n_kv_heads : cfg->n_heads;
     if (c->tp_size == 0 || c->tp_size > KVB_KV_TP_MAX || split % c->tp_size ||
         c->tp_rank >= c->tp_size)
-        return kvb__pd_fail(
-            r, cap, INVAL, "TP %u rank %u does not split the model's %u %s heads evenly",
-            c->tp_size, c->tp_rank, split, cfg->attn == KVB_KV_ATTN_GQA ? "KV" : "query");
+        return kvb__fail(r, cap, INVAL,
+                         "TP %u rank %u does not split the model's %u %s heads evenly", c->tp_size,
+                         c->tp_rank, split, cfg->attn == KVB_KV_ATTN_GQA ? "KV" : "query");
     if (c->tpb == 0 || c->num_blocks == 0 || c->num_blocks > UINT32_MAX)
-        return kvb__pd_fail(r, cap, INVAL, "tokens per block and block count must be positive");
+        return kvb__fail(r, cap, INVAL, "tokens per block and block count must be positive");
     if (cfg->attn == KVB_KV_ATTN_GQA) {
         c->heads_held = cfg->n_kv_heads / c->tp_size;
         c->token_floats = cfg->head_dim;
@@ -190,7 +190,7 @@ static int geometry(kvb_pd_cache_t *c, const kvb_pd_config_t *cfg, char *r, size
                      &bf) ||
         kvb__mul_u64(bf * sizeof(float), c->num_blocks, &bytes) ||
         kvb__mul_u64(bytes, slot_count(cfg), &total) || total > SIZE_MAX)
-        return kvb__pd_fail(r, cap, KVB_ERR_OVERFLOW, "cache size overflows");
+        return kvb__fail(r, cap, KVB_ERR_OVERFLOW, "cache size overflows");
     c->block_floats = (size_t)bf;
     c->slot_bytes = (size_t)bytes;
     c->mem_len = (size_t)total;
@@ -202,12 +202,12 @@ int kvb_pd_cache_create(const kvb_pd_model_t *model, uint32_t tp_size, uint32_t 
                         const kvb_pd_allocator_t *alloc, kvb_pd_cache_t **out, char *r, size_t cap)
 {
     if (!model || !out)
-        return kvb__pd_fail(r, cap, INVAL, "model or out is NULL");
+        return kvb__fail(r, cap, INVAL, "model or out is NULL");
     if (alloc && (!alloc->alloc || !alloc->free))
-        return kvb__pd_fail(r, cap, INVAL, "allocator lacks alloc or free");
+        return kvb__fail(r, cap, INVAL, "allocator lacks alloc or free");
     kvb_pd_cache_t *c = calloc(1, sizeof *c);
     if (!c)
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     *c = (kvb_pd_cache_t){
         .model = model,
         .tp_size = tp_size,
@@ -218,13 +218,12 @@ int kvb_pd_cache_create(const kvb_pd_model_t *model, uint32_t tp_size, uint32_t 
             alloc ? *alloc : (kvb_pd_allocator_t){.alloc = default_alloc, .free = default_free}};
     int rc = geometry(c, &model->cfg, r, cap);
     if (!rc && !(c->mem = c->alloc.alloc(c->alloc.user, c->mem_len)))
-        rc = kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "cannot allocate %zu bytes of KV cache",
-                          c->mem_len);
+        rc = kvb__fail(r, cap, KVB_ERR_NOMEM, "cannot allocate %zu bytes of KV cache", c->mem_len);
     if (rc) {
         free(c);
         return rc;
     }
-    kvb__pd_clear(r, cap);
+    kvb__reason_clear(r, cap);
     *out = c;
     return KVB_OK;
 }
@@ -266,7 +265,7 @@ int kvb_pd_cache_layout(const kvb_pd_cache_t *c, int32_t dp_size, int32_t dp_ran
     const kvb_pd_config_t *cfg = &c->model->cfg;
     size_t n = slot_count(cfg);
     if (!layout || (n && !slots) || slots_cap < n)
-        return kvb__pd_fail(r, cap, INVAL, "room for %zu slots needed", n);
+        return kvb__fail(r, cap, INVAL, "room for %zu slots needed", n);
     int gqa = cfg->attn == KVB_KV_ATTN_GQA;
     *layout = (kvb_kv_layout_t){.dtype = KVB_KV_DTYPE_FP32,
                                 .tokens_per_block = c->tpb,

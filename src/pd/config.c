@@ -4,7 +4,6 @@
 #include "pd/internal.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,23 +11,6 @@
 #include "common/checked.h"
 
 #define INVAL KVB_ERR_INVALID_ARG
-
-int kvb__pd_fail(char *reason, size_t cap, int status, const char *fmt, ...)
-{
-    if (reason && cap) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(reason, cap, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
-void kvb__pd_clear(char *reason, size_t cap)
-{
-    if (reason && cap)
-        reason[0] = '\0';
-}
 
 int kvb_pd_preset_config(const char *preset, kvb_pd_config_t *out)
 {
@@ -62,7 +44,7 @@ int kvb_pd_preset_config(const char *preset, kvb_pd_config_t *out)
 static int dim_check(const char *what, uint32_t v, uint32_t lo, uint32_t hi, char *r, size_t cap)
 {
     if (v < lo || v > hi)
-        return kvb__pd_fail(r, cap, INVAL, "%s %u is out of range [%u, %u]", what, v, lo, hi);
+        return kvb__fail(r, cap, INVAL, "%s %u is out of range [%u, %u]", what, v, lo, hi);
     return KVB_OK;
 }
 
@@ -73,12 +55,12 @@ static int gqa_check(const kvb_pd_config_t *c, char *r, size_t cap)
         (rc = dim_check("head_dim", c->head_dim, 2, KVB_PD_DIM_MAX, r, cap)))
         return rc;
     if (c->n_heads % c->n_kv_heads)
-        return kvb__pd_fail(r, cap, INVAL, "n_heads %u is not a multiple of n_kv_heads %u",
-                            c->n_heads, c->n_kv_heads);
+        return kvb__fail(r, cap, INVAL, "n_heads %u is not a multiple of n_kv_heads %u", c->n_heads,
+                         c->n_kv_heads);
     if (c->head_dim % 2)
-        return kvb__pd_fail(r, cap, INVAL, "head_dim %u is odd (RoPE rotates pairs)", c->head_dim);
+        return kvb__fail(r, cap, INVAL, "head_dim %u is odd (RoPE rotates pairs)", c->head_dim);
     if (c->kv_lora_rank || c->nope_dim || c->rope_dim || c->v_head_dim)
-        return kvb__pd_fail(r, cap, INVAL, "GQA config has MLA fields set");
+        return kvb__fail(r, cap, INVAL, "GQA config has MLA fields set");
     return KVB_OK;
 }
 
@@ -91,9 +73,9 @@ static int mla_check(const kvb_pd_config_t *c, char *r, size_t cap)
         (rc = dim_check("v_head_dim", c->v_head_dim, 1, KVB_PD_DIM_MAX, r, cap)))
         return rc;
     if (c->rope_dim % 2)
-        return kvb__pd_fail(r, cap, INVAL, "rope_dim %u is odd (RoPE rotates pairs)", c->rope_dim);
+        return kvb__fail(r, cap, INVAL, "rope_dim %u is odd (RoPE rotates pairs)", c->rope_dim);
     if (c->n_kv_heads || c->head_dim)
-        return kvb__pd_fail(r, cap, INVAL, "MLA config has GQA fields set");
+        return kvb__fail(r, cap, INVAL, "MLA config has GQA fields set");
     return KVB_OK;
 }
 
@@ -101,10 +83,9 @@ int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
 {
     int rc;
     if (!c)
-        return kvb__pd_fail(r, cap, INVAL, "config is NULL");
+        return kvb__fail(r, cap, INVAL, "config is NULL");
     if (c->attn != KVB_KV_ATTN_GQA && c->attn != KVB_KV_ATTN_MLA)
-        return kvb__pd_fail(r, cap, INVAL, "unknown attention kind %d (1 GQA, 2 MLA)",
-                            (int)c->attn);
+        return kvb__fail(r, cap, INVAL, "unknown attention kind %d (1 GQA, 2 MLA)", (int)c->attn);
     if ((rc = dim_check("n_layers", c->n_layers, 1, KVB_PD_LAYERS_MAX, r, cap)) ||
         (rc = dim_check("hidden", c->hidden, 1, KVB_PD_DIM_MAX, r, cap)) ||
         (rc = dim_check("ffn", c->ffn, 1, KVB_PD_DIM_MAX, r, cap)) ||
@@ -112,10 +93,10 @@ int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
         (rc = dim_check("n_heads", c->n_heads, 1, KVB_PD_HEADS_MAX, r, cap)))
         return rc;
     if (!(c->rope_theta > 1.0f) || isinf(c->rope_theta))
-        return kvb__pd_fail(r, cap, INVAL, "rope_theta %g is not a finite value > 1",
-                            (double)c->rope_theta);
+        return kvb__fail(r, cap, INVAL, "rope_theta %g is not a finite value > 1",
+                         (double)c->rope_theta);
     if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f))
-        return kvb__pd_fail(r, cap, INVAL, "norm_eps %g is not in (0, 1)", (double)c->norm_eps);
+        return kvb__fail(r, cap, INVAL, "norm_eps %g is not in (0, 1)", (double)c->norm_eps);
     rc = c->attn == KVB_KV_ATTN_GQA ? gqa_check(c, r, cap) : mla_check(c, r, cap);
     if (rc)
         return rc;
@@ -124,26 +105,25 @@ int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
     size_t n;
     uint64_t floats;
     if (kvb__pd_tensor_table(c, &t, &n, &floats))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     free(t);
     if (floats > KVB_PD_WEIGHTS_MAX / sizeof(float))
-        return kvb__pd_fail(
-            r, cap, KVB_ERR_TOO_LARGE, "weights take %llu bytes, over the %llu limit",
-            (unsigned long long)floats * sizeof(float), (unsigned long long)KVB_PD_WEIGHTS_MAX);
+        return kvb__fail(r, cap, KVB_ERR_TOO_LARGE, "weights take %llu bytes, over the %llu limit",
+                         (unsigned long long)floats * sizeof(float),
+                         (unsigned long long)KVB_PD_WEIGHTS_MAX);
     return KVB_OK;
 }
 
 int kvb__pd_name_check(const char *name, size_t len, char *r, size_t cap)
 {
     if (!name || len == 0 || len > KVB_PD_NAME_MAX)
-        return kvb__pd_fail(r, cap, INVAL, "model name must have 1..%u characters",
-                            KVB_PD_NAME_MAX);
+        return kvb__fail(r, cap, INVAL, "model name must have 1..%u characters", KVB_PD_NAME_MAX);
     for (size_t i = 0; i < len; i++)
         if (name[i] < 0x21 || name[i] > 0x7e || name[i] == '@')
-            return kvb__pd_fail(r, cap, INVAL,
-                                "model name has a character that is not printable ASCII, a space "
-                                "or '@' at %zu",
-                                i);
+            return kvb__fail(r, cap, INVAL,
+                             "model name has a character that is not printable ASCII, a space "
+                             "or '@' at %zu",
+                             i);
     return KVB_OK;
 }
 

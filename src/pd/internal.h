@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* What the reference-model modules share: the model and cache structs, the canonical tensor table,
- * CRC32C and the reason helper. Private to src/pd/ and its tests (the naive reference forward in
- * the tests reads the weights through these structs). */
+/* What the reference-model modules share: the model and cache structs and the canonical tensor
+ * table (reason strings and CRC32C come from common/). Private to src/pd/ and its tests (the naive
+ * reference forward in the tests reads the weights through these structs). */
 #ifndef KVB_PD_INTERNAL_H
 #define KVB_PD_INTERNAL_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/reason.h"
 #include "pd/model.h"
 
 #define KVB_PD_TENSOR_NAME_MAX 39u /* bytes of a tensor name, without the NUL */
@@ -59,16 +60,6 @@ struct kvb_pd_cache {
     size_t mem_len;
     kvb_pd_allocator_t alloc;
 };
-
-/* Writes a formatted reason (when reason/cap allow) and returns `status`. */
-int kvb__pd_fail(char *reason, size_t cap, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-/* Empties the reason buffer. */
-void kvb__pd_clear(char *reason, size_t cap);
-
-/* CRC32C (Castagnoli, reflected, init and final xor ~0) of buf[0..len) continuing from `crc`
- * (0 to start). Uses SSE4.2 where the CPU has it. */
 
 /* The canonical tensor table of a checked config: stores a malloc'd array in *out, its length in
  * *n and the payload size in floats in *floats. Returns KVB_OK or KVB_ERR_NOMEM. */

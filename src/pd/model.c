@@ -296,17 +296,16 @@ static int check_ranks(const kvb_pd_model_t *m, kvb_pd_cache_t *const *caches, u
                        size_t cap)
 {
     if (!caches || tp == 0)
-        return kvb__pd_fail(r, cap, INVAL, "no caches");
+        return kvb__fail(r, cap, INVAL, "no caches");
     for (uint32_t i = 0; i < tp; i++) {
         const kvb_pd_cache_t *c = caches[i];
         if (!c || c->model != m)
-            return kvb__pd_fail(r, cap, INVAL, "cache %u is missing or made for another model", i);
+            return kvb__fail(r, cap, INVAL, "cache %u is missing or made for another model", i);
         if (c->tp_size != tp || c->tp_rank != i)
-            return kvb__pd_fail(r, cap, INVAL, "cache %u is rank %u of %u, not rank %u of %u", i,
-                                c->tp_rank, c->tp_size, i, tp);
+            return kvb__fail(r, cap, INVAL, "cache %u is rank %u of %u, not rank %u of %u", i,
+                             c->tp_rank, c->tp_size, i, tp);
         if (c->tpb != caches[0]->tpb || c->num_blocks != caches[0]->num_blocks)
-            return kvb__pd_fail(r, cap, INVAL, "cache %u has another block geometry than rank 0",
-                                i);
+            return kvb__fail(r, cap, INVAL, "cache %u has another block geometry than rank 0", i);
     }
     return KVB_OK;
 }
@@ -315,24 +314,23 @@ static int check_seq(const kvb_pd_model_t *m, const kvb_pd_cache_t *c0, const kv
                      const uint32_t *tokens, size_t n, char *r, size_t cap)
 {
     if (!seq || !tokens || n == 0)
-        return kvb__pd_fail(r, cap, INVAL, "no sequence or no tokens");
+        return kvb__fail(r, cap, INVAL, "no sequence or no tokens");
     for (size_t i = 0; i < n; i++)
         if (tokens[i] >= m->cfg.vocab)
-            return kvb__pd_fail(r, cap, INVAL, "token %zu is %u, outside the vocab of %u", i,
-                                tokens[i], m->cfg.vocab);
+            return kvb__fail(r, cap, INVAL, "token %zu is %u, outside the vocab of %u", i,
+                             tokens[i], m->cfg.vocab);
     if (n > UINT32_MAX - seq->len)
-        return kvb__pd_fail(r, cap, INVAL, "sequence would pass 2^32 positions");
+        return kvb__fail(r, cap, INVAL, "sequence would pass 2^32 positions");
     uint64_t need = kvb_pd_blocks_for((uint64_t)seq->len + n, c0->tpb);
     if (need > seq->num_blocks || (need && !seq->blocks))
-        return kvb__pd_fail(
-            r, cap, INVAL, "positions up to %llu need %llu blocks, the table has %zu",
-            (unsigned long long)seq->len + n, (unsigned long long)need, seq->num_blocks);
+        return kvb__fail(r, cap, INVAL, "positions up to %llu need %llu blocks, the table has %zu",
+                         (unsigned long long)seq->len + n, (unsigned long long)need,
+                         seq->num_blocks);
     for (uint64_t i = 0; i < need; i++)
         if (seq->blocks[i] >= c0->num_blocks)
-            return kvb__pd_fail(r, cap, INVAL,
-                                "block table entry %llu is %llu, over the %llu blocks",
-                                (unsigned long long)i, (unsigned long long)seq->blocks[i],
-                                (unsigned long long)c0->num_blocks);
+            return kvb__fail(r, cap, INVAL, "block table entry %llu is %llu, over the %llu blocks",
+                             (unsigned long long)i, (unsigned long long)seq->blocks[i],
+                             (unsigned long long)c0->num_blocks);
     return KVB_OK;
 }
 
@@ -379,7 +377,7 @@ int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, u
 {
     int rc;
     if (!model)
-        return kvb__pd_fail(r, cap, INVAL, "model is NULL");
+        return kvb__fail(r, cap, INVAL, "model is NULL");
     if ((rc = check_ranks(model, caches, tp, r, cap)) ||
         (rc = check_seq(model, caches[0], seq, tokens, n_tokens, r, cap)))
         return rc;
@@ -392,10 +390,10 @@ int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, u
                .pos0 = seq->len,
                .n = n_tokens};
     if (scratch_alloc(&f))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
     run(&f, tokens, logits, hook);
     scratch_free(&f);
     seq->len += (uint32_t)n_tokens;
-    kvb__pd_clear(r, cap);
+    kvb__reason_clear(r, cap);
     return KVB_OK;
 }

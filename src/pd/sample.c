@@ -108,14 +108,14 @@ static int gen_setup(gen_t *g, const kvb_pd_model_t *m, uint32_t tpb, uint64_t t
     g->caches = calloc(g->tp, sizeof *g->caches);
     g->logits = malloc((size_t)m->cfg.vocab * sizeof(float));
     if (!g->caches || !g->logits || kvb_pd_blocks_create(nb, &g->pool))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     for (uint32_t i = 0; i < g->tp; i++) {
         int rc = kvb_pd_cache_create(m, g->tp, i, nb, tpb, NULL, &g->caches[i], r, cap);
         if (rc)
             return rc;
     }
     if (kvb_pd_seq_reserve(&g->seq, g->pool, tpb, tokens))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     return KVB_OK;
 }
 
@@ -123,9 +123,9 @@ int kvb_pd_generate(const kvb_pd_model_t *model, const kvb_pd_gen_opts_t *o, con
                     size_t n_prompt, uint32_t *out, size_t *n_out, char *r, size_t cap)
 {
     if (!model || !o || !prompt || n_prompt == 0 || (o->max_tokens && !out) || !n_out)
-        return kvb__pd_fail(r, cap, INVAL, "missing model, options, prompt or output");
+        return kvb__fail(r, cap, INVAL, "missing model, options, prompt or output");
     if (n_prompt > UINT32_MAX - (uint64_t)o->max_tokens)
-        return kvb__pd_fail(r, cap, INVAL, "prompt too long");
+        return kvb__fail(r, cap, INVAL, "prompt too long");
     uint32_t tpb = o->tokens_per_block ? o->tokens_per_block : KVB_PD_TOKENS_PER_BLOCK;
     gen_t g = {.tp = o->tp ? o->tp : 1};
     kvb_pd_seq_init(&g.seq);
@@ -137,7 +137,7 @@ int kvb_pd_generate(const kvb_pd_model_t *model, const kvb_pd_gen_opts_t *o, con
     while (!rc && n < o->max_tokens) {
         uint32_t tok;
         if ((rc = kvb_pd_sample(g.logits, model->cfg.vocab, o->temperature, o->seed, n, &tok))) {
-            kvb__pd_fail(r, cap, rc, "bad temperature %g", (double)o->temperature);
+            kvb__fail(r, cap, rc, "bad temperature %g", (double)o->temperature);
             break;
         }
         out[n++] = tok;

@@ -74,7 +74,7 @@ static int rank_layout(kvb_pd_server_t *srv, kvb__pd_rank_t *rk, char *reason, s
     size_t ns = kvb_pd_cache_num_slots(rk->cache);
     rk->slots = calloc(ns, sizeof *rk->slots);
     if (!rk->slots)
-        return kvb__pd_fail(reason, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(reason, cap, KVB_ERR_NOMEM, "out of memory");
     int rc = kvb_pd_cache_layout(rk->cache, 1, 0, &rk->layout, rk->slots, ns, reason, cap);
     for (size_t i = 0; !rc && i < rk->layout.num_slots; i++)
         rk->block_bytes += rk->layout.slots[i].block_bytes;
@@ -90,8 +90,8 @@ static int rank_init(kvb_pd_server_t *srv, uint32_t r, char *reason, size_t cap)
     c.bind_addr = srv->addr;
     int rc = kvb_engine_create(&c, &rk->engine);
     if (rc)
-        return kvb__pd_fail(reason, cap, rc, "rank %u: cannot create engine on %s: %s", r,
-                            srv->addr, kvb_strerror(rc));
+        return kvb__fail(reason, cap, rc, "rank %u: cannot create engine on %s: %s", r, srv->addr,
+                         kvb_strerror(rc));
     kvb_pd_allocator_t a = {.alloc = rank_alloc, .free = rank_free, .user = rk->engine};
     rc = kvb_pd_cache_create(srv->model, srv->tp, r, srv->total_blocks, srv->tpb, &a, &rk->cache,
                              reason, cap);
@@ -227,8 +227,8 @@ static int http_start(kvb_pd_server_t *srv, char *reason, size_t cap)
     snprintf(port, sizeof port, "%u", srv->opts.port);
     int gai = getaddrinfo(srv->addr, port, &hints, &ai);
     if (gai)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "bad bind address %s: %s", srv->addr,
-                            gai_strerror(gai));
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bad bind address %s: %s", srv->addr,
+                         gai_strerror(gai));
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
                      MHD_USE_POLL | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6)
@@ -240,8 +240,8 @@ static int http_start(kvb_pd_server_t *srv, char *reason, size_t cap)
                          ai->ai_addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!srv->httpd)
-        return kvb__pd_fail(reason, cap, KVB_ERR_ADDR_IN_USE, "cannot serve HTTP on %s:%u",
-                            srv->addr, srv->opts.port);
+        return kvb__fail(reason, cap, KVB_ERR_ADDR_IN_USE, "cannot serve HTTP on %s:%u", srv->addr,
+                         srv->opts.port);
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(srv->httpd, MHD_DAEMON_INFO_BIND_PORT);
     srv->port = info ? info->port : srv->opts.port;
     return KVB_OK;
@@ -253,20 +253,20 @@ static int http_start(kvb_pd_server_t *srv, char *reason, size_t cap)
 static int check_opts(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
 {
     if (!o || !o->model || !*o->model)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "no model given");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "no model given");
     if (o->role < KVB_PD_ROLE_PREFILL || o->role > KVB_PD_ROLE_BOTH)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "bad role");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bad role");
     if (o->kv_mode != KVB_PD_KV_PULL && o->kv_mode != KVB_PD_KV_PUSH)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "bad kv mode");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bad kv mode");
     if (o->tp < 1 || o->tp > KVB_PD_SERVER_TP_MAX)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "tp must be 1..%u",
-                            KVB_PD_SERVER_TP_MAX);
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "tp must be 1..%u",
+                         KVB_PD_SERVER_TP_MAX);
     if (o->blocks > UINT32_MAX)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "too many blocks");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "too many blocks");
     if (o->bind && strlen(o->bind) >= 64)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "bind address too long");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bind address too long");
     if (strlen(o->model) >= 4096)
-        return kvb__pd_fail(reason, cap, KVB_ERR_INVALID_ARG, "model path too long");
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "model path too long");
     return KVB_OK;
 }
 
@@ -297,7 +297,7 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
     srv->ranks = rc ? NULL : calloc(srv->tp, sizeof *srv->ranks);
     srv->caches = rc ? NULL : calloc(srv->tp, sizeof *srv->caches);
     if (!rc && (!srv->ranks || !srv->caches))
-        rc = kvb__pd_fail(reason, cap, KVB_ERR_NOMEM, "out of memory");
+        rc = kvb__fail(reason, cap, KVB_ERR_NOMEM, "out of memory");
     for (uint32_t r = 0; !rc && r < srv->tp; r++) {
         rc = rank_init(srv, r, reason, cap);
         srv->caches[r] = srv->ranks[r].cache;
@@ -306,7 +306,7 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
         rc = pthread_create(&srv->reaper, NULL, kvb__pd_reaper_main, srv) ? KVB_ERR_SYSTEM : 0;
         srv->reaper_started = !rc;
         if (rc)
-            kvb__pd_fail(reason, cap, rc, "cannot start the lease thread");
+            kvb__fail(reason, cap, rc, "cannot start the lease thread");
     }
     if (!rc)
         rc = http_start(srv, reason, cap);
@@ -321,7 +321,7 @@ int kvb_pd_server_create(const kvb_pd_server_opts_t *opts, kvb_pd_server_t **out
         return rc;
     kvb_pd_server_t *srv = calloc(1, sizeof *srv);
     if (!srv)
-        return kvb__pd_fail(reason, reason_cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(reason, reason_cap, KVB_ERR_NOMEM, "out of memory");
     copy_opts(srv, opts);
     pthread_mutex_init(&srv->fwd_mu, NULL);
     pthread_mutex_init(&srv->links_mu, NULL);
@@ -336,7 +336,7 @@ int kvb_pd_server_create(const kvb_pd_server_opts_t *opts, kvb_pd_server_t **out
         kvb_pd_server_destroy(srv);
         return rc;
     }
-    kvb__pd_clear(reason, reason_cap);
+    kvb__reason_clear(reason, reason_cap);
     *out = srv;
     return KVB_OK;
 }

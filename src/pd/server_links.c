@@ -76,12 +76,12 @@ static int peer_open(kvb_pd_server_t *srv, kvb__pd_peer_t *p, char *why, size_t 
             continue;
         peer_close_links(srv, p);
         if (rc != KVB_ERR_INCOMPATIBLE)
-            return kvb__pd_fail(why, cap, rc, "cannot link to %s: %s", p->seg, reason);
+            return kvb__fail(why, cap, rc, "cannot link to %s: %s", p->seg, reason);
         p->refused = true;
         p->verdict = refusal_verdict(srv, p->seg);
         snprintf(p->reason, sizeof p->reason, "%s", reason);
-        return kvb__pd_fail(why, cap, rc, "KV link to %s refused by the topology guard (%s): %s",
-                            p->seg, kvb_kv_verdict_name(p->verdict), reason);
+        return kvb__fail(why, cap, rc, "KV link to %s refused by the topology guard (%s): %s",
+                         p->seg, kvb_kv_verdict_name(p->verdict), reason);
     }
     p->refused = false;
     p->verdict = kvb_kv_link_verdict(p->links[0]);
@@ -99,7 +99,7 @@ int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_
     for (size_t m = 0; !rc && m < n; m++) {
         kvb__pd_peer_t *p = peer_find(srv, segs[m]);
         if (!p && !(p = peer_add(srv, segs[m])))
-            rc = kvb__pd_fail(why, why_cap, KVB_ERR_NOMEM, "out of memory");
+            rc = kvb__fail(why, why_cap, KVB_ERR_NOMEM, "out of memory");
         else if (!p->links[0]) /* new, refused before, or dropped: (re)link */
             rc = peer_open(srv, p, why, why_cap);
         for (uint32_t r = 0; !rc && r < srv->tp; r++)

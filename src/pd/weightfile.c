@@ -132,12 +132,12 @@ int kvb_pd_model_save(const kvb_pd_model_t *m, const char *path, char *r, size_t
     size_t hb = 0;
     char tmp[4096];
     if (!m || !path || !*path)
-        return kvb__pd_fail(r, cap, INVAL, "model or path missing");
+        return kvb__fail(r, cap, INVAL, "model or path missing");
     if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= sizeof tmp)
-        return kvb__pd_fail(r, cap, INVAL, "path is too long");
+        return kvb__fail(r, cap, INVAL, "path is too long");
     unsigned char *h = encode_header(m, &hb);
     if (!h)
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     int err = fd < 0 ? errno : 0;
     if (fd >= 0 &&
@@ -151,9 +151,9 @@ int kvb_pd_model_save(const kvb_pd_model_t *m, const char *path, char *r, size_t
     if (err) {
         if (fd >= 0)
             unlink(tmp);
-        return kvb__pd_fail(r, cap, KVB_ERR_SYSTEM, "cannot write %s: %s", path, strerror(err));
+        return kvb__fail(r, cap, KVB_ERR_SYSTEM, "cannot write %s: %s", path, strerror(err));
     }
-    kvb__pd_clear(r, cap);
+    kvb__reason_clear(r, cap);
     return KVB_OK;
 }
 
@@ -163,34 +163,34 @@ int kvb_pd_model_save(const kvb_pd_model_t *m, const char *path, char *r, size_t
 static int parse_frame(const unsigned char *b, size_t len, size_t *hb_out, char *r, size_t cap)
 {
     if (len < KVB_PD_FILE_HEADER)
-        return kvb__pd_fail(r, cap, INVAL,
-                            "file is truncated: %zu bytes, the fixed header alone is %u", len,
-                            KVB_PD_FILE_HEADER);
+        return kvb__fail(r, cap, INVAL,
+                         "file is truncated: %zu bytes, the fixed header alone is %u", len,
+                         KVB_PD_FILE_HEADER);
     if (memcmp(b, magic, sizeof magic))
-        return kvb__pd_fail(r, cap, INVAL, "bad magic: not a kvbridge model file");
+        return kvb__fail(r, cap, INVAL, "bad magic: not a kvbridge model file");
     uint32_t version = get32(b + OFF_VERSION);
     if (version != KVB_PD_FILE_VERSION)
-        return kvb__pd_fail(r, cap, KVB_ERR_UNSUPPORTED,
-                            "unsupported file version %u (this build reads version %u)", version,
-                            KVB_PD_FILE_VERSION);
+        return kvb__fail(r, cap, KVB_ERR_UNSUPPORTED,
+                         "unsupported file version %u (this build reads version %u)", version,
+                         KVB_PD_FILE_VERSION);
     uint32_t n = get32(b + OFF_N_TENSORS), hb = get32(b + OFF_HEADER_BYTES);
     uint32_t n_max = 3 + 11 * KVB_PD_LAYERS_MAX;
     if (n == 0 || n > n_max)
-        return kvb__pd_fail(r, cap, INVAL, "tensor count %u is out of range [1, %u]", n, n_max);
+        return kvb__fail(r, cap, INVAL, "tensor count %u is out of range [1, %u]", n, n_max);
     if (hb != KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * n)
-        return kvb__pd_fail(r, cap, INVAL, "header_bytes %u, expected %u for %u tensors", hb,
-                            KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * n, n);
+        return kvb__fail(r, cap, INVAL, "header_bytes %u, expected %u for %u tensors", hb,
+                         KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * n, n);
     if (len < hb)
-        return kvb__pd_fail(r, cap, INVAL,
-                            "file is truncated: %zu bytes, the header and tensor table take %u",
-                            len, hb);
+        return kvb__fail(r, cap, INVAL,
+                         "file is truncated: %zu bytes, the header and tensor table take %u", len,
+                         hb);
     uint32_t want = get32(b + OFF_HEADER_CRC), got = header_crc(b, hb);
     if (want != got)
-        return kvb__pd_fail(r, cap, INVAL,
-                            "header checksum mismatch: stored %08x, computed %08x (corrupt file)",
-                            want, got);
+        return kvb__fail(r, cap, INVAL,
+                         "header checksum mismatch: stored %08x, computed %08x (corrupt file)",
+                         want, got);
     if (get32(b + OFF_RESERVED))
-        return kvb__pd_fail(r, cap, INVAL, "reserved header field is not 0");
+        return kvb__fail(r, cap, INVAL, "reserved header field is not 0");
     *hb_out = hb;
     return KVB_OK;
 }
@@ -211,7 +211,7 @@ static int parse_config(const unsigned char *b, kvb_pd_config_t *c, char *name, 
     size_t nlen = strnlen(nm, NAME_BYTES);
     for (size_t i = nlen; i < NAME_BYTES; i++)
         if (nm[i])
-            return kvb__pd_fail(r, cap, INVAL, "model name is not NUL-terminated and padded");
+            return kvb__fail(r, cap, INVAL, "model name is not NUL-terminated and padded");
     if ((rc = kvb__pd_name_check(nm, nlen, r, cap)))
         return rc;
     memcpy(name, nm, nlen);
@@ -230,17 +230,17 @@ static int parse_entry(const unsigned char *e, uint32_t i, const kvb__pd_tensor_
     name[ENTRY_NAME] = '\0';
     for (size_t k = strlen(name); k < ENTRY_NAME; k++)
         if (e[k])
-            return kvb__pd_fail(r, cap, INVAL, "tensor %u: name is not NUL-padded", i);
+            return kvb__fail(r, cap, INVAL, "tensor %u: name is not NUL-padded", i);
     if (strcmp(name, t->name))
-        return kvb__pd_fail(r, cap, INVAL, "tensor %u is '%.40s', expected '%s'", i, name, t->name);
+        return kvb__fail(r, cap, INVAL, "tensor %u is '%.40s', expected '%s'", i, name, t->name);
     if (kvb__mul_u64(rows, cols, &bytes) || kvb__mul_u64(bytes, sizeof(float), &bytes))
-        return kvb__pd_fail(r, cap, KVB_ERR_OVERFLOW, "tensor '%s': shape %ux%u overflows", t->name,
-                            rows, cols);
+        return kvb__fail(r, cap, KVB_ERR_OVERFLOW, "tensor '%s': shape %ux%u overflows", t->name,
+                         rows, cols);
     if (rows != t->rows || cols != t->cols)
-        return kvb__pd_fail(r, cap, INVAL, "tensor '%s': shape %ux%u, the config needs %ux%u",
-                            t->name, rows, cols, t->rows, t->cols);
+        return kvb__fail(r, cap, INVAL, "tensor '%s': shape %ux%u, the config needs %ux%u", t->name,
+                         rows, cols, t->rows, t->cols);
     if (nbytes != bytes || off != t->offset * sizeof(float))
-        return kvb__pd_fail(
+        return kvb__fail(
             r, cap, INVAL, "tensor '%s': offset %llu and size %llu, expected %llu and %llu",
             t->name, (unsigned long long)off, (unsigned long long)nbytes,
             (unsigned long long)(t->offset * sizeof(float)), (unsigned long long)bytes);
@@ -254,28 +254,28 @@ static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__
     int rc;
     uint32_t n = get32(b + OFF_N_TENSORS);
     if (n != num_tensors)
-        return kvb__pd_fail(r, cap, INVAL, "file has %u tensors, the config needs %zu", n,
-                            num_tensors);
+        return kvb__fail(r, cap, INVAL, "file has %u tensors, the config needs %zu", n,
+                         num_tensors);
     for (uint32_t i = 0; i < n; i++)
         if ((rc = parse_entry(b + KVB_PD_FILE_HEADER + (size_t)KVB_PD_FILE_ENTRY * i, i, &t[i], r,
                               cap)))
             return rc;
     uint64_t pb = get64(b + OFF_PAYLOAD_BYTES), total;
     if (pb != payload_bytes)
-        return kvb__pd_fail(r, cap, INVAL, "payload_bytes %llu, the tensors need %llu",
-                            (unsigned long long)pb, (unsigned long long)payload_bytes);
+        return kvb__fail(r, cap, INVAL, "payload_bytes %llu, the tensors need %llu",
+                         (unsigned long long)pb, (unsigned long long)payload_bytes);
     if (kvb__add_u64(hb, pb, &total) || len < total)
-        return kvb__pd_fail(r, cap, INVAL,
-                            "file is truncated: %zu bytes, header and payload need %llu", len,
-                            (unsigned long long)total);
+        return kvb__fail(r, cap, INVAL,
+                         "file is truncated: %zu bytes, header and payload need %llu", len,
+                         (unsigned long long)total);
     if (len > total)
-        return kvb__pd_fail(r, cap, INVAL, "%llu unexpected bytes after the payload",
-                            (unsigned long long)(len - total));
+        return kvb__fail(r, cap, INVAL, "%llu unexpected bytes after the payload",
+                         (unsigned long long)(len - total));
     uint32_t want = get32(b + OFF_PAYLOAD_CRC), got = kvb__crc32c(0, b + hb, (size_t)pb);
     if (want != got)
-        return kvb__pd_fail(r, cap, INVAL,
-                            "payload checksum mismatch: stored %08x, computed %08x (corrupt file)",
-                            want, got);
+        return kvb__fail(r, cap, INVAL,
+                         "payload checksum mismatch: stored %08x, computed %08x (corrupt file)",
+                         want, got);
     return KVB_OK;
 }
 
@@ -288,8 +288,7 @@ static int check_finite(const kvb_pd_model_t *m, char *r, size_t cap)
         size_t n = (size_t)t->rows * t->cols;
         for (size_t i = 0; i < n; i++)
             if (!isfinite(w[i]))
-                return kvb__pd_fail(r, cap, INVAL, "tensor '%s': value %zu is not finite", t->name,
-                                    i);
+                return kvb__fail(r, cap, INVAL, "tensor '%s': value %zu is not finite", t->name, i);
     }
     return KVB_OK;
 }
@@ -303,7 +302,7 @@ int kvb_pd_model_parse(const void *buf, size_t len, kvb_pd_model_t **out, char *
     size_t hb = 0;
     int rc;
     if (!out || (!buf && len))
-        return kvb__pd_fail(r, cap, INVAL, "buffer or out is NULL");
+        return kvb__fail(r, cap, INVAL, "buffer or out is NULL");
     if ((rc = parse_frame(b, len, &hb, r, cap)) || (rc = parse_config(b, &cfg, name, r, cap)))
         return rc;
     /* Every size is checked against the file before anything as large as the payload is
@@ -312,7 +311,7 @@ int kvb_pd_model_parse(const void *buf, size_t len, kvb_pd_model_t **out, char *
     size_t nt;
     uint64_t floats;
     if (kvb__pd_tensor_table(&cfg, &t, &nt, &floats))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     rc = parse_body(b, len, hb, t, nt, floats * sizeof(float), r, cap);
     free(t);
     if (rc || (rc = kvb__pd_model_alloc(&cfg, name, &m, r, cap)))
@@ -321,7 +320,7 @@ int kvb_pd_model_parse(const void *buf, size_t len, kvb_pd_model_t **out, char *
     if ((rc = check_finite(m, r, cap)))
         goto fail;
     kvb__pd_model_seal(m);
-    kvb__pd_clear(r, cap);
+    kvb__reason_clear(r, cap);
     *out = m;
     return KVB_OK;
 fail:
@@ -335,7 +334,7 @@ static int read_file(int fd, size_t size, unsigned char **out, char *r, size_t c
     unsigned char *buf = malloc(size ? size : 1);
     size_t n = 0;
     if (!buf)
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu bytes", size);
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu bytes", size);
     while (n < size) {
         ssize_t k = read(fd, buf + n, size - n > (1u << 30) ? (1u << 30) : size - n);
         if (k < 0 && errno == EINTR)
@@ -344,8 +343,8 @@ static int read_file(int fd, size_t size, unsigned char **out, char *r, size_t c
             int err = k < 0 ? errno : 0;
             free(buf);
             if (err)
-                return kvb__pd_fail(r, cap, KVB_ERR_SYSTEM, "read failed: %s", strerror(err));
-            return kvb__pd_fail(r, cap, INVAL, "file shrank while it was read");
+                return kvb__fail(r, cap, KVB_ERR_SYSTEM, "read failed: %s", strerror(err));
+            return kvb__fail(r, cap, INVAL, "file shrank while it was read");
         }
         n += (size_t)k;
     }
@@ -360,17 +359,17 @@ int kvb_pd_model_load(const char *path, kvb_pd_model_t **out, char *r, size_t ca
     unsigned char *buf = NULL;
     int rc;
     if (!path || !*path || !out)
-        return kvb__pd_fail(r, cap, INVAL, "path or out missing");
+        return kvb__fail(r, cap, INVAL, "path or out missing");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return kvb__pd_fail(r, cap, KVB_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
+        return kvb__fail(r, cap, KVB_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
     if (fstat(fd, &st))
-        rc = kvb__pd_fail(r, cap, KVB_ERR_SYSTEM, "cannot stat %s: %s", path, strerror(errno));
+        rc = kvb__fail(r, cap, KVB_ERR_SYSTEM, "cannot stat %s: %s", path, strerror(errno));
     else if (!S_ISREG(st.st_mode))
-        rc = kvb__pd_fail(r, cap, INVAL, "%s is not a regular file", path);
+        rc = kvb__fail(r, cap, INVAL, "%s is not a regular file", path);
     else if ((uint64_t)st.st_size > max)
-        rc = kvb__pd_fail(r, cap, KVB_ERR_TOO_LARGE, "%s: %lld bytes is larger than any model",
-                          path, (long long)st.st_size);
+        rc = kvb__fail(r, cap, KVB_ERR_TOO_LARGE, "%s: %lld bytes is larger than any model", path,
+                       (long long)st.st_size);
     else
         rc = read_file(fd, (size_t)st.st_size, &buf, r, cap);
     close(fd);

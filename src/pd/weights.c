@@ -66,7 +66,7 @@ int kvb__pd_model_alloc(const kvb_pd_config_t *cfg, const char *name, kvb_pd_mod
     uint64_t floats = 0;
     kvb_pd_model_t *m = calloc(1, sizeof *m);
     if (!m)
-        return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory");
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     m->cfg = *cfg;
     snprintf(m->name, sizeof m->name, "%s", name);
     if (kvb__pd_tensor_table(cfg, &m->tensors, &m->num_tensors, &floats))
@@ -85,8 +85,8 @@ int kvb__pd_model_alloc(const kvb_pd_config_t *cfg, const char *name, kvb_pd_mod
     return KVB_OK;
 nomem:
     kvb_pd_model_free(m);
-    return kvb__pd_fail(r, cap, KVB_ERR_NOMEM, "out of memory for %llu bytes of weights",
-                        (unsigned long long)floats * sizeof(float));
+    return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %llu bytes of weights",
+                     (unsigned long long)floats * sizeof(float));
 }
 
 void kvb__pd_model_seal(kvb_pd_model_t *m)
@@ -135,7 +135,7 @@ int kvb_pd_model_random(const kvb_pd_config_t *cfg, const char *name, uint64_t s
     kvb_pd_model_t *m;
     int rc;
     if (!out)
-        return kvb__pd_fail(r, cap, INVAL, "out is NULL");
+        return kvb__fail(r, cap, INVAL, "out is NULL");
     if ((rc = kvb_pd_config_check(cfg, r, cap)) ||
         (rc = kvb__pd_name_check(name, name ? strlen(name) : 0, r, cap)) ||
         (rc = kvb__pd_model_alloc(cfg, name, &m, r, cap)))
@@ -143,7 +143,7 @@ int kvb_pd_model_random(const kvb_pd_config_t *cfg, const char *name, uint64_t s
     for (size_t k = 0; k < m->num_tensors; k++)
         fill(m, k, seed);
     kvb__pd_model_seal(m);
-    kvb__pd_clear(r, cap);
+    kvb__reason_clear(r, cap);
     *out = m;
     return KVB_OK;
 }
@@ -153,9 +153,9 @@ int kvb_pd_model_preset(const char *preset, uint64_t seed, kvb_pd_model_t **out,
 {
     kvb_pd_config_t cfg;
     if (kvb_pd_preset_config(preset, &cfg))
-        return kvb__pd_fail(r, cap, KVB_ERR_NOT_FOUND,
-                            "unknown preset '%s' (known: tiny-gqa, tiny-mla)",
-                            preset ? preset : "(null)");
+        return kvb__fail(r, cap, KVB_ERR_NOT_FOUND,
+                         "unknown preset '%s' (known: tiny-gqa, tiny-mla)",
+                         preset ? preset : "(null)");
     return kvb_pd_model_random(&cfg, preset, seed, out, r, cap);
 }
 
@@ -163,7 +163,7 @@ int kvb_pd_model_open(const char *spec, uint64_t seed, kvb_pd_model_t **out, cha
 {
     kvb_pd_config_t cfg;
     if (!spec || !*spec)
-        return kvb__pd_fail(r, cap, INVAL, "model is empty (give a preset or a file)");
+        return kvb__fail(r, cap, INVAL, "model is empty (give a preset or a file)");
     if (kvb_pd_preset_config(spec, &cfg) == KVB_OK)
         return kvb_pd_model_random(&cfg, spec, seed, out, r, cap);
     return kvb_pd_model_load(spec, out, r, cap);
