@@ -6,8 +6,9 @@ ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
-BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev
-TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev
+BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev \
+              libhiredis-dev
+TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server
 DEMO_PKGS  := $(BUILD_PKGS)
 
 .PHONY: all build deps-build deps-test deps-bench test test-asan demo bench clean format

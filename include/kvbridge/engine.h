@@ -34,16 +34,35 @@ typedef struct {
     uint16_t port;               /* 0: any free port; else the first port tried */
     uint16_t port_max;           /* with port: try port..port_max; 0 means just port */
     const char *segment_name;    /* default "advertise_addr:port" */
-    const char *metadata;        /* metadata mode; only "p2p" (peer-to-peer handshake) for now */
+    const char *metadata;        /* where peers find segments; see "Metadata" below */
     int progress_threads;        /* epoll progress threads; default 1, at most 64 */
     int lanes;                   /* TCP connections per peer; default 2, at most 16 */
     uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
     const char
-        *protocol;    /* "auto" (default): shared memory with same-host peers, else TCP;
-                       * "tcp": TCP only; "shm": shared memory, opening a peer elsewhere fails */
-    int copy_threads; /* extra threads splitting large same-host copies; default 1, max 16 */
+        *protocol;       /* "auto" (default): shared memory with same-host peers, else TCP;
+                          * "tcp": TCP only; "shm": shared memory, opening a peer elsewhere fails */
+    int copy_threads;    /* extra threads splitting large same-host copies; default 1, max 16 */
+    const char *cluster; /* namespace of this engine's keys in a metadata store; default
+                          * "default" (1..63 characters of [A-Za-z0-9._-]) */
+    uint32_t metadata_ttl_ms; /* how long a store keeps our descriptor after we stop refreshing
+                               * it (we died); default 10000, at least 1000 */
 } kvb_config_t;
+
+/* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
+ *   "p2p" (default)                 no store: the name is the peer's "host:port"
+ *   "etcd://host:port[,host:port]"  etcd v3 (JSON API); our descriptor hangs off a lease
+ *   "redis://[[user]:pw@]host:port[/db]"  Redis; our descriptor has a TTL
+ *   "http://host:port[/prefix]"     `kvbridge metadata-server`; our descriptor has a TTL
+ * With a store, the engine publishes a JSON descriptor of its segment (name, incarnation,
+ * addresses, transports, regions, attributes) under kvbridge/<cluster>/segments/<name> at create
+ * (failing with KVB_ERR_META_UNREACHABLE if the store cannot be reached), republishes it when
+ * regions or attributes change, keeps it alive every ttl/3 and deletes it at destroy; if the
+ * process dies it expires within the TTL. Opening a name reads its descriptor (no live one:
+ * KVB_ERR_SEGMENT_NOT_FOUND; store down: KVB_ERR_META_UNREACHABLE) and connects to the address
+ * it names, checking the incarnation. Open segments are revalidated every ttl/3: one whose name
+ * now belongs to a new incarnation fails with KVB_ERR_PEER_RESTARTED, and reopening it connects to
+ * the new owner. Transfers on open segments never touch the store. */
 
 /* Fills *cfg with the defaults listed above. */
 KVB_API void kvb_config_init(kvb_config_t *cfg);
@@ -103,8 +122,9 @@ KVB_API int kvb_register(kvb_engine_t *engine, void *addr, size_t len, const cha
  * Returns KVB_ERR_NOT_FOUND if no region starts at `addr`. */
 KVB_API int kvb_unregister(kvb_engine_t *engine, void *addr);
 
-/* Opens the segment `name` ("host:port" in p2p mode): connects, checks protocol versions, learns
- * the peer's incarnation and fetches its region list. Blocks for at most the connect timeout.
+/* Opens the segment `name` ("host:port" in p2p mode; with a metadata store, the name its owner
+ * published): connects, checks protocol versions, learns the peer's incarnation and fetches its
+ * region list. Blocks for at most the connect timeout (plus one store lookup).
  * Opening an already open segment returns the same handle (each open needs a close); opening a
  * segment whose peer was lost reconnects it in place. */
 KVB_API int kvb_segment_open(kvb_engine_t *engine, const char *name, kvb_segment_t *out);

@@ -34,6 +34,8 @@ extern "C" {
     XX(ERR_TOO_LARGE, -15, "message or request too large")                                         \
     XX(ERR_BUSY, -16, "resource busy")                                                             \
     XX(ERR_INCOMPATIBLE, -17, "incompatible KV layouts or topology (refused at link time)")        \
+    XX(ERR_SEGMENT_NOT_FOUND, -18, "segment not found (no live descriptor in the metadata store)") \
+    XX(ERR_META_UNREACHABLE, -19, "metadata store unreachable")                                    \
     XX(ERR_PEER_LOST, -100, "peer lost (connection closed or reset)")                              \
     XX(ERR_CONNECT, -101, "cannot connect to peer")                                                \
     XX(ERR_PROTOCOL, -102, "protocol error: malformed or unexpected frame")                        \

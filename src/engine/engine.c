@@ -30,6 +30,8 @@ void kvb_config_init(kvb_config_t *cfg)
     cfg->connect_timeout_ms = 5000;
     cfg->protocol = "auto";
     cfg->copy_threads = 1;
+    cfg->cluster = "default";
+    cfg->metadata_ttl_ms = 10000;
 }
 
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN])
@@ -60,11 +62,29 @@ static int copy_str(char *dst, size_t cap, const char *src)
     return KVB_OK;
 }
 
+/* A cluster name is one path element of a store key: 1..63 of [A-Za-z0-9._-]. */
+static bool valid_cluster(const char *c)
+{
+    size_t n = strlen(c);
+    if (n == 0 || n > KVB_CLUSTER_MAX || !strcmp(c, ".") || !strcmp(c, ".."))
+        return false;
+    for (const char *p = c; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '.' || *p == '_' || *p == '-'))
+            return false;
+    return true;
+}
+
 static int check_config(const kvb_config_t *c)
 {
-    if (c->metadata && strcmp(c->metadata, "p2p") != 0) {
-        KVB_ERROR("metadata mode '%s' is not supported (only 'p2p')", c->metadata);
-        return KVB_ERR_UNSUPPORTED;
+    if (c->cluster && !valid_cluster(c->cluster)) {
+        KVB_ERROR("cluster name '%s' is not 1..%d characters of [A-Za-z0-9._-]", c->cluster,
+                  KVB_CLUSTER_MAX);
+        return KVB_ERR_INVALID_ARG;
+    }
+    if (c->metadata_ttl_ms && c->metadata_ttl_ms < 1000) {
+        KVB_ERROR("metadata TTL %u ms is under the minimum of 1000 ms", c->metadata_ttl_ms);
+        return KVB_ERR_INVALID_ARG;
     }
     if (c->protocol && strcmp(c->protocol, "auto") && strcmp(c->protocol, "tcp") &&
         strcmp(c->protocol, "shm")) {
@@ -130,9 +150,13 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     e->cfg.bind_addr = e->bind_addr;
     e->cfg.advertise_addr = e->advertise_addr;
     e->cfg.segment_name = NULL;
-    e->cfg.metadata = "p2p";
+    strcpy(e->cluster, cfg.cluster ? cfg.cluster : "default");
+    e->cfg.cluster = e->cluster;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
         goto fail_free;
+    if ((rc = kvb__segdesc_open(e))) /* a malformed URI fails before anything listens */
+        goto fail_registry;
+    e->cfg.metadata = NULL; /* the caller's string; e->meta holds what it said */
     if (getrandom(&e->hello.incarnation, sizeof e->hello.incarnation, 0) !=
         sizeof e->hello.incarnation)
         e->hello.incarnation = kvb__now_ns() ^ ((uint64_t)getpid() << 32);
@@ -155,9 +179,20 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
                          e->tp_ops->port(e->tp));
         rc = n > 0 && (size_t)n < sizeof e->segment_name ? KVB_OK : KVB_ERR_INVALID_ARG;
     }
+    if (rc == KVB_OK && e->meta)
+        for (const char *c = e->segment_name; *c; c++)
+            if (*c <= 0x20 || *c == '/' || *c == 0x7f) {
+                KVB_ERROR("segment name '%s': with a metadata store, names may not hold spaces, "
+                          "control characters or '/'",
+                          e->segment_name);
+                rc = KVB_ERR_INVALID_ARG;
+                break;
+            }
     if (rc)
         goto fail_tp;
     strcpy(e->hello.name, e->segment_name);
+    if ((rc = kvb__segdesc_start(e)))
+        goto fail_tp;
     KVB_INFO("engine %s up (incarnation %016llx)", e->segment_name,
              (unsigned long long)e->hello.incarnation);
     *out = e;
@@ -167,6 +202,7 @@ fail_tp:
 fail_shm:
     kvb__shm_destroy(e->shm);
 fail_registry:
+    kvb__segdesc_stop(e);
     kvb__registry_fini(&e->registry);
 fail_free:
     free(e->notify_ring);
@@ -185,6 +221,7 @@ void kvb_engine_destroy(kvb_engine_t *e)
     if (atomic_load(&e->live_batches) > 0)
         KVB_WARN("engine destroyed with %ld batches not freed; free them before destroying",
                  atomic_load(&e->live_batches));
+    kvb__segdesc_stop(e); /* first: withdraws our descriptor, stops revalidating segments */
 
     pthread_mutex_lock(&e->open_mu);
     pthread_mutex_lock(&e->seg_mu);
@@ -240,6 +277,8 @@ int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, 
     int rc = kvb__registry_add(&e->registry, (uint64_t)(uintptr_t)addr, len, location, access);
     if (rc)
         KVB_WARN("register %p+%zu failed: %s", addr, len, kvb_strerror(rc));
+    else
+        kvb__segdesc_publish(e, false);
     return rc;
 }
 
@@ -268,7 +307,10 @@ int kvb_unregister(kvb_engine_t *e, void *addr)
 {
     if (!e || !addr)
         return KVB_ERR_INVALID_ARG;
-    return kvb__registry_remove(&e->registry, (uint64_t)(uintptr_t)addr, (int)e->cfg.timeout_ms);
+    int rc = kvb__registry_remove(&e->registry, (uint64_t)(uintptr_t)addr, (int)e->cfg.timeout_ms);
+    if (rc != KVB_ERR_NOT_FOUND)
+        kvb__segdesc_publish(e, false);
+    return rc;
 }
 
 /* ---- peers and segments ------------------------------------------------------------------ */
@@ -320,7 +362,9 @@ static int parse_name(const char *name, char *host, size_t cap, uint16_t *port)
     return KVB_OK;
 }
 
-static int connect_peer(kvb_engine_t *e, const char *name, kvb_peer_t **out)
+/* Connects to segment `name` at host:port (NULL host: the name is "host:port"). */
+static int connect_peer(kvb_engine_t *e, const char *name, const char *host, uint16_t port,
+                        kvb_peer_t **out)
 {
     kvb_peer_t *p = calloc(1, sizeof *p);
     if (!p)
@@ -330,9 +374,15 @@ static int connect_peer(kvb_engine_t *e, const char *name, kvb_peer_t **out)
     p->engine = e;
     pthread_mutex_init(&p->mu, NULL);
     strcpy(p->name, name);
-    int rc = parse_name(name, p->host, sizeof p->host, &p->port);
+    int rc = KVB_OK;
+    if (host) {
+        snprintf(p->host, sizeof p->host, "%s", host);
+        p->port = port;
+    } else {
+        rc = parse_name(name, p->host, sizeof p->host, &p->port);
+    }
     if (rc) {
-        KVB_ERROR("segment name '%s' is not host:port", name);
+        KVB_ERROR("segment name '%s' is not host:port (p2p metadata)", name);
     } else {
         rc = e->tp_ops->connect(e->tp, p, kvb__deadline_ms(e->cfg.connect_timeout_ms));
         p->tp_ops = e->tp_ops; /* from here on, releasing it frees the transport's part too */
@@ -343,6 +393,39 @@ static int connect_peer(kvb_engine_t *e, const char *name, kvb_peer_t **out)
     }
     *out = p;
     return KVB_OK;
+}
+
+/* With a metadata store: looks `name` up, connects to the address its descriptor gives and checks
+ * that the peer there is the incarnation the descriptor names. A mismatch means the descriptor
+ * went stale (the owner restarted and has not republished yet, or another engine took the port):
+ * look again once, then give up with KVB_ERR_PEER_RESTARTED. */
+static int connect_named(kvb_engine_t *e, const char *name, kvb_peer_t **out)
+{
+    for (int attempt = 0;; attempt++) {
+        kvb_segdesc_t d;
+        int rc = kvb__segdesc_lookup(e, name, &d);
+        if (rc)
+            return rc;
+        kvb_peer_t *p = NULL;
+        for (size_t i = 0; i < d.naddr; i++)
+            if ((rc = connect_peer(e, name, d.addr[i].host, d.addr[i].port, &p)) == KVB_OK ||
+                !KVB_IS_PEER_ERROR(rc))
+                break;
+        if (rc)
+            return rc;
+        if (p->hello.incarnation == d.incarnation) {
+            *out = p;
+            return KVB_OK;
+        }
+        kvb__peer_fail(p, KVB_ERR_CANCELED);
+        kvb__peer_release(p);
+        if (attempt == 1) {
+            KVB_WARN("segment %s: the peer at its address is not the incarnation its descriptor "
+                     "names (%016llx)",
+                     name, (unsigned long long)d.incarnation);
+            return KVB_ERR_PEER_RESTARTED;
+        }
+    }
 }
 
 static kvb_segment_slot_t *find_slot(kvb_engine_t *e, const char *name, size_t *idx)
@@ -394,7 +477,7 @@ int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
     pthread_mutex_unlock(&e->seg_mu);
 
     kvb_peer_t *p;
-    int rc = connect_peer(e, name, &p);
+    int rc = e->meta ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
     if (rc == KVB_OK) {
         pthread_mutex_lock(&e->seg_mu);
         if (old) {
@@ -470,7 +553,7 @@ int kvb_segment_refresh(kvb_engine_t *e, kvb_segment_t seg)
         return KVB_ERR_BAD_SEGMENT;
     /* A fresh handshake on connections of its own returns the current lists. */
     kvb_peer_t *probe;
-    int rc = connect_peer(e, p->name, &probe);
+    int rc = connect_peer(e, p->name, p->host, p->port, &probe);
     if (rc == KVB_OK) {
         if (probe->hello.incarnation != p->hello.incarnation) {
             rc = KVB_ERR_PEER_RESTARTED;
@@ -586,6 +669,8 @@ int kvb_engine_set_attr(kvb_engine_t *e, const char *key, const void *value, siz
     pthread_mutex_unlock(&e->attr_mu);
     if (rc)
         free(copy);
+    else
+        kvb__segdesc_publish(e, false);
     return rc;
 }
 

@@ -129,6 +129,21 @@ typedef struct kvb_segment_slot {
     unsigned opens;
 } kvb_segment_slot_t;
 
+/* What a metadata store says of a segment (meta/segment.c). */
+#define KVB_SEGDESC_ADDRS 4
+#define KVB_SEG_KEY_MAX   1024
+#define KVB_CLUSTER_MAX   63
+typedef struct {
+    uint64_t incarnation;
+    size_t naddr;
+    struct {
+        char host[KVB_NAME_MAX + 1];
+        uint16_t port;
+    } addr[KVB_SEGDESC_ADDRS];
+} kvb_segdesc_t;
+
+struct kvb_meta;
+
 struct kvb_engine {
     kvb_config_t cfg;
     char bind_addr[KVB_NAME_MAX + 1];
@@ -155,6 +170,10 @@ struct kvb_engine {
     pthread_mutex_t attr_mu; /* our published attributes */
     kvb_attr_t *attrs;
     size_t nattrs;
+    /* the metadata store (NULL in p2p mode) and our key in it */
+    struct kvb_meta *meta;
+    char cluster[KVB_CLUSTER_MAX + 1];
+    char meta_key[KVB_SEG_KEY_MAX + 1];
     /* kvb_engine_stats counters, initiator side */
     atomic_ullong st_completed, st_failed, st_bytes_tcp, st_bytes_shm;
 };
@@ -179,6 +198,21 @@ int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, siz
 void kvb__peer_release(kvb_peer_t *peer);
 /* Marks the peer lost (first error wins) and tells the transport to close it. */
 void kvb__peer_fail(kvb_peer_t *peer, int error);
+
+/* The engine's binding to a metadata store, implemented in meta/segment.c (as transports
+ * implement their ops table). All are no-ops returning KVB_OK in p2p mode (e->meta NULL).
+ * open: creates the store client from cfg.metadata (parses only, contacts nothing).
+ * start: publishes our descriptor now (failing if the store cannot take it) and starts the
+ *        revalidation of open segments. stop: withdraws the descriptor and closes the client.
+ * publish: republishes after a change of regions or attributes (now, or by the keeper).
+ * lookup: reads and checks the descriptor of segment `name`: KVB_ERR_SEGMENT_NOT_FOUND,
+ *         KVB_ERR_META_UNREACHABLE, KVB_ERR_PROTOCOL/KVB_ERR_VERSION for a malformed one. */
+int kvb__segdesc_open(kvb_engine_t *e);
+int kvb__segdesc_start(kvb_engine_t *e);
+void kvb__segdesc_stop(kvb_engine_t *e);
+int kvb__segdesc_publish(kvb_engine_t *e, bool now);
+int kvb__segdesc_lookup(kvb_engine_t *e, const char *name, kvb_segdesc_t *out);
+int kvb__segdesc_parse(const char *text, size_t len, const char *name, kvb_segdesc_t *out);
 
 /* Fills buf with the 16-byte id of this host (boot id; hostname hash as a fallback). */
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN]);

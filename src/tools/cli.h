@@ -14,6 +14,8 @@ int kvb_cmd_proxy(int argc, char **argv);   /* src/tools/proxy.c */
 int kvb_cmd_loadgen(int argc, char **argv); /* src/tools/loadgen.c */
 int kvb_cmd_demo(int argc, char **argv);    /* src/tools/demo.c */
 
+int kvb_cmd_metadata_server(int argc, char **argv); /* src/tools/metaserver.c */
+
 /* The KV-shaped workload of `kvbridge bench --kv` (src/tools/bench_kv.c). */
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
                  bool json);

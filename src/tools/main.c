@@ -72,6 +72,7 @@ static void usage(FILE *f)
         "  bench     measure transfer throughput and latency (kvbridge bench --help)\n"
         "  serve     run a prefill, decode or colocated instance (kvbridge serve --help)\n"
         "  proxy     OpenAI-style front end over prefill and decode instances\n"
+        "  metadata-server  HTTP key-value store with TTLs for \"http://\" metadata URIs\n"
         "  loadgen   load a completions endpoint; TTFT and TPOT percentiles\n"
         "  demo      start a PD deployment on loopback and check it against colocated\n"
         "  model     write or inspect reference-model weight files (kvbridge model --help)\n"
@@ -97,6 +98,8 @@ int main(int argc, char **argv)
         return kvb_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "proxy"))
         return kvb_cmd_proxy(argc - 1, argv + 1);
+    if (!strcmp(cmd, "metadata-server"))
+        return kvb_cmd_metadata_server(argc - 1, argv + 1);
     if (!strcmp(cmd, "loadgen"))
         return kvb_cmd_loadgen(argc - 1, argv + 1);
     if (!strcmp(cmd, "demo"))

@@ -88,9 +88,10 @@ static void serve(kvb_engine_t *e, uint8_t *rw, int life_fd)
     free(n);
 }
 
-static int child_main(uint16_t port, uint64_t seed, const char *protocol, int report_fd,
+static int child_main(uint16_t port, uint64_t seed, const test_peer_opts_t *o, int report_fd,
                       int life_fd)
 {
+    const char *protocol = o->protocol ? o->protocol : "auto";
     bool nobody = !strcmp(protocol, "shm-nobody");
     if (nobody && (setgid(65534) != 0 || setuid(65534) != 0))
         return 1;
@@ -100,6 +101,12 @@ static int child_main(uint16_t port, uint64_t seed, const char *protocol, int re
     cfg.port = port;
     cfg.protocol = nobody ? "shm" : protocol;
     cfg.timeout_ms = 5000;
+    cfg.metadata = o->metadata;
+    cfg.segment_name = o->name;
+    if (o->cluster)
+        cfg.cluster = o->cluster;
+    if (o->ttl_ms)
+        cfg.metadata_ttl_ms = o->ttl_ms;
     kvb_engine_t *e;
     if (kvb_engine_create(&cfg, &e) != KVB_OK)
         return 1;
@@ -114,7 +121,7 @@ static int child_main(uint16_t port, uint64_t seed, const char *protocol, int re
     if (kvb_register(e, rw, TEST_PEER_RW_LEN, "cpu:0", KVB_ACCESS_RW) ||
         kvb_register(e, ro, TEST_PEER_RO_LEN, "cpu:0", KVB_ACCESS_READ))
         return 1;
-    dprintf(report_fd, "%s %llu %llu\n", kvb_engine_segment_name(e),
+    dprintf(report_fd, "%s %u %llu %llu\n", kvb_engine_segment_name(e), kvb_engine_port(e),
             (unsigned long long)(uintptr_t)rw, (unsigned long long)(uintptr_t)ro);
     close(report_fd);
     serve(e, rw, life_fd);
@@ -123,6 +130,12 @@ static int child_main(uint16_t port, uint64_t seed, const char *protocol, int re
 }
 
 int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *protocol)
+{
+    test_peer_opts_t o = {.protocol = protocol};
+    return test_peer_start_opts(p, port, seed, &o);
+}
+
+int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const test_peer_opts_t *o)
 {
     int rep[2], life[2];
     memset(p, 0, sizeof *p);
@@ -135,7 +148,7 @@ int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *pr
     if (p->pid == 0) {
         close(rep[0]);
         close(life[1]);
-        _exit(child_main(port, seed, protocol, rep[1], life[0]));
+        _exit(child_main(port, seed, o, rep[1], life[0]));
     }
     close(rep[1]);
     close(life[0]);
@@ -147,10 +160,12 @@ int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *pr
         got += (size_t)n;
     close(rep[0]);
     unsigned long long rw, ro;
-    if (sscanf(line, "%255s %llu %llu", p->name, &rw, &ro) != 3) {
+    unsigned lport;
+    if (sscanf(line, "%255s %u %llu %llu", p->name, &lport, &rw, &ro) != 4 || lport > 65535) {
         test_peer_signal(p, SIGKILL);
         return -1;
     }
+    p->port = (uint16_t)lport;
     p->rw_addr = rw;
     p->ro_addr = ro;
     return 0;
@@ -158,8 +173,7 @@ int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *pr
 
 uint16_t test_peer_port(const test_peer_t *p)
 {
-    const char *c = strrchr(p->name, ':');
-    return c ? (uint16_t)atoi(c + 1) : 0;
+    return p->port;
 }
 
 void test_peer_signal(test_peer_t *p, int sig)

@@ -16,8 +16,18 @@ typedef struct {
     pid_t pid;
     int life_fd; /* closing it tells the child to exit */
     char name[KVB_NAME_MAX + 1];
+    uint16_t port;
     uint64_t rw_addr, ro_addr;
 } test_peer_t;
+
+/* What a peer runs with beyond its port and seed; NULL fields take the engine's defaults. */
+typedef struct {
+    const char *protocol; /* as for test_peer_start; NULL: "auto" */
+    const char *metadata; /* metadata URI; NULL: p2p */
+    const char *name;     /* segment name; NULL: host:port */
+    const char *cluster;
+    uint32_t ttl_ms; /* metadata TTL; 0: default */
+} test_peer_opts_t;
 
 /* Forks a peer engine listening on 127.0.0.1:port (0: any) with the given protocol ("tcp",
  * "shm", "auto"; "shm-nobody": shm, and the child drops to uid 65534 first, so that the kernel
@@ -25,6 +35,7 @@ typedef struct {
  * notifications "verify SEED OFF LEN" (checks its RW region at OFF against pattern SEED) with
  * "ok" or "bad <offset>", and "ping" with "pong". Returns 0 on success. */
 int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *protocol);
+int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const test_peer_opts_t *o);
 /* Asks the child to exit and reaps it (SIGKILL after 3 s). */
 void test_peer_stop(test_peer_t *p);
 /* Sends `sig`; with SIGKILL also reaps the child. */

@@ -1,0 +1,199 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The metadata store clients against real servers (redis-server, etcd, kvbridge metadata-server)
+ * started on free loopback ports: plain put/get/delete/list, TTLs, owned keys kept alive and
+ * re-created after an outage, and the URI parser. */
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "helpers/store.h"
+#include "meta/meta.h"
+
+static const test_store_kind_t KINDS[] = {TEST_STORE_REDIS, TEST_STORE_ETCD, TEST_STORE_HTTP};
+
+ParameterizedTestParameters(meta_client, basic)
+{
+    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
+}
+
+static kvb_meta_t *client(const test_store_t *s, uint32_t ttl_ms)
+{
+    kvb_meta_t *m = NULL;
+    cr_assert_eq(kvb__meta_open(s->uri, 2000, ttl_ms, &m), KVB_OK);
+    cr_assert_not_null(m);
+    return m;
+}
+
+static int get_str(kvb_meta_t *m, const char *key, char *buf, size_t cap)
+{
+    char *v = NULL;
+    size_t len = 0;
+    int rc = kvb__meta_get(m, key, &v, &len);
+    if (rc == KVB_OK) {
+        cr_assert_lt(len, cap);
+        memcpy(buf, v, len + 1);
+        free(v);
+    }
+    return rc;
+}
+
+/* Polls until `key` is absent (true) or `ms` passed (false). */
+static bool gone_within(kvb_meta_t *m, const char *key, uint32_t ms)
+{
+    uint64_t deadline = kvb__deadline_ms(ms);
+    char buf[256];
+    while (kvb__now_ns() < deadline) {
+        if (get_str(m, key, buf, sizeof buf) == KVB_ERR_NOT_FOUND)
+            return true;
+        usleep(100000);
+    }
+    return false;
+}
+
+ParameterizedTest(test_store_kind_t *kind, meta_client, basic, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, *kind), 0, "cannot start %s", test_store_kind_name(*kind));
+    kvb_meta_t *m = client(&s, 0);
+    cr_assert_str_eq(kvb__meta_kind(m), test_store_kind_name(*kind));
+    const char *json = "{\"name\":\"a b:c\",\"n\":[1,2,3]}";
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/segments/10.0.0.1:7000", json, strlen(json), 0),
+                 KVB_OK);
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/segments/b", "2", 1, 0), KVB_OK);
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/instances/x", "3", 1, 0), KVB_OK);
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/u/segments/c", "4", 1, 0), KVB_OK);
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/segments/empty", "", 0, 0), KVB_OK);
+    char buf[256];
+    cr_assert_eq(get_str(m, "kvbridge/t/segments/10.0.0.1:7000", buf, sizeof buf), KVB_OK);
+    cr_assert_str_eq(buf, json);
+    cr_assert_eq(get_str(m, "kvbridge/t/segments/empty", buf, sizeof buf), KVB_OK);
+    cr_assert_str_eq(buf, "");
+    cr_assert_eq(get_str(m, "kvbridge/t/segments/none", buf, sizeof buf), KVB_ERR_NOT_FOUND);
+    /* replace */
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/segments/b", "22", 2, 0), KVB_OK);
+
+    kvb_meta_kv_t *kvs = NULL;
+    size_t n = 0;
+    cr_assert_eq(kvb__meta_list(m, "kvbridge/t/segments/", &kvs, &n), KVB_OK);
+    cr_assert_eq(n, 3);
+    cr_assert_str_eq(kvs[0].key, "kvbridge/t/segments/10.0.0.1:7000");
+    cr_assert_str_eq(kvs[1].key, "kvbridge/t/segments/b");
+    cr_assert_str_eq(kvs[1].value, "22");
+    cr_assert_eq(kvs[1].len, 2);
+    cr_assert_str_eq(kvs[2].key, "kvbridge/t/segments/empty");
+    kvb__meta_kvs_free(kvs, n);
+    cr_assert_eq(kvb__meta_list(m, "kvbridge/none/", &kvs, &n), KVB_OK);
+    cr_assert_eq(n, 0);
+    kvb__meta_kvs_free(kvs, n);
+
+    cr_assert_eq(kvb__meta_del(m, "kvbridge/t/segments/b"), KVB_OK);
+    cr_assert_eq(kvb__meta_del(m, "kvbridge/t/segments/b"), KVB_ERR_NOT_FOUND);
+    cr_assert_eq(get_str(m, "kvbridge/t/segments/b", buf, sizeof buf), KVB_ERR_NOT_FOUND);
+    /* bad keys never reach the store */
+    cr_assert_eq(kvb__meta_put(m, "", "x", 1, 0), KVB_ERR_INVALID_ARG);
+    cr_assert_eq(kvb__meta_put(m, "a\nb", "x", 1, 0), KVB_ERR_INVALID_ARG);
+    kvb__meta_close(m);
+    test_store_stop(&s);
+}
+
+ParameterizedTestParameters(meta_client, ttl_and_owned)
+{
+    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
+}
+
+/* A key put with a TTL expires; an owned key outlives several TTLs while its client lives and is
+ * deleted when the client closes. */
+ParameterizedTest(test_store_kind_t *kind, meta_client, ttl_and_owned, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, *kind), 0);
+    kvb_meta_t *m = client(&s, 2000), *reader = client(&s, 0);
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/ttl", "v", 1, 1000), KVB_OK);
+    char buf[64];
+    cr_assert_eq(get_str(reader, "kvbridge/t/ttl", buf, sizeof buf), KVB_OK);
+    cr_assert(gone_within(reader, "kvbridge/t/ttl", 4000), "a TTL key did not expire");
+
+    cr_assert_eq(kvb__meta_own(m, "kvbridge/t/owned", "one", 3), KVB_OK);
+    cr_assert_eq(kvb__meta_own_async(m, "kvbridge/t/owned", "two", 3), KVB_OK);
+    usleep(5000000); /* 2.5 TTLs */
+    cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_OK,
+                 "the keeper did not keep the owned key alive");
+    cr_assert_str_eq(buf, "two");
+    kvb__meta_close(m);
+    cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_ERR_NOT_FOUND,
+                 "close did not withdraw the owned key");
+    kvb__meta_close(reader);
+    test_store_stop(&s);
+}
+
+ParameterizedTestParameters(meta_client, outage)
+{
+    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
+}
+
+/* The store goes away: calls fail at once with KVB_ERR_META_UNREACHABLE; when it is back, owned
+ * keys are there again within a TTL (Redis restarts empty: the keeper re-creates them). */
+ParameterizedTest(test_store_kind_t *kind, meta_client, outage, .timeout = 90)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, *kind), 0);
+    kvb_meta_t *m = client(&s, 2000), *reader = client(&s, 0);
+    cr_assert_eq(kvb__meta_own(m, "kvbridge/t/owned", "alive", 5), KVB_OK);
+    cr_assert_eq(test_store_halt(&s), 0);
+    char buf[64];
+    uint64_t t0 = kvb__now_ns();
+    cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_ERR_META_UNREACHABLE);
+    cr_assert_lt(kvb__now_ns() - t0, 2500000000ull, "an unreachable store must fail promptly");
+    cr_assert_not(kvb__meta_reachable(reader));
+    usleep(1500000); /* a keeper round or two fails meanwhile */
+    cr_assert_eq(test_store_restart(&s), 0);
+    uint64_t deadline = kvb__deadline_ms(6000);
+    int rc;
+    while ((rc = get_str(reader, "kvbridge/t/owned", buf, sizeof buf)) != KVB_OK &&
+           kvb__now_ns() < deadline)
+        usleep(100000);
+    cr_assert_eq(rc, KVB_OK, "the owned key did not come back after the outage: %s",
+                 kvb_strerror(rc));
+    cr_assert_str_eq(buf, "alive");
+    cr_assert(kvb__meta_reachable(reader));
+    kvb__meta_close(m);
+    kvb__meta_close(reader);
+    test_store_stop(&s);
+}
+
+Test(meta_client, uris)
+{
+    kvb_meta_t *m = (kvb_meta_t *)1;
+    cr_assert_eq(kvb__meta_open("p2p", 1000, 0, &m), KVB_OK);
+    cr_assert_null(m);
+    cr_assert_eq(kvb__meta_open(NULL, 1000, 0, &m), KVB_OK);
+    cr_assert_null(m);
+    const char *good[] = {"etcd://127.0.0.1:2379",
+                          "etcd://127.0.0.1:2379,127.0.0.1:2479,[::1]:2579",
+                          "redis://127.0.0.1:6379",
+                          "redis://:secret@127.0.0.1:6379/3",
+                          "redis://user:secret@localhost:6379",
+                          "http://127.0.0.1:8080",
+                          "http://127.0.0.1:8080/meta/data/"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        cr_assert_eq(kvb__meta_open(good[i], 1000, 0, &m), KVB_OK, "%s", good[i]);
+        cr_assert_not_null(m);
+        cr_assert_null(strstr(kvb__meta_uri(m), "secret"), "the password must not show");
+        kvb__meta_close(m);
+    }
+    const char *bad[] = {"etcd://",        "etcd://host",   "etcd://h:0",
+                         "etcd://h:70000", "etcd://h:1,",   "etcd://h:1,,h:2",
+                         "redis://h",      "redis://h:1/x", "redis://nopass@h:1",
+                         "redis://:@h:1",  "http://",       "http://h:1/a b",
+                         "http://h:1/a?b", "http://:80"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        cr_assert_eq(kvb__meta_open(bad[i], 1000, 0, &m), KVB_ERR_INVALID_ARG, "%s", bad[i]);
+    cr_assert_eq(kvb__meta_open("zookeeper://h:1", 1000, 0, &m), KVB_ERR_UNSUPPORTED);
+    char key[KVB_META_KEY_MAX + 8];
+    cr_assert_eq(kvb__meta_key(key, sizeof key, "prod", "segments", "p0"), KVB_OK);
+    cr_assert_str_eq(key, "kvbridge/prod/segments/p0");
+    cr_assert_eq(kvb__meta_key(key, sizeof key, "a/b", "segments", "p0"), KVB_ERR_INVALID_ARG);
+    cr_assert_eq(kvb__meta_key(key, sizeof key, "", "segments", "p0"), KVB_ERR_INVALID_ARG);
+}
