@@ -35,6 +35,9 @@ typedef struct {
     const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
     const char *protocol; /* tcp, shm or auto */
     const char *kv_model; /* --kv: the KV-shaped workload instead */
+    const char *metadata; /* --metadata URI: segments found through a store */
+    const char *cluster, *name;
+    double open_ms; /* how long kvb_segment_open took (a store lookup plus the handshake) */
     uint64_t tokens, reps;
     bool latency, block_given;
     const char *path; /* what the initiator's engine chose: "tcp" or "shm" */
@@ -181,6 +184,9 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
+    cfg.metadata = o->metadata;
+    cfg.cluster = o->cluster;
+    cfg.segment_name = o->name;
     kvb_engine_t *e;
     int rc = kvb_engine_create(&cfg, &e);
     if (rc) {
@@ -358,6 +364,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
                         : "NO");
     if (first_error)
         printf(")\n");
+    printf("  metadata %s: segment %s opened in %.1f ms\n", o->metadata ? o->metadata : "p2p",
+           o->segment, o->open_ms);
     if (o->json) {
         json_t *j = json_pack(
             "{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}", "operation", op,
@@ -366,6 +374,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             (json_int_t)bytes, "gbps", gbps, "ops_per_s", secs > 0 ? (double)reqs / secs : 0.0,
             "lat_p50_us", p50, "lat_p99_us", p99, "errors", (json_int_t)errors, "verified",
             verified < 0 ? json_null() : json_boolean(verified));
+        json_object_set_new(j, "metadata", json_string(o->metadata ? o->metadata : "p2p"));
+        json_object_set_new(j, "open_ms", json_real(o->open_ms));
         char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
         printf("%s\n", s ? s : "{}");
         free(s);
@@ -382,6 +392,8 @@ static int run_initiator(bench_opts_t *o)
     cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
+    cfg.metadata = o->metadata;
+    cfg.cluster = o->cluster;
     kvb_engine_t *e;
     int rc = kvb_engine_create(&cfg, &e), status = 1;
     if (rc) {
@@ -394,10 +406,12 @@ static int run_initiator(bench_opts_t *o)
     uint8_t *local = NULL, *expect = NULL;
     worker_t *w = calloc(o->threads, sizeof *w);
     pthread_t *tids = calloc(o->threads, sizeof *tids);
+    uint64_t t_open = kvb__now_ns();
     if ((rc = kvb_segment_open(e, o->segment, &seg))) {
         fprintf(stderr, "bench: cannot open segment %s: %s\n", o->segment, kvb_strerror(rc));
         goto out;
     }
+    o->open_ms = (double)(kvb__now_ns() - t_open) / 1e6;
     kvb_segment_transport(e, seg, &o->path);
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
@@ -538,6 +552,8 @@ static int run_latency(bench_opts_t *o)
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.protocol = o->protocol;
+    cfg.metadata = o->metadata;
+    cfg.cluster = o->cluster;
     kvb_engine_t *e;
     kvb_segment_t seg;
     kvb_region_info_t region;
@@ -609,6 +625,11 @@ static int run_latency(bench_opts_t *o)
 static int run_loopback(bench_opts_t *o)
 {
     int name_pipe[2], life_pipe[2];
+    char own_name[64];
+    if (o->metadata && !o->name) { /* a name, not an address: the store must resolve it */
+        snprintf(own_name, sizeof own_name, "kvbridge-bench-%d", (int)getpid());
+        o->name = own_name;
+    }
     if (pipe2(name_pipe, O_CLOEXEC) || pipe2(life_pipe, O_CLOEXEC)) {
         perror("bench: pipe");
         return 1;
@@ -771,7 +792,12 @@ static void usage(FILE *f)
            "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
            "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
            "                            initiator against it\n"
-           "  --segment NAME            target segment (host:port) for --mode initiator\n"
+           "  --segment NAME            target segment for --mode initiator (host:port, or the\n"
+           "                            name it published with --metadata)\n"
+           "  --metadata URI            find segments through a store: etcd://h:p[,h:p...],\n"
+           "                            redis://[:pw@]h:p[/db], http://h:p[/prefix] (default p2p)\n"
+           "  --cluster NAME            key namespace in the store (default \"default\")\n"
+           "  --name NAME               the target's segment name (default host:port)\n"
            "  --port P                  target port (default: any free port, printed)\n"
            "  --bind ADDR               address to bind (default 127.0.0.1)\n"
            "  --operation read|write    default read\n"
@@ -819,6 +845,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"kv", 1, 0, 'K'},
                                           {"tokens", 1, 0, 'N'},
                                           {"reps", 1, 0, 'R'},
+                                          {"metadata", 1, 0, 'M'},
+                                          {"cluster", 1, 0, 'C'},
+                                          {"name", 1, 0, 'n'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
                         .protocol = "tcp",
@@ -910,6 +939,16 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             break;
         case 'j':
             o->json = true;
+            break;
+        case 'M':
+            o->metadata = optarg;
+            break;
+        case 'C':
+            o->cluster = optarg;
+            break;
+        case 'n':
+            bad = !*optarg || strlen(optarg) > KVB_NAME_MAX;
+            o->name = optarg;
             break;
         case 'h':
             usage(stdout);

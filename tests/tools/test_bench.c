@@ -8,6 +8,8 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "helpers/store.h"
+
 TestSuite(bench, .timeout = 120);
 
 /* Runs the command, returns its exit status and its last stdout line in `last`. */
@@ -103,4 +105,49 @@ Test(bench, bad_options_are_refused)
         cr_expect_eq(run(bad[i], last, sizeof last), 2, "'%s' was not refused", bad[i]);
     cr_expect_eq(run("nonsense", last, sizeof last), 2);
     cr_expect_eq(run("bench --help", last, sizeof last), 0);
+}
+
+/* `bench --metadata URI` against each real store: the target publishes a name, the initiator
+ * finds it there, and every byte is verified; then the split form (target and initiator as two
+ * commands) with the name given. */
+static void bench_with_store(test_store_kind_t kind)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, kind), 0, "cannot start %s", test_store_kind_name(kind));
+    char args[512], last[4096];
+    snprintf(args, sizeof args,
+             "bench --loopback --verify --json --metadata %s --cluster bench --operation write "
+             "--duration 1 --buffer-size 16M --block-size 64K --batch-size 16",
+             s.uri);
+    int rc = run(args, last, sizeof last);
+    cr_assert_eq(rc, 0, "bench --metadata %s failed: %s", s.uri, last);
+    json_t *j = json_loads(last, 0, NULL);
+    cr_assert_not_null(j, "last line is not JSON: %s", last);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "metadata")), s.uri);
+    cr_assert(json_is_true(json_object_get(j, "verified")));
+    cr_assert_eq(json_integer_value(json_object_get(j, "errors")), 0);
+    cr_log_info("bench --metadata %s: %.3f GB/s, segment opened in %.1f ms",
+                test_store_kind_name(kind), json_number_value(json_object_get(j, "gbps")),
+                json_number_value(json_object_get(j, "open_ms")));
+    json_decref(j);
+    /* a name nobody published: a clear failure, not a hang */
+    snprintf(args, sizeof args,
+             "bench --mode initiator --metadata %s --segment nobody --duration 1 2>&1", s.uri);
+    cr_assert_eq(run(args, last, sizeof last), 1);
+    test_store_stop(&s);
+}
+
+Test(bench, metadata_redis)
+{
+    bench_with_store(TEST_STORE_REDIS);
+}
+
+Test(bench, metadata_etcd)
+{
+    bench_with_store(TEST_STORE_ETCD);
+}
+
+Test(bench, metadata_http)
+{
+    bench_with_store(TEST_STORE_HTTP);
 }
