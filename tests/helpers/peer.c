@@ -1,5 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* A peer engine in a forked child for integration tests, plus the shared byte pattern. */
+/* A peer engine in a child process for integration tests, plus the shared byte pattern. The child
+ * re-executes the test binary (a constructor below takes over before Criterion's main), so that it
+ * starts clean rather than with a copy of the parent's threads' locks: the parent's engine and
+ * store-client threads may hold any lock at the moment of fork. */
 #include "helpers/peer.h"
 
 #include <fcntl.h>
@@ -129,6 +132,34 @@ static int child_main(uint16_t port, uint64_t seed, const test_peer_opts_t *o, i
     return 0;
 }
 
+#define PEER_ENV "KVB_TEST_PEER"
+
+/* In a re-executed child: runs the peer and never returns to main. */
+__attribute__((constructor)) static void peer_exec_entry(void)
+{
+    char *env = getenv(PEER_ENV);
+    if (!env || !(env = strdup(env)))
+        return;
+    char *f[9], *rest = env, *tok;
+    size_t n = 0;
+    while (n < 9 && (tok = strsep(&rest, "\x1f")))
+        f[n++] = tok;
+    if (n != 9 || rest)
+        _exit(125);
+    test_peer_opts_t o = {.protocol = *f[2] ? f[2] : NULL,
+                          .metadata = *f[3] ? f[3] : NULL,
+                          .name = *f[4] ? f[4] : NULL,
+                          .cluster = *f[5] ? f[5] : NULL,
+                          .ttl_ms = (uint32_t)strtoul(f[6], NULL, 10)};
+    int report_fd = atoi(f[7]), life_fd = atoi(f[8]);
+    fcntl(report_fd, F_SETFD, FD_CLOEXEC);
+    fcntl(life_fd, F_SETFD, FD_CLOEXEC);
+    uint16_t port = (uint16_t)strtoul(f[0], NULL, 10);
+    uint64_t seed = strtoull(f[1], NULL, 10);
+    unsetenv(PEER_ENV);
+    _exit(child_main(port, seed, &o, report_fd, life_fd));
+}
+
 int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *protocol)
 {
     test_peer_opts_t o = {.protocol = protocol};
@@ -148,7 +179,18 @@ int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const tes
     if (p->pid == 0) {
         close(rep[0]);
         close(life[1]);
-        _exit(child_main(port, seed, o, rep[1], life[0]));
+        /* Hand the settings and the two pipe ends over through the environment. */
+        char env[2048];
+        int n = snprintf(env, sizeof env, "%u\x1f%llu\x1f%s\x1f%s\x1f%s\x1f%s\x1f%u\x1f%d\x1f%d",
+                         port, (unsigned long long)seed, o->protocol ? o->protocol : "",
+                         o->metadata ? o->metadata : "", o->name ? o->name : "",
+                         o->cluster ? o->cluster : "", o->ttl_ms, rep[1], life[0]);
+        if (n <= 0 || (size_t)n >= sizeof env || fcntl(rep[1], F_SETFD, 0) ||
+            fcntl(life[0], F_SETFD, 0) || setenv(PEER_ENV, env, 1))
+            _exit(126);
+        char *argv[] = {"kvb-test-peer", NULL};
+        execv("/proc/self/exe", argv);
+        _exit(127);
     }
     close(rep[1]);
     close(life[0]);
