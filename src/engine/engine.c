@@ -62,26 +62,8 @@ static int copy_str(char *dst, size_t cap, const char *src)
     return KVB_OK;
 }
 
-/* A cluster name is one path element of a store key: 1..63 of [A-Za-z0-9._-]. */
-static bool valid_cluster(const char *c)
-{
-    size_t n = strlen(c);
-    if (n == 0 || n > KVB_CLUSTER_MAX || !strcmp(c, ".") || !strcmp(c, ".."))
-        return false;
-    for (const char *p = c; *p; p++)
-        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
-              *p == '.' || *p == '_' || *p == '-'))
-            return false;
-    return true;
-}
-
 static int check_config(const kvb_config_t *c)
 {
-    if (c->cluster && !valid_cluster(c->cluster)) {
-        KVB_ERROR("cluster name '%s' is not 1..%d characters of [A-Za-z0-9._-]", c->cluster,
-                  KVB_CLUSTER_MAX);
-        return KVB_ERR_INVALID_ARG;
-    }
     if (c->metadata_ttl_ms && c->metadata_ttl_ms < 1000) {
         KVB_ERROR("metadata TTL %u ms is under the minimum of 1000 ms", c->metadata_ttl_ms);
         return KVB_ERR_INVALID_ARG;
@@ -150,7 +132,10 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     e->cfg.bind_addr = e->bind_addr;
     e->cfg.advertise_addr = e->advertise_addr;
     e->cfg.segment_name = NULL;
-    strcpy(e->cluster, cfg.cluster ? cfg.cluster : "default");
+    if ((rc = copy_str(e->cluster, sizeof e->cluster, cfg.cluster ? cfg.cluster : "default"))) {
+        KVB_ERROR("cluster name longer than %d characters", KVB_CLUSTER_MAX);
+        goto fail_free;
+    }
     e->cfg.cluster = e->cluster;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
         goto fail_free;

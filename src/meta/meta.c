@@ -45,6 +45,18 @@ int kvb__meta_hostport(const char *s, size_t n, char *host, size_t cap, uint16_t
     return 0;
 }
 
+bool kvb__meta_cluster_valid(const char *c)
+{
+    size_t n = c ? strlen(c) : 0;
+    if (n == 0 || n > 63 || !strcmp(c, ".") || !strcmp(c, ".."))
+        return false;
+    for (const char *p = c; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '.' || *p == '_' || *p == '-'))
+            return false;
+    return true;
+}
+
 int kvb__meta_key(char *buf, size_t cap, const char *cluster, const char *kind, const char *name)
 {
     if (!cluster || !*cluster || strchr(cluster, '/'))

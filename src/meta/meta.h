@@ -77,6 +77,10 @@ void kvb__meta_set_tick(kvb_meta_t *m, kvb_meta_tick_cb cb, void *user);
 /* True while the last store call succeeded (for health reports). */
 bool kvb__meta_reachable(const kvb_meta_t *m);
 
+/* A cluster name is one path element of a key: 1..63 characters of [A-Za-z0-9._-], not "." or
+ * "..". */
+bool kvb__meta_cluster_valid(const char *cluster);
+
 /* Builds "kvbridge/<cluster>/<kind>/<name>" into buf; KVB_ERR_INVALID_ARG if it does not fit
  * or cluster is empty or holds '/'. */
 int kvb__meta_key(char *buf, size_t cap, const char *cluster, const char *kind, const char *name);

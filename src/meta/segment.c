@@ -203,6 +203,11 @@ _Static_assert(KVB_SEG_KEY_MAX == KVB_META_KEY_MAX, "engine key buffer matches t
 
 int kvb__segdesc_open(kvb_engine_t *e)
 {
+    if (!kvb__meta_cluster_valid(e->cluster)) {
+        KVB_ERROR("cluster name '%s' is not 1..%d characters of [A-Za-z0-9._-]", e->cluster,
+                  KVB_CLUSTER_MAX);
+        return KVB_ERR_INVALID_ARG;
+    }
     return kvb__meta_open(e->cfg.metadata, e->cfg.connect_timeout_ms, e->cfg.metadata_ttl_ms,
                           &e->meta);
 }

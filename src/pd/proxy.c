@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The PD proxy's HTTP front end (libmicrohttpd, one thread per connection): routes, request bodies,
  * JSON errors, /health and /metrics, and the proxy's lifetime. The flow itself is in
- * proxy_flow.c, the streaming relay in proxy_stream.c. */
+ * proxy_flow.c, the streaming relay in proxy_stream.c, the instance sets and their discovery in
+ * proxy_discover.c. */
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <stdarg.h>
@@ -110,8 +111,11 @@ static json_t *instance_health(const kvb__upstream_t *u, bool *ok)
     const char *status = json_string_value(json_object_get(h, "status"));
     bool good = status && !strcmp(status, "ok");
     *ok = *ok && good;
-    json_t *e = json_pack("{s:s, s:s, s:b}", "url", u->url, "role",
-                          u->prefill ? "prefill" : "decode", "reachable", h != NULL);
+    json_t *e =
+        json_pack("{s:s, s:s, s:s, s:b}", "url", u->url, "role", u->prefill ? "prefill" : "decode",
+                  "source", u->discovered ? "discovered" : "static", "reachable", h != NULL);
+    if (e && u->discovered)
+        json_object_set_new(e, "key", json_string(u->key));
     if (e && h)
         json_object_set(e, "health", h);
     else if (e)
@@ -122,17 +126,23 @@ static json_t *instance_health(const kvb__upstream_t *u, bool *ok)
 
 static enum MHD_Result health(kvb_pd_proxy_t *px, struct MHD_Connection *c)
 {
-    bool ok = true;
+    size_t n = 0, np = 0;
+    kvb__upstream_t **v = kvb__pxy_snapshot(px, &n);
+    /* Both halves present, and the store answered on the last round (when there is one). */
+    bool ok = v != NULL;
     json_t *insts = json_array();
-    for (size_t i = 0; i < px->n_prefill; i++)
-        json_array_append_new(insts, instance_health(&px->prefill[i], &ok));
-    for (size_t i = 0; i < px->n_decode; i++)
-        json_array_append_new(insts, instance_health(&px->decode[i], &ok));
+    for (size_t i = 0; i < n; i++) {
+        np += v[i]->prefill;
+        json_array_append_new(insts, instance_health(v[i], &ok));
+    }
+    ok = ok && np > 0 && n > np && (!px->meta || atomic_load(&px->store_ok));
+    kvb__pxy_snapshot_free(v, n);
     const char *mode = px->kv_mode == KVB_PD_KV_PUSH   ? "push"
                        : px->kv_mode == KVB_PD_KV_PULL ? "pull"
                                                        : "auto";
-    json_t *j = json_pack("{s:s, s:s, s:s, s:o}", "status", ok ? "ok" : "degraded", "role", "proxy",
-                          "kv_mode", mode, "instances", insts);
+    json_t *j =
+        json_pack("{s:s, s:s, s:s, s:o, s:o*}", "status", ok ? "ok" : "degraded", "role", "proxy",
+                  "kv_mode", mode, "instances", insts, "discovery", kvb__pxy_discovery_health(px));
     enum MHD_Result ret = respond_json(c, 200, j);
     json_decref(j);
     return ret;
@@ -289,49 +299,6 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 
 /* ---- Lifetime -------------------------------------------------------------------------------- */
 
-static int check_url(const char *u, char *reason, size_t cap)
-{
-    if (!u || strncmp(u, "http://", 7) || strlen(u) < 8 || strlen(u) >= 256) {
-        kvb__pxy_fmt(reason, cap, "bad instance URL '%s' (want http://HOST:PORT)", u ? u : "");
-        return -1;
-    }
-    return 0;
-}
-
-static int init_upstreams(kvb__upstream_t **out, const char *const *urls, size_t n, bool prefill,
-                          char *reason, size_t cap)
-{
-    if (!n || !urls) {
-        kvb__pxy_fmt(reason, cap, "no %s instance given", prefill ? "prefill" : "decode");
-        return KVB_ERR_INVALID_ARG;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (check_url(urls[i], reason, cap))
-            return KVB_ERR_INVALID_ARG;
-    kvb__upstream_t *u = calloc(n, sizeof *u);
-    if (!u)
-        return KVB_ERR_NOMEM;
-    for (size_t i = 0; i < n; i++) {
-        u[i].prefill = prefill;
-        pthread_mutex_init(&u[i].mu, NULL);
-        kvb__pxy_fmt(u[i].url, sizeof u[i].url, "%s", urls[i]);
-        size_t l = strlen(u[i].url);
-        while (l > 7 && u[i].url[l - 1] == '/')
-            u[i].url[--l] = '\0';
-    }
-    *out = u;
-    return KVB_OK;
-}
-
-static void free_upstreams(kvb__upstream_t *u, size_t n)
-{
-    for (size_t i = 0; u && i < n; i++) {
-        json_decref(u[i].info);
-        pthread_mutex_destroy(&u[i].mu);
-    }
-    free(u);
-}
-
 static int listen_on(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap)
 {
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(o->port)};
@@ -364,9 +331,18 @@ static kvb_pd_proxy_t *proxy_new(const kvb_pd_proxy_opts_t *o)
     kvb__pxy_fmt(px->bind, sizeof px->bind, "%s", o->bind ? o->bind : "127.0.0.1");
     px->boot = (uint32_t)(kvb__now_ns() ^ ((uint64_t)getpid() << 16) ^ (uint64_t)time(NULL));
     atomic_init(&px->stopping, false);
+    atomic_init(&px->store_ok, false);
+    atomic_init(&px->rounds, 0);
     pthread_mutex_init(&px->wk_mu, NULL);
     pthread_cond_init(&px->wk_cv, NULL);
     pthread_mutex_init(&px->m.mu, NULL);
+    pthread_mutex_init(&px->up_mu, NULL);
+    pthread_mutex_init(&px->disc_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* the rounds' timed waits use it */
+    pthread_cond_init(&px->disc_cv, &ca);
+    pthread_condattr_destroy(&ca);
     return px;
 }
 
@@ -386,14 +362,11 @@ int kvb_pd_proxy_start(const kvb_pd_proxy_opts_t *opts, kvb_pd_proxy_t **out, ch
     kvb_pd_proxy_t *px = proxy_new(opts);
     if (!px)
         return KVB_ERR_NOMEM;
-    int rc = init_upstreams(&px->prefill, opts->prefill, opts->n_prefill, true, reason, reason_cap);
-    px->n_prefill = rc ? 0 : opts->n_prefill;
-    if (!rc) {
-        rc = init_upstreams(&px->decode, opts->decode, opts->n_decode, false, reason, reason_cap);
-        px->n_decode = rc ? 0 : opts->n_decode;
-    }
+    int rc = kvb__pxy_sets_init(px, opts, reason, reason_cap);
     if (!rc)
         rc = listen_on(px, opts, reason, reason_cap);
+    if (!rc)
+        rc = kvb__pxy_discover_start(px, reason, reason_cap);
     if (rc) {
         kvb_pd_proxy_stop(px);
         return rc;
@@ -411,6 +384,7 @@ void kvb_pd_proxy_stop(kvb_pd_proxy_t *px)
 {
     if (!px)
         return;
+    kvb__pxy_discover_stop(px); /* first: the sets stop changing */
     atomic_store(&px->stopping, true);
     if (px->mhd)
         MHD_stop_daemon(px->mhd); /* joins the connection threads */
@@ -418,8 +392,10 @@ void kvb_pd_proxy_stop(kvb_pd_proxy_t *px)
     while (px->workers)
         pthread_cond_wait(&px->wk_cv, &px->wk_mu);
     pthread_mutex_unlock(&px->wk_mu);
-    free_upstreams(px->prefill, px->n_prefill);
-    free_upstreams(px->decode, px->n_decode);
+    kvb__pxy_sets_free(px); /* every job is gone: these are the last references */
+    pthread_cond_destroy(&px->disc_cv);
+    pthread_mutex_destroy(&px->disc_mu);
+    pthread_mutex_destroy(&px->up_mu);
     pthread_mutex_destroy(&px->m.mu);
     pthread_cond_destroy(&px->wk_cv);
     pthread_mutex_destroy(&px->wk_mu);

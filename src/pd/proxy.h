@@ -18,33 +18,46 @@
 /* A proxy's kv_mode when it takes what the prefill instance's /pd/info says. */
 #define KVB_PD_KV_AUTO ((kvb_pd_kv_mode_t)0)
 
+#define KVB_PD_PROXY_DISCOVER_MS 1000u /* default interval of discovery rounds */
+
 /* What the caller fills in to start a proxy. Strings are copied. */
 typedef struct {
-    const char *const *prefill; /* base URLs ("http://127.0.0.1:8001"), n_prefill >= 1 */
+    const char *const *prefill; /* base URLs ("http://127.0.0.1:8001"); n_prefill >= 1 unless
+                                 * `discover` is set */
     size_t n_prefill;
-    const char *const *decode; /* base URLs, n_decode >= 1 */
+    const char *const *decode; /* base URLs; n_decode >= 1 unless `discover` is set */
     size_t n_decode;
     const char *bind; /* IPv4 address to listen on; NULL: 127.0.0.1 */
     uint16_t port;    /* 0: any free port (see kvb_pd_proxy_port) */
     kvb_pd_kv_mode_t kv_mode;
     uint32_t timeout_ms; /* a request's deadline; 0: KVB_PD_PROXY_TIMEOUT_MS */
+    /* A metadata store to discover instances from (kvb_pd_server_opts_t.metadata's forms), or
+     * NULL. A thread lists kvbridge/<cluster>/instances/ every discover_interval_ms and adds
+     * the prefill and decode instances it finds, dropping those whose key went away; the static
+     * lists above are kept whatever the store says. */
+    const char *discover;
+    const char *cluster;           /* NULL: "default" */
+    uint32_t discover_interval_ms; /* 0: KVB_PD_PROXY_DISCOVER_MS */
 } kvb_pd_proxy_opts_t;
 
 typedef struct kvb_pd_proxy kvb_pd_proxy_t;
 
 /* Starts a proxy serving POST /v1/completions, GET /health and GET /metrics on its own threads
- * (one per connection, plus one per streamed answer). Contacts no instance yet: each one's
- * /pd/info is fetched on first use and cached. Returns KVB_OK, KVB_ERR_INVALID_ARG (bad options,
- * the reason says which), KVB_ERR_SYSTEM (cannot listen) or KVB_ERR_NOMEM; *out is set only on
- * success. */
+ * (one per connection, plus one per streamed answer, plus the discovery thread). Contacts no
+ * instance yet: each one's /pd/info is fetched on first use and cached; the store is first listed
+ * by the discovery thread, so a store that is down does not stop the start. While a set is empty
+ * requests get 503. Returns KVB_OK, KVB_ERR_INVALID_ARG (bad options - a malformed store URI
+ * too - the reason says which), KVB_ERR_SYSTEM (cannot listen) or KVB_ERR_NOMEM; *out is set
+ * only on success. */
 int kvb_pd_proxy_start(const kvb_pd_proxy_opts_t *opts, kvb_pd_proxy_t **out, char *reason,
                        size_t reason_cap);
 
 /* The port the proxy listens on (the chosen one when opts->port was 0). */
 uint16_t kvb_pd_proxy_port(const kvb_pd_proxy_t *px);
 
-/* Stops accepting, fails the requests in flight (upstream calls are aborted; a stream ends with
- * an error event), waits for every thread and frees the proxy. NULL is ignored. */
+/* Stops the discovery thread (at once between rounds; a list call in progress ends within its
+ * deadline), stops accepting, fails the requests in flight (upstream calls are aborted; a stream
+ * ends with an error event), waits for every thread and frees the proxy. NULL is ignored. */
 void kvb_pd_proxy_stop(kvb_pd_proxy_t *px);
 
 /* ---- Client side: one completion, as a client of the proxy or of an instance sees it ----------

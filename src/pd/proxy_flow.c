@@ -321,8 +321,16 @@ int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job
     job->deadline = kvb__deadline_ms(rq->timeout_ms);
     kvb__pxy_fmt(job->rid, sizeof job->rid, "r-%08x-%llu", px->boot,
                  (unsigned long long)atomic_fetch_add(&px->next_id, 1));
-    job->p = &px->prefill[atomic_fetch_add(&px->rr_prefill, 1) % px->n_prefill];
-    job->d = &px->decode[atomic_fetch_add(&px->rr_decode, 1) % px->n_decode];
+    /* References: discovery may drop either from its set while this request runs. */
+    job->p = kvb__pxy_pick(px, true);
+    job->d = job->p ? kvb__pxy_pick(px, false) : NULL;
+    if (!job->d) {
+        const char *uri = px->meta ? kvb__meta_uri(px->meta) : NULL;
+        set_err(err, 503, "unavailable", "no %s instance available%s%s%s",
+                job->p ? "decode" : "prefill", uri ? " (discovering from " : "", uri ? uri : "",
+                uri ? ")" : "");
+        return -1;
+    }
     json_t *pinfo = info_of(job, job->p, err);
     json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
     int rc = -1;
@@ -394,8 +402,11 @@ void kvb__pxy_job_clear(kvb__pxy_job_t *job)
 {
     json_decref(job->prefill_reply);
     free(job->decode_body);
+    kvb__pxy_upstream_unref(job->p);
+    kvb__pxy_upstream_unref(job->d);
     job->prefill_reply = NULL;
     job->decode_body = NULL;
+    job->p = job->d = NULL;
 }
 
 /* ---- Metrics --------------------------------------------------------------------------------- */

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "meta/meta.h"
 #include "pd/proxy.h"
 
 #define KVB__PXY_BODY_MAX  (16u << 20) /* largest upstream answer kept in memory */
@@ -84,15 +85,30 @@ void kvb__pxy_pipe_detach(kvb__pxy_pipe_t *p);
 
 /* ---- The proxy ------------------------------------------------------------------------------- */
 
-#define KVB__PXY_BUCKETS 13 /* histogram buckets, +Inf aside */
+#define KVB__PXY_BUCKETS    13  /* histogram buckets, +Inf aside */
+#define KVB__PXY_INCARN_MAX 31u /* bytes of an incarnation kept, without the NUL */
 
-/* An instance the proxy routes to, with its /pd/info once learned. */
+/* An instance the proxy routes to, with its /pd/info once learned. Reference counted: its set
+ * holds one reference and every job that picked it another, so that discovery can drop it from
+ * the set while requests still use it; the last kvb__pxy_upstream_unref frees it. */
 typedef struct {
-    char url[256]; /* base URL, no trailing slash */
-    bool prefill;  /* which list it is in */
+    atomic_uint refs;
+    char url[256];   /* base URL, no trailing slash */
+    bool prefill;    /* which set it is in */
+    bool discovered; /* from the store, dropped when its key goes; else static, never dropped */
+    char key[KVB_META_KEY_MAX + 1];            /* discovered: its store key */
+    char incarnation[KVB__PXY_INCARN_MAX + 1]; /* discovered: its value's ("" if none) */
     pthread_mutex_t mu;
     struct json_t *info; /* NULL until fetched; immutable once set (readers take a reference) */
 } kvb__upstream_t;
+
+/* One set of instances (prefill or decode), in the order they were added. */
+typedef struct {
+    kvb__upstream_t **v;
+    size_t n, cap;
+} kvb__upset_t;
+
+typedef struct kvb__pxy_noted kvb__pxy_noted_t; /* refused store values, logged once each */
 
 typedef struct {
     uint64_t count, buckets[KVB__PXY_BUCKETS]; /* cumulative counts per le bucket */
@@ -112,8 +128,8 @@ struct MHD_Response;
 
 struct kvb_pd_proxy {
     struct MHD_Daemon *mhd;
-    kvb__upstream_t *prefill, *decode;
-    size_t n_prefill, n_decode;
+    pthread_mutex_t up_mu; /* the sets; an upstream taken out lives on while referenced */
+    kvb__upset_t prefill, decode;
     atomic_uint_fast64_t rr_prefill, rr_decode, next_id;
     kvb_pd_kv_mode_t kv_mode;
     uint32_t timeout_ms;
@@ -125,6 +141,21 @@ struct kvb_pd_proxy {
     pthread_cond_t wk_cv;
     unsigned workers;
     kvb__pxy_metrics_t m;
+
+    /* Discovery (proxy_discover.c); meta is NULL without a store. */
+    kvb_meta_t *meta;
+    char cluster[64];
+    char prefix[KVB_META_KEY_MAX + 1]; /* kvbridge/<cluster>/instances/ */
+    uint32_t discover_ms;
+    pthread_t disc;
+    bool disc_started;
+    pthread_mutex_t disc_mu; /* disc_stop; the wait between rounds */
+    pthread_cond_t disc_cv;
+    bool disc_stop;
+    atomic_bool store_ok;        /* the last round's list call succeeded */
+    atomic_uint_fast64_t rounds; /* rounds done */
+    bool outage_logged;          /* discovery thread only */
+    kvb__pxy_noted_t *noted;     /* discovery thread only */
 };
 
 /* A client's error: what the proxy answers, as HTTP status and a JSON error body. */
@@ -150,7 +181,7 @@ typedef struct {
 typedef struct {
     kvb_pd_proxy_t *px;
     char rid[48];
-    kvb__upstream_t *p, *d;
+    kvb__upstream_t *p, *d; /* referenced until kvb__pxy_job_clear */
     kvb_pd_kv_mode_t mode;
     bool reserved; /* push: the decode holds blocks for us until /pd/abort or its deadline */
     uint64_t t_start, deadline;
@@ -195,6 +226,30 @@ double kvb__pxy_bucket_bound(int i);
  * or fails. Returns 0 with *resp (a libmicrohttpd response that owns the relay), or -1 with *err.
  * Takes the job over in both cases. */
 int kvb__pxy_stream(kvb__pxy_job_t *job, struct MHD_Response **resp, kvb__pxy_err_t *err);
+
+/* ---- Instance sets and discovery (proxy_discover.c) ------------------------------------------ */
+
+void kvb__pxy_upstream_ref(kvb__upstream_t *u);
+/* Drops a reference; the last one frees the upstream. NULL is ignored. */
+void kvb__pxy_upstream_unref(kvb__upstream_t *u);
+
+/* Checks the options' instance lists and discovery settings and fills the static sets; opens
+ * the store client (without contacting the store). KVB_ERR_INVALID_ARG with a reason. */
+int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap);
+/* The next instance of a set in turn, with a reference for the caller; NULL when it is empty. */
+kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
+/* A referenced copy of both sets (prefill first) in a malloc'd array; *n its length. Release
+ * with kvb__pxy_snapshot_free. */
+kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n);
+void kvb__pxy_snapshot_free(kvb__upstream_t **v, size_t n);
+/* Starts the discovery thread (nothing without a store). KVB_ERR_SYSTEM with a reason. */
+int kvb__pxy_discover_start(kvb_pd_proxy_t *px, char *reason, size_t cap);
+/* Wakes and joins the discovery thread (idempotent). */
+void kvb__pxy_discover_stop(kvb_pd_proxy_t *px);
+/* Drops both sets and closes the store client; after kvb__pxy_discover_stop. */
+void kvb__pxy_sets_free(kvb_pd_proxy_t *px);
+/* The /health "discovery" object, or NULL without a store (a new reference). */
+struct json_t *kvb__pxy_discovery_health(kvb_pd_proxy_t *px);
 
 /* snprintf into a fixed buffer, never failing (truncates). */
 void kvb__pxy_fmt(char *buf, size_t cap, const char *fmt, ...)

@@ -88,7 +88,15 @@ static int rank_init(kvb_pd_server_t *srv, uint32_t r, char *reason, size_t cap)
     kvb_config_t c;
     kvb_config_init(&c);
     c.bind_addr = srv->addr;
+    if (srv->meta) { /* the engine publishes its segment there; its name stays host:port */
+        c.metadata = srv->metadata;
+        c.cluster = srv->cluster;
+        c.metadata_ttl_ms = srv->opts.metadata_ttl_ms;
+    }
     int rc = kvb_engine_create(&c, &rk->engine);
+    if (rc == KVB_ERR_META_UNREACHABLE)
+        return kvb__fail(reason, cap, rc, "rank %u: metadata store %s unreachable", r,
+                         kvb__meta_uri(srv->meta));
     if (rc)
         return kvb__fail(reason, cap, rc, "rank %u: cannot create engine on %s: %s", r, srv->addr,
                          kvb_strerror(rc));
@@ -267,7 +275,7 @@ static int check_opts(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bind address too long");
     if (strlen(o->model) >= 4096)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "model path too long");
-    return KVB_OK;
+    return kvb__pd_reg_check(o, reason, cap);
 }
 
 static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
@@ -277,6 +285,12 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
     snprintf(srv->model_spec, sizeof srv->model_spec, "%s", o->model);
     srv->opts.model = srv->model_spec;
     srv->opts.bind = srv->addr;
+    snprintf(srv->metadata, sizeof srv->metadata, "%s", o->metadata ? o->metadata : "");
+    snprintf(srv->cluster, sizeof srv->cluster, "%s", o->cluster ? o->cluster : KVB_META_CLUSTER);
+    srv->opts.metadata = srv->metadata;
+    srv->opts.cluster = srv->cluster;
+    if (!srv->opts.metadata_ttl_ms)
+        srv->opts.metadata_ttl_ms = KVB_META_TTL_MS;
     if (!srv->opts.blocks)
         srv->opts.blocks = KVB_PD_SERVER_BLOCKS;
     if (!srv->opts.lease_ms)
@@ -291,7 +305,9 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
 
 static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
 {
-    int rc = kvb_pd_model_open(srv->opts.model, srv->opts.seed, &srv->model, reason, cap);
+    int rc = kvb__pd_reg_open(srv, reason, cap);
+    if (!rc)
+        rc = kvb_pd_model_open(srv->opts.model, srv->opts.seed, &srv->model, reason, cap);
     if (!rc)
         rc = kvb_pd_blocks_create(srv->total_blocks, &srv->pool);
     srv->ranks = rc ? NULL : calloc(srv->tp, sizeof *srv->ranks);
@@ -310,6 +326,8 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
     }
     if (!rc)
         rc = http_start(srv, reason, cap);
+    if (!rc) /* only now: a proxy must never find an instance that cannot answer yet */
+        rc = kvb__pd_reg_publish(srv, reason, cap);
     return rc;
 }
 
@@ -355,7 +373,8 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
 {
     if (!srv)
         return;
-    if (srv->httpd) /* joins the connection threads: no handler runs after this */
+    kvb__pd_reg_close(srv); /* withdrawn first: proxies stop routing here before HTTP stops */
+    if (srv->httpd)         /* joins the connection threads: no handler runs after this */
         MHD_stop_daemon(srv->httpd);
     pthread_mutex_lock(&srv->mu);
     srv->stop = true;

@@ -4,6 +4,7 @@
 #ifndef KVB_PD_SERVER_H
 #define KVB_PD_SERVER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,6 +19,7 @@ typedef enum { KVB_PD_KV_PULL = 1, KVB_PD_KV_PUSH } kvb_pd_kv_mode_t;
 #define KVB_PD_SERVER_BODY_MAX   (1u << 20) /* request bodies over this get 413 */
 #define KVB_PD_SERVER_TIMEOUT_MS 30000u     /* default deadline of a request */
 #define KVB_PD_SERVER_MAX_TOKENS 4096u
+#define KVB_PD_SERVER_META_MS    3000u /* deadline of each metadata store call */
 
 /* What `kvbridge serve` takes; zero-initialise, then fill. */
 typedef struct {
@@ -30,9 +32,23 @@ typedef struct {
     uint16_t port;     /* HTTP port; 0: any free one (see kvb_pd_server_port) */
     uint64_t blocks;   /* blocks per rank; 0: KVB_PD_SERVER_BLOCKS */
     uint32_t lease_ms; /* pull lease; 0: KVB_PD_SERVER_LEASE_MS */
+    /* A metadata store ("etcd://h:p[,h:p]", "redis://[:pw@]h:p[/db]", "http://h:p[/prefix]"),
+     * or NULL, "" or "p2p" for none. With one, every rank's engine publishes its segment there
+     * and the instance registers itself under kvbridge/<cluster>/instances/<addr>:<port> (see
+     * docs/pd-protocol.md) for proxies to discover. */
+    const char *metadata;
+    const char *cluster;      /* namespace of the keys; NULL: "default" */
+    uint32_t metadata_ttl_ms; /* how long the keys outlive a crash; 0: 10000, else >= 1000 */
 } kvb_pd_server_opts_t;
 
 typedef struct kvb_pd_server kvb_pd_server_t;
+
+/* Whether `name` can be a cluster name in metadata keys: 1..63 characters of [A-Za-z0-9._-]. */
+bool kvb_pd_cluster_valid(const char *name);
+
+/* Whether `uri` names a metadata store in a form the store client accepts (the store is not
+ * contacted; "p2p" and "" name none, so they are not). Logs why when it is not. */
+bool kvb_pd_store_uri_valid(const char *uri);
 
 /* "prefill", "decode", "both" / "pull", "push" (static strings), and their parsers (0 or -1). */
 const char *kvb_pd_role_name(kvb_pd_role_t role);
@@ -41,9 +57,11 @@ int kvb_pd_role_parse(const char *s, kvb_pd_role_t *out);
 int kvb_pd_kv_mode_parse(const char *s, kvb_pd_kv_mode_t *out);
 
 /* Loads the model, creates the rank engines, caches and agents, starts the lease reaper and the
- * HTTP daemon; requests are served from other threads as soon as this returns. Returns KVB_OK,
- * or an error with a reason (bad options, model refused, port in use: KVB_ERR_ADDR_IN_USE);
- * *out is set only on success. `opts` strings need not outlive the call. */
+ * HTTP daemon and, with a metadata store, registers the instance once HTTP serves; requests are
+ * served from other threads as soon as this returns. Returns KVB_OK, or an error with a reason
+ * (bad options, model refused, port in use: KVB_ERR_ADDR_IN_USE, the store cannot be reached:
+ * KVB_ERR_META_UNREACHABLE); *out is set only on success. `opts` strings need not outlive the
+ * call. */
 int kvb_pd_server_create(const kvb_pd_server_opts_t *opts, kvb_pd_server_t **out, char *reason,
                          size_t reason_cap);
 
@@ -53,8 +71,9 @@ uint16_t kvb_pd_server_port(const kvb_pd_server_t *srv);
 /* The address served, as given (or "127.0.0.1"). Valid while the server is. */
 const char *kvb_pd_server_addr(const kvb_pd_server_t *srv);
 
-/* Stops the HTTP daemon (waiting for requests in progress, whose waits all have deadlines), the
- * reaper, frees every lease and reservation, links, agents, caches and engines. NULL is ignored. */
+/* Withdraws the instance's registration (so that proxies stop routing to it first), stops the
+ * HTTP daemon (waiting for requests in progress, whose waits all have deadlines), the reaper,
+ * frees every lease and reservation, links, agents, caches and engines. NULL is ignored. */
 void kvb_pd_server_destroy(kvb_pd_server_t *srv);
 
 #endif

@@ -12,6 +12,7 @@
 
 #include "kvbridge/engine.h"
 #include "kvbridge/kv.h"
+#include "meta/meta.h"
 #include "pd/http.h"
 #include "pd/model.h"
 #include "pd/server.h"
@@ -103,6 +104,13 @@ struct kvb_pd_server {
 
     struct MHD_Daemon *httpd;
     uint16_t port;
+
+    /* Registration with a metadata store (server_reg.c); meta is NULL without one. */
+    char metadata[KVB_META_URI_MAX + 1];
+    char cluster[64];
+    kvb_meta_t *meta;
+    char inst_key[KVB_META_KEY_MAX + 1]; /* our key, once registered */
+    char incarnation[17];                /* 16 hex digits, new at every start */
 };
 
 /* ---- server.c -------------------------------------------------------------------------------- */
@@ -129,6 +137,20 @@ void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, ui
 void *kvb__pd_reaper_main(void *arg);
 /* Frees every entry's blocks (at shutdown). */
 void kvb__pd_ents_clear(kvb_pd_server_t *srv);
+
+/* ---- server_reg.c: registration with a metadata store ------------------------------------- */
+
+/* Checks the metadata options (cluster name, TTL, URI length); the reason says what is wrong. */
+int kvb__pd_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap);
+/* Opens the store client (when opts name a store) and checks that the store answers, before
+ * anything slow starts. KVB_ERR_INVALID_ARG for a malformed URI, KVB_ERR_META_UNREACHABLE. */
+int kvb__pd_reg_open(kvb_pd_server_t *srv, char *reason, size_t cap);
+/* Registers the instance (HTTP must serve already); the store client keeps the key alive. */
+int kvb__pd_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap);
+/* Appends the /health "metadata" object (nothing without a store). */
+void kvb__pd_reg_health(kvb_pd_server_t *srv, json_t *health);
+/* Withdraws the registration and closes the client (idempotent). */
+void kvb__pd_reg_close(kvb_pd_server_t *srv);
 
 /* ---- server_links.c ------------------------------------------------------------------------- */
 

@@ -146,5 +146,6 @@ enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn
                   "tp", (int)srv->tp, "kv_mode", kvb_pd_kv_mode_name(srv->opts.kv_mode),
                   "free_blocks", (json_int_t)kvb_pd_blocks_available(srv->pool), "total_blocks",
                   (json_int_t)srv->total_blocks, "links", links);
+    kvb__pd_reg_health(srv, o);
     return kvb__http_json(conn, 200, o);
 }

@@ -14,11 +14,27 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvbridge proxy --prefill URL[,URL...] --decode URL[,URL...] --port P\n"
-               "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n\n"
-               "Serves POST /v1/completions, GET /health and GET /metrics; each request goes to\n"
-               "the next prefill and decode instance in turn. --kv-mode defaults to what the\n"
-               "prefill instance reports; --timeout-ms (default 30000) bounds every request.\n");
+    fprintf(f,
+            "usage: kvbridge proxy --prefill URL[,URL...] --decode URL[,URL...] --port P\n"
+            "       kvbridge proxy --discover URI [--cluster NAME] [--discover-interval-ms N]\n"
+            "                      [--prefill URL[,URL...]] [--decode URL[,URL...]] --port P\n"
+            "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n\n"
+            "Serves POST /v1/completions, GET /health and GET /metrics; each request goes to\n"
+            "the next prefill and decode instance in turn. --kv-mode defaults to what the\n"
+            "prefill instance reports; --timeout-ms (default 30000) bounds every request.\n\n"
+            "  --discover URI  find instances in a metadata store (etcd://H:P[,H:P],\n"
+            "                  redis://[:PW@]H:P[/DB] or http://H:P[/PREFIX]) where\n"
+            "                  `kvbridge serve --metadata URI` registers them: the proxy lists\n"
+            "                  kvbridge/CLUSTER/instances/ every interval, adds new prefill and\n"
+            "                  decode instances and drops those whose key is gone (--prefill and\n"
+            "                  --decode entries are never dropped). While the store cannot be\n"
+            "                  reached it keeps the instances it knows; with none of a role,\n"
+            "                  requests get 503\n"
+            "  --cluster NAME  namespace of the keys (default \"default\")\n"
+            "  --discover-interval-ms N  time between two listings (default %u)\n\n"
+            "Prints \"proxy on http://ADDR:PORT\" when ready.\n"
+            "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
+            KVB_PD_PROXY_DISCOVER_MS);
 }
 
 /* Splits a comma-separated list in place into urls[], appending to *n. */
@@ -63,6 +79,20 @@ static int parse_one(args_t *a, const char *opt, char *val)
         a->o.timeout_ms = (uint32_t)v;
         return 0;
     }
+    if (!strcmp(opt, "--discover")) {
+        a->o.discover = val;
+        return kvb_pd_store_uri_valid(val) ? 0 : -1;
+    }
+    if (!strcmp(opt, "--cluster")) {
+        a->o.cluster = val;
+        return kvb_pd_cluster_valid(val) ? 0 : -1;
+    }
+    if (!strcmp(opt, "--discover-interval-ms")) {
+        if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
+            return -1;
+        a->o.discover_interval_ms = (uint32_t)v;
+        return 0;
+    }
     return -1;
 }
 
@@ -71,14 +101,20 @@ static int parse(args_t *a, int argc, char **argv)
     bool have_port = false;
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc || parse_one(a, argv[i], argv[i + 1])) {
-            fprintf(stderr, "kvbridge proxy: bad or incomplete option '%s'\n", argv[i]);
+            fprintf(stderr, "kvbridge proxy: bad or incomplete option '%s%s%s'\n", argv[i],
+                    i + 1 < argc ? " " : "", i + 1 < argc ? argv[i + 1] : "");
             return -1;
         }
         have_port |= !strcmp(argv[i], "--port");
         i++;
     }
-    if (!a->o.n_prefill || !a->o.n_decode || !have_port) {
-        fprintf(stderr, "kvbridge proxy: --prefill, --decode and --port are required\n");
+    if (((!a->o.n_prefill || !a->o.n_decode) && !a->o.discover) || !have_port) {
+        fprintf(stderr, "kvbridge proxy: --port, and --prefill and --decode or --discover, are "
+                        "required\n");
+        return -1;
+    }
+    if (!a->o.discover && (a->o.cluster || a->o.discover_interval_ms)) {
+        fprintf(stderr, "kvbridge proxy: --cluster and --discover-interval-ms need --discover\n");
         return -1;
     }
     a->o.prefill = a->prefill;

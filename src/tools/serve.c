@@ -13,7 +13,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
-            "                      [--blocks N] [--lease-ms N]\n\n"
+            "                      [--blocks N] [--lease-ms N]\n"
+            "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
             "  --role R        prefill, decode, or both (colocated: /v1/completions locally)\n"
             "  --model M       a preset (tiny-gqa, tiny-mla) or a weight file\n"
@@ -23,7 +24,15 @@ static void usage(FILE *f)
             "  --bind ADDR     address of HTTP and the engines (default 127.0.0.1)\n"
             "  --kv-mode M     pull (default) or push\n"
             "  --blocks N      KV blocks of 16 tokens per rank (default %u)\n"
-            "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u)\n\n"
+            "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u)\n"
+            "  --metadata URI  a metadata store: etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or\n"
+            "                  http://H:P[/PREFIX] (kvbridge metadata-server). The engines\n"
+            "                  publish their segments there, and once HTTP serves the instance\n"
+            "                  registers as kvbridge/CLUSTER/instances/ADDR:PORT, so that\n"
+            "                  `kvbridge proxy --discover URI` finds it; withdrawn at exit, and\n"
+            "                  gone within the TTL after a crash. Unreachable at start: exit 1\n"
+            "  --cluster NAME  namespace of the keys (default \"default\")\n"
+            "  --metadata-ttl-ms N  how long the keys outlive a crash (default 10000, min 1000)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
             KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS);
@@ -66,6 +75,20 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
             return bad("bad --lease-ms", val);
         o->lease_ms = (uint32_t)v;
+    } else if (!strcmp(opt, "--metadata")) {
+        if (!kvb_pd_store_uri_valid(val))
+            return bad("bad --metadata (want etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or "
+                       "http://H:P[/PREFIX])",
+                       val);
+        o->metadata = val;
+    } else if (!strcmp(opt, "--cluster")) {
+        if (!kvb_pd_cluster_valid(val))
+            return bad("bad --cluster (1..63 characters of [A-Za-z0-9._-])", val);
+        o->cluster = val;
+    } else if (!strcmp(opt, "--metadata-ttl-ms")) {
+        if (kvb_cli_parse_uint(val, 3600000, &v) || v < 1000)
+            return bad("bad --metadata-ttl-ms (1000..3600000)", val);
+        o->metadata_ttl_ms = (uint32_t)v;
     } else {
         return bad("unknown option", opt);
     }
@@ -92,6 +115,8 @@ static int parse_args(int argc, char **argv, kvb_pd_server_opts_t *o)
         return bad("--role is required", NULL);
     if (!o->model)
         return bad("--model is required", NULL);
+    if (!o->metadata && (o->cluster || o->metadata_ttl_ms))
+        return bad("--cluster and --metadata-ttl-ms need --metadata", NULL);
     return port_set ? 0 : bad("--port is required", NULL);
 }
 

@@ -42,7 +42,7 @@ Test(engine, config_is_checked)
     c.lanes = 17;
     cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
     kvb_config_init(&c);
-    c.metadata = "etcd://127.0.0.1:2379";
+    c.metadata = "consul://127.0.0.1:8500"; /* etcd, redis and http stores: tests/meta */
     cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_UNSUPPORTED);
     kvb_config_init(&c);
     c.port = 9000;
