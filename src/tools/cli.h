@@ -22,6 +22,12 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
 /* A ceiling measured now: "tcp" (raw loopback socket stream) or "memcpy", in GB/s (< 0: error). */
 double kvb_bench_ceiling(const char *what, uint64_t block, int secs);
 
+/* For the long-running commands (serve, proxy, metadata-server): blocks SIGINT and SIGTERM in
+ * the calling thread - call it before any thread exists, so that every thread inherits the mask -
+ * and ignores SIGPIPE; kvb_cli_wait_stop() then waits for one of the two and returns it. */
+void kvb_cli_block_stop_signals(void);
+int kvb_cli_wait_stop(void);
+
 /* Parses a size with an optional K/M/G suffix (powers of 1024). Returns 0 on success. */
 int kvb_cli_parse_size(const char *s, uint64_t *out);
 /* Parses a non-negative integer no larger than max. Returns 0 on success. */

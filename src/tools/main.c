@@ -1,12 +1,38 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The kvbridge command: dispatches to subcommands (bench, ...) and holds their shared parsers. */
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvbridge/engine.h"
 #include "tools/cli.h"
+
+static sigset_t stop_signals(void)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    return set;
+}
+
+void kvb_cli_block_stop_signals(void)
+{
+    sigset_t set = stop_signals();
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a peer gone mid-answer is an error return, not a death */
+}
+
+int kvb_cli_wait_stop(void)
+{
+    sigset_t set = stop_signals();
+    int sig = 0;
+    sigwait(&set, &sig);
+    return sig;
+}
 
 int kvb_cli_parse_uint(const char *s, uint64_t max, uint64_t *out)
 {

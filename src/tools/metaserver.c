@@ -727,14 +727,7 @@ int kvb_cmd_metadata_server(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    /* Block the stop signals before any thread exists, so that all inherit the mask and only
-     * sigwait() below ever sees them. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    kvb_cli_block_stop_signals(); /* before any thread exists */
     msrv_t ms = {0};
     snprintf(ms.prefix, sizeof ms.prefix, "%s", a.prefix);
     ms.plen = strlen(ms.prefix);
@@ -751,8 +744,7 @@ int kvb_cmd_metadata_server(int argc, char **argv)
     printf("metadata server on http://%s%s%s:%u%s\n", v6 ? "[" : "", a.bind, v6 ? "]" : "",
            (unsigned)a.port, ms.prefix);
     fflush(stdout);
-    int sig = 0;
-    sigwait(&set, &sig);
+    int sig = kvb_cli_wait_stop();
     fprintf(stderr, "kvbridge metadata-server: %s, stopping\n",
             sig == SIGINT ? "SIGINT" : "SIGTERM");
     MHD_stop_daemon(ms.httpd); /* joins the connection threads: no handler runs after this */

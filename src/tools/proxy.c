@@ -134,14 +134,7 @@ int kvb_cmd_proxy(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    /* Block the stop signals before any thread exists, so that all inherit the mask and only
-     * sigwait() below ever sees them. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    kvb_cli_block_stop_signals(); /* before any thread exists */
     kvb_pd_proxy_t *px;
     char why[256];
     if (kvb_pd_proxy_start(&a.o, &px, why, sizeof why)) {
@@ -151,8 +144,7 @@ int kvb_cmd_proxy(int argc, char **argv)
     printf("proxy on http://%s:%u\n", a.o.bind ? a.o.bind : "127.0.0.1",
            (unsigned)kvb_pd_proxy_port(px));
     fflush(stdout);
-    int sig = 0;
-    sigwait(&set, &sig);
+    int sig = kvb_cli_wait_stop();
     fprintf(stderr, "kvbridge proxy: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
     kvb_pd_proxy_stop(px);
     return 0;

@@ -126,14 +126,7 @@ int kvb_cmd_serve(int argc, char **argv)
     int rc = parse_args(argc, argv, &o);
     if (rc)
         return rc == 1 ? 0 : rc;
-    /* Blocked before any thread starts, so every thread inherits the mask and the signals
-     * reach only sigwait() below: the server stops from this thread, never from a handler. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN); /* a client gone mid-answer is an error return, not a death */
+    kvb_cli_block_stop_signals(); /* before any thread exists */
     char why[512];
     kvb_pd_server_t *srv = NULL;
     if (kvb_pd_server_create(&o, &srv, why, sizeof why)) {
@@ -143,8 +136,7 @@ int kvb_cmd_serve(int argc, char **argv)
     printf("serving %s on http://%s:%u (tp %u, kv-mode %s)\n", kvb_pd_role_name(o.role),
            kvb_pd_server_addr(srv), kvb_pd_server_port(srv), o.tp, kvb_pd_kv_mode_name(o.kv_mode));
     fflush(stdout);
-    int sig = 0;
-    sigwait(&set, &sig);
+    int sig = kvb_cli_wait_stop();
     fprintf(stderr, "kvbridge serve: %s, stopping\n", strsignal(sig));
     kvb_pd_server_destroy(srv);
     return 0;
