@@ -941,7 +941,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             o->json = true;
             break;
         case 'M':
-            o->metadata = optarg;
+            o->metadata = strcmp(optarg, "p2p") ? optarg : NULL; /* NULL: no store */
             break;
         case 'C':
             o->cluster = optarg;
