@@ -126,7 +126,9 @@ KVB_API int kvb_unregister(kvb_engine_t *engine, void *addr);
  * published): connects, checks protocol versions, learns the peer's incarnation and fetches its
  * region list. Blocks for at most the connect timeout (plus one store lookup).
  * Opening an already open segment returns the same handle (each open needs a close); opening a
- * segment whose peer was lost reconnects it in place. */
+ * segment whose peer was lost reconnects it in place (with a metadata store, to the address its
+ * current descriptor names). With a store: KVB_ERR_SEGMENT_NOT_FOUND when no live descriptor has
+ * this name, KVB_ERR_META_UNREACHABLE when the store does not answer. */
 KVB_API int kvb_segment_open(kvb_engine_t *engine, const char *name, kvb_segment_t *out);
 
 /* Drops one reference to `seg`; the last one closes its connections. Requests in flight on it
