@@ -26,6 +26,8 @@ double kvb_bench_ceiling(const char *what, uint64_t block, int secs);
  * the calling thread - call it before any thread exists, so that every thread inherits the mask -
  * and ignores SIGPIPE; kvb_cli_wait_stop() then waits for one of the two and returns it. */
 void kvb_cli_block_stop_signals(void);
+/* True if argv[1..argc) holds --help or -h. */
+bool kvb_cli_wants_help(int argc, char **argv);
 int kvb_cli_wait_stop(void);
 
 /* Parses a size with an optional K/M/G suffix (powers of 1024). Returns 0 on success. */

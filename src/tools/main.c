@@ -26,6 +26,14 @@ void kvb_cli_block_stop_signals(void)
     signal(SIGPIPE, SIG_IGN); /* a peer gone mid-answer is an error return, not a death */
 }
 
+bool kvb_cli_wants_help(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
+            return true;
+    return false;
+}
+
 int kvb_cli_wait_stop(void)
 {
     sigset_t set = stop_signals();

@@ -717,11 +717,10 @@ static void store_init(store_t *st)
 
 int kvb_cmd_metadata_server(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        }
+    if (kvb_cli_wants_help(argc, argv)) {
+        usage(stdout);
+        return 0;
+    }
     args_t a = {0};
     if (parse(&a, argc, argv)) {
         usage(stderr);

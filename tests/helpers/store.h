@@ -19,6 +19,15 @@ typedef struct {
     char uri[128];      /* "redis://127.0.0.1:P", "etcd://127.0.0.1:P", "http://127.0.0.1:P" */
 } test_store_t;
 
+/* Criterion parameters that run a ParameterizedTest(test_store_kind_t *kind, suite, name) once
+ * per store (the including file includes <criterion/parameterized.h>). */
+#define TEST_STORE_EACH(suite, name)                                                               \
+    ParameterizedTestParameters(suite, name)                                                       \
+    {                                                                                              \
+        static test_store_kind_t kinds[] = {TEST_STORE_REDIS, TEST_STORE_ETCD, TEST_STORE_HTTP};   \
+        return cr_make_param_array(test_store_kind_t, kinds, 3);                                   \
+    }
+
 /* "redis", "etcd", "http" (static); "?" for anything else. */
 const char *test_store_kind_name(test_store_kind_t k);
 

@@ -11,12 +11,7 @@
 #include "helpers/store.h"
 #include "meta/meta.h"
 
-static const test_store_kind_t KINDS[] = {TEST_STORE_REDIS, TEST_STORE_ETCD, TEST_STORE_HTTP};
-
-ParameterizedTestParameters(meta_client, basic)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_client, basic)
 
 static kvb_meta_t *client(const test_store_t *s, uint32_t ttl_ms)
 {
@@ -98,10 +93,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_client, basic, .timeout = 60)
     test_store_stop(&s);
 }
 
-ParameterizedTestParameters(meta_client, ttl_and_owned)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_client, ttl_and_owned)
 
 /* A key put with a TTL expires; an owned key outlives several TTLs while its client lives and is
  * deleted when the client closes. */
@@ -128,10 +120,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_client, ttl_and_owned, .timeout 
     test_store_stop(&s);
 }
 
-ParameterizedTestParameters(meta_client, outage)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_client, outage)
 
 /* The store goes away: calls fail at once with KVB_ERR_META_UNREACHABLE; when it is back, owned
  * keys are there again within a TTL (Redis restarts empty: the keeper re-creates them). */

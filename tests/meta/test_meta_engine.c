@@ -23,8 +23,6 @@
 #define TTL_MS 2000u
 #define LEN    (4u << 20)
 
-static const test_store_kind_t KINDS[] = {TEST_STORE_REDIS, TEST_STORE_ETCD, TEST_STORE_HTTP};
-
 typedef struct {
     test_store_t store;
     kvb_engine_t *eng;
@@ -107,10 +105,7 @@ static char *descriptor(fixture_t *f, const char *name)
     return v;
 }
 
-ParameterizedTestParameters(meta_engine, open_by_name)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_engine, open_by_name)
 
 ParameterizedTest(test_store_kind_t *kind, meta_engine, open_by_name, .timeout = 90)
 {
@@ -176,10 +171,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_engine, open_by_name, .timeout =
     teardown(&f);
 }
 
-ParameterizedTestParameters(meta_engine, owner_killed)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_engine, owner_killed)
 
 ParameterizedTest(test_store_kind_t *kind, meta_engine, owner_killed, .timeout = 90)
 {
@@ -208,10 +200,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_engine, owner_killed, .timeout =
     teardown(&f);
 }
 
-ParameterizedTestParameters(meta_engine, restart_and_takeover)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_engine, restart_and_takeover)
 
 ParameterizedTest(test_store_kind_t *kind, meta_engine, restart_and_takeover, .timeout = 90)
 {
@@ -260,10 +249,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_engine, restart_and_takeover, .t
     teardown(&f);
 }
 
-ParameterizedTestParameters(meta_engine, store_outage)
-{
-    return cr_make_param_array(test_store_kind_t, (test_store_kind_t *)KINDS, 3);
-}
+TEST_STORE_EACH(meta_engine, store_outage)
 
 ParameterizedTest(test_store_kind_t *kind, meta_engine, store_outage, .timeout = 120)
 {
