@@ -7,7 +7,7 @@ JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
 BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev \
-              libhiredis-dev
+              libhiredis-dev libssl-dev
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server
 DEMO_PKGS  := $(BUILD_PKGS)
 

@@ -26,9 +26,13 @@ typedef struct kvb_batch kvb_batch_t;
 /* A handle to an opened remote segment. 0 is never a valid handle. */
 typedef uint32_t kvb_segment_t;
 
-/* Engine configuration. Initialise with kvb_config_init() and change what you need; strings are
- * copied by kvb_engine_create() and need not outlive the call. */
+/* Engine configuration. Initialise with kvb_config_init() and change what you need; strings and
+ * the secret are copied by kvb_engine_create() and need not outlive the call. The struct only
+ * grows at its end: kvb_config_init() records the caller's sizeof in `size`, so a program built
+ * against an older header keeps working with a newer library (fields it does not know about keep
+ * their defaults). */
 typedef struct {
+    size_t size;                 /* set by kvb_config_init(); do not change */
     const char *bind_addr;       /* IPv4/IPv6 literal or host name; default "127.0.0.1" */
     const char *advertise_addr;  /* what peers dial; default bind_addr ("0.0.0.0": the host name) */
     uint16_t port;               /* 0: any free port; else the first port tried */
@@ -47,6 +51,17 @@ typedef struct {
                           * "default" (1..63 characters of [A-Za-z0-9._-]) */
     uint32_t metadata_ttl_ms; /* how long a store keeps our descriptor after we stop refreshing
                                * it (we died); default 10000, at least 1000 */
+    /* The cluster secret (see "Security" below): peers must prove they know it before they learn
+     * or touch anything. NULL: read the file named by the environment variable KVB_SECRET_FILE,
+     * if set; else no secret, which only an engine bound to a loopback address may run with. */
+    const void *secret;
+    size_t secret_len; /* 16..4096 bytes */
+    int insecure;      /* non-zero: allow a non-loopback bind without a secret (warns once) */
+    uint32_t peer_timeout_ms; /* a peer that neither sends nor acknowledges anything for this
+                               * long while requests are in flight is lost; default 5000 */
+    uint32_t max_connections; /* connections this engine accepts at once; default 4096 */
+    uint64_t shm_map_max;     /* bytes of one same-host peer's memory this engine maps at most;
+                               * default 64 GiB */
 } kvb_config_t;
 
 /* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
@@ -64,8 +79,20 @@ typedef struct {
  * now belongs to a new incarnation fails with KVB_ERR_PEER_RESTARTED, and reopening it connects to
  * the new owner. Transfers on open segments never touch the store. */
 
-/* Fills *cfg with the defaults listed above. */
-KVB_API void kvb_config_init(kvb_config_t *cfg);
+/* Security. Every connection between engines starts with a mutual challenge-response: each side
+ * sends a fresh random nonce and proves knowledge of the cluster secret with an HMAC-SHA256 over
+ * both nonces, both sides' identities (segment name, incarnation, pid, host), the connection's
+ * lane and the protocol version. Until that succeeds nothing but the handshake is accepted: no
+ * region list, attribute, data or notification. A peer with a wrong or missing secret fails
+ * with KVB_ERR_AUTH (and is logged by both sides). Notifications carry the segment name the
+ * sender proved in its handshake. The same-host path is bound to an authenticated connection by
+ * a one-time token and to the same user id. Data on the wire is authenticated per connection
+ * but NOT encrypted: run it on a trusted network or under a VPN/IPsec where that matters. */
+
+/* Fills *cfg with the defaults listed above and records sizeof *cfg (a macro, so the size is the
+ * caller's). kvb_config_init_v is what it calls, for bindings that cannot use the macro. */
+KVB_API void kvb_config_init_v(kvb_config_t *cfg, size_t size);
+#define kvb_config_init(cfg) kvb_config_init_v((cfg), sizeof *(cfg))
 
 /* Creates an engine: binds and listens, starts the progress threads. On success stores the engine
  * in *out and returns KVB_OK; on error returns a negative status and leaves *out untouched. */
@@ -87,7 +114,7 @@ typedef struct {
 KVB_API int kvb_engine_stats(kvb_engine_t *engine, kvb_stats_t *out);
 
 /* This engine's segment name (what peers pass to kvb_segment_open). Valid while the engine is. */
-const char *kvb_engine_segment_name(const kvb_engine_t *engine);
+KVB_API const char *kvb_engine_segment_name(const kvb_engine_t *engine);
 
 /* The TCP port the engine listens on. */
 KVB_API uint16_t kvb_engine_port(const kvb_engine_t *engine);

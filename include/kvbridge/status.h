@@ -42,6 +42,7 @@ extern "C" {
     XX(ERR_VERSION, -103, "peer speaks an incompatible protocol version")                          \
     XX(ERR_PEER_RESTARTED, -104, "peer restarted (new incarnation); reopen the segment")           \
     XX(ERR_RESOLVE, -105, "cannot resolve segment address")                                        \
+    XX(ERR_AUTH, -106, "peer authentication failed (wrong or missing cluster secret)")             \
     XX(ERR_REMOTE_NOT_REGISTERED, -200, "remote address range is not registered")                  \
     XX(ERR_ACCESS_DENIED, -201, "remote region does not grant this access")                        \
     XX(ERR_REMOTE_NO_SPACE, -202, "peer's notification queue is full")                             \

@@ -4,6 +4,7 @@
 #include "engine/internal.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,27 +12,37 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/log.h"
 #include "transport/shm.h"
 
 #define NOTIFY_QUEUE_CAP 1024
 
-void kvb_config_init(kvb_config_t *cfg)
+void kvb_config_init_v(kvb_config_t *cfg, size_t size)
 {
-    if (!cfg)
+    if (!cfg || size < sizeof cfg->size)
         return;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->bind_addr = "127.0.0.1";
-    cfg->metadata = "p2p";
-    cfg->progress_threads = 1;
-    cfg->lanes = 2;
-    cfg->timeout_ms = 30000;
-    cfg->connect_timeout_ms = 5000;
-    cfg->protocol = "auto";
-    cfg->copy_threads = 1;
-    cfg->cluster = "default";
-    cfg->metadata_ttl_ms = 10000;
+    kvb_config_t d;
+    memset(&d, 0, sizeof d);
+    d.bind_addr = "127.0.0.1";
+    d.metadata = "p2p";
+    d.progress_threads = 1;
+    d.lanes = 2;
+    d.timeout_ms = 30000;
+    d.connect_timeout_ms = 5000;
+    d.protocol = "auto";
+    d.copy_threads = 1;
+    d.cluster = "default";
+    d.metadata_ttl_ms = 10000;
+    d.peer_timeout_ms = 5000;
+    d.max_connections = 4096;
+    d.shm_map_max = 64ull << 30;
+    /* The caller's struct may be older (smaller) or newer (larger) than ours. */
+    size_t n = size < sizeof d ? size : sizeof d;
+    memset(cfg, 0, size);
+    memcpy(cfg, &d, n);
+    cfg->size = size;
 }
 
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN])
@@ -76,7 +87,7 @@ static int check_config(const kvb_config_t *c)
     if (c->copy_threads < 0 || c->copy_threads > 16 || c->progress_threads < 1 ||
         c->progress_threads > 64 || c->lanes < 1 || c->lanes > 16 ||
         (c->port_max && c->port_max < c->port) || c->timeout_ms == 0 ||
-        c->connect_timeout_ms == 0) {
+        c->connect_timeout_ms == 0 || c->peer_timeout_ms < 100 || c->max_connections == 0) {
         KVB_ERROR("invalid engine configuration (threads %d, lanes %d, ports %u..%u)",
                   c->progress_threads, c->lanes, c->port, c->port_max);
         return KVB_ERR_INVALID_ARG;
@@ -96,15 +107,74 @@ static int init_locks(kvb_engine_t *e)
     return rc ? KVB_ERR_SYSTEM : KVB_OK;
 }
 
+/* Copies what the caller's (possibly older or newer) config holds over our defaults. */
+static int take_config(const kvb_config_t *in, kvb_config_t *cfg)
+{
+    kvb_config_init(cfg);
+    if (!in)
+        return KVB_OK;
+    if (in->size < offsetof(kvb_config_t, metadata_ttl_ms) + sizeof in->metadata_ttl_ms) {
+        KVB_ERROR("kvb_config_t not initialised with kvb_config_init() (size %zu)", in->size);
+        return KVB_ERR_INVALID_ARG;
+    }
+    memcpy(cfg, in, in->size < sizeof *cfg ? in->size : sizeof *cfg);
+    cfg->size = sizeof *cfg;
+    return KVB_OK;
+}
+
+static bool is_loopback(const char *addr)
+{
+    return !strncmp(addr, "127.", 4) || !strcmp(addr, "::1") || !strcmp(addr, "localhost") ||
+           !strcmp(addr, "[::1]");
+}
+
+/* The cluster secret from the config or KVB_SECRET_FILE, and the rule that a non-loopback bind
+ * needs one unless the caller said `insecure`. */
+static int take_secret(kvb_engine_t *e, const kvb_config_t *cfg)
+{
+    const char *file = getenv("KVB_SECRET_FILE");
+    int rc = KVB_OK;
+    if (cfg->secret) {
+        if (cfg->secret_len < KVB_SECRET_MIN || cfg->secret_len > KVB_SECRET_MAX) {
+            KVB_ERROR("the cluster secret must be %d to %d bytes", KVB_SECRET_MIN, KVB_SECRET_MAX);
+            return KVB_ERR_INVALID_ARG;
+        }
+        if (!(e->secret = malloc(cfg->secret_len)))
+            return KVB_ERR_NOMEM;
+        memcpy(e->secret, cfg->secret, cfg->secret_len);
+        e->secret_len = cfg->secret_len;
+    } else if (file && *file) {
+        rc = kvb__secret_load(file, &e->secret, &e->secret_len);
+        if (rc)
+            return rc == KVB_ERR_NOT_FOUND ? KVB_ERR_INVALID_ARG : rc;
+    }
+    e->cfg.secret = NULL; /* the caller's memory */
+    e->cfg.secret_len = 0;
+    if (e->secret || is_loopback(e->bind_addr))
+        return KVB_OK;
+    if (!cfg->insecure) {
+        KVB_ERROR("bind address %s is not loopback and no cluster secret is set (secret, "
+                  "KVB_SECRET_FILE or --secret-file); set insecure to run without one",
+                  e->bind_addr);
+        return KVB_ERR_INVALID_ARG;
+    }
+    static atomic_bool warned;
+    if (!atomic_exchange(&warned, true))
+        KVB_WARN("INSECURE: engine on %s without a cluster secret: anyone who reaches its port "
+                 "may read and write its registered memory",
+                 e->bind_addr);
+    return KVB_OK;
+}
+
 int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
 {
     kvb_config_t cfg;
-    kvb_config_init(&cfg);
-    if (cfg_in)
-        cfg = *cfg_in;
     if (!out)
         return KVB_ERR_INVALID_ARG;
-    int rc = check_config(&cfg);
+    int rc = take_config(cfg_in, &cfg);
+    if (rc)
+        return rc;
+    rc = check_config(&cfg);
     if (rc)
         return rc;
     kvb_engine_t *e = calloc(1, sizeof *e);
@@ -137,6 +207,8 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
         goto fail_free;
     }
     e->cfg.cluster = e->cluster;
+    if ((rc = take_secret(e, &cfg)))
+        goto fail_free;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
         goto fail_free;
     if ((rc = kvb__segdesc_open(e))) /* a malformed URI fails before anything listens */
@@ -190,6 +262,7 @@ fail_registry:
     kvb__segdesc_stop(e);
     kvb__registry_fini(&e->registry);
 fail_free:
+    kvb__secret_free(e->secret, e->secret_len);
     free(e->notify_ring);
     free(e);
     return rc;
@@ -230,6 +303,7 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_cond_destroy(&e->notify_cv);
     pthread_mutex_destroy(&e->attr_mu);
     kvb__attrs_free(e->attrs, e->nattrs);
+    kvb__secret_free(e->secret, e->secret_len);
     free(e->notify_ring);
     free(e);
 }

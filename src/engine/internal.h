@@ -146,6 +146,8 @@ struct kvb_meta;
 
 struct kvb_engine {
     kvb_config_t cfg;
+    uint8_t *secret; /* the cluster secret (wiped when freed); NULL: none, loopback only */
+    size_t secret_len;
     char bind_addr[KVB_NAME_MAX + 1];
     char advertise_addr[KVB_NAME_MAX + 1];
     char segment_name[KVB_NAME_MAX + 1];

@@ -3,6 +3,8 @@
  * length a peer sends is checked against the limits in wire.h before anything is read or sized. */
 #include "engine/wire.h"
 
+#include "common/auth.h"
+
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -105,6 +107,15 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     case KVB_FRAME_ATTRS:
         limit = KVB_WIRE_MAX_ATTRS;
         break;
+    case KVB_FRAME_CHALLENGE:
+        limit = KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN;
+        break;
+    case KVB_FRAME_AUTH:
+        if (h.len != KVB_WIRE_MAC_LEN)
+            return fail(why, why_len, KVB_ERR_PROTOCOL, "AUTH frame of %llu bytes",
+                        (unsigned long long)h.len);
+        limit = KVB_WIRE_MAC_LEN;
+        break;
     case KVB_FRAME_NOTIFY:
         limit = KVB_NOTIFY_MAX;
         break;
@@ -129,6 +140,19 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     return KVB_OK;
 }
 
+int kvb__wire_error_status(int32_t status)
+{
+    switch (status) {
+    case KVB_ERR_VERSION:
+    case KVB_ERR_AUTH:
+    case KVB_ERR_PROTOCOL:
+    case KVB_ERR_PEER_LOST:
+        return status;
+    default:
+        return KVB_ERR_PROTOCOL;
+    }
+}
+
 uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
 {
     if (h->flags & KVB_FRAME_F_SHM)
@@ -138,6 +162,8 @@ uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
     case KVB_FRAME_WRITE_REQ:
     case KVB_FRAME_NOTIFY:
     case KVB_FRAME_ATTRS:
+    case KVB_FRAME_CHALLENGE:
+    case KVB_FRAME_AUTH:
         return h->len;
     case KVB_FRAME_HELLO_ACK:
     case KVB_FRAME_READ_RESP:
@@ -147,10 +173,12 @@ uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
     }
 }
 
-/* hello: incarnation u64 | pid u32 | lane u32 | host_id[16] | name_len u16 | name */
+/* hello: incarnation u64 | pid u32 | lane u32 | host_id[16] | nonce[32] | name_len u16 | name */
+#define HELLO_FIXED (16 + KVB_HOST_ID_LEN + KVB_WIRE_NONCE_LEN + 2)
+
 size_t kvb__wire_hello_size(const kvb_hello_t *h)
 {
-    return 8 + 4 + 4 + KVB_HOST_ID_LEN + 2 + strnlen(h->name, KVB_NAME_MAX);
+    return HELLO_FIXED + strnlen(h->name, KVB_NAME_MAX);
 }
 
 size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out)
@@ -160,18 +188,19 @@ size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out)
     put_u32(out + 8, h->pid);
     put_u32(out + 12, h->lane);
     memcpy(out + 16, h->host_id, KVB_HOST_ID_LEN);
-    put_u16(out + 16 + KVB_HOST_ID_LEN, (uint16_t)nl);
-    memcpy(out + 18 + KVB_HOST_ID_LEN, h->name, nl);
-    return 18 + KVB_HOST_ID_LEN + nl;
+    memcpy(out + 16 + KVB_HOST_ID_LEN, h->nonce, KVB_WIRE_NONCE_LEN);
+    put_u16(out + HELLO_FIXED - 2, (uint16_t)nl);
+    memcpy(out + HELLO_FIXED, h->name, nl);
+    return HELLO_FIXED + nl;
 }
 
 /* Decodes a hello from in[0..len); on success *used (if not NULL) is its encoded size. */
 static int hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out, size_t *used)
 {
-    const size_t fixed = 18 + KVB_HOST_ID_LEN;
+    const size_t fixed = HELLO_FIXED;
     if (len < fixed)
         return KVB_ERR_PROTOCOL;
-    size_t nl = get_u16(in + 16 + KVB_HOST_ID_LEN);
+    size_t nl = get_u16(in + HELLO_FIXED - 2);
     if (nl == 0 || nl > KVB_NAME_MAX || nl > len - fixed)
         return KVB_ERR_PROTOCOL;
     const uint8_t *name = in + fixed;
@@ -180,6 +209,7 @@ static int hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out, size_t 
             return KVB_ERR_PROTOCOL;
     kvb_hello_t h = {.incarnation = get_u64(in), .pid = get_u32(in + 8), .lane = get_u32(in + 12)};
     memcpy(h.host_id, in + 16, KVB_HOST_ID_LEN);
+    memcpy(h.nonce, in + 16 + KVB_HOST_ID_LEN, KVB_WIRE_NONCE_LEN);
     memcpy(h.name, name, nl);
     h.name[nl] = '\0';
     *out = h;
@@ -198,6 +228,38 @@ int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out)
     if (rc == KVB_OK)
         *out = h;
     return rc;
+}
+
+int kvb__wire_auth_mac(const uint8_t *key, size_t key_len, int role, const kvb_hello_t *initiator,
+                       const kvb_hello_t *target, uint8_t out[KVB_WIRE_MAC_LEN])
+{
+    static const char label[2][24] = {"kvbridge/2 target", "kvbridge/2 initiator"};
+    uint8_t hi[KVB_WIRE_MAX_HELLO], ht[KVB_WIRE_MAX_HELLO];
+    size_t li = kvb__wire_hello_encode(initiator, hi), lt = kvb__wire_hello_encode(target, ht);
+    uint8_t lens[4];
+    put_u16(lens, (uint16_t)li); /* lengths first: no two transcripts concatenate alike */
+    put_u16(lens + 2, (uint16_t)lt);
+    const uint8_t version = KVB_WIRE_VERSION;
+    kvb_mac_part_t parts[] = {{label[role != KVB_AUTH_TARGET], sizeof label[0]},
+                              {&version, 1},
+                              {lens, sizeof lens},
+                              {hi, li},
+                              {ht, lt}};
+    return kvb__hmac(key, key_len, parts, sizeof parts / sizeof parts[0], out);
+}
+
+int kvb__wire_challenge_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
+                               uint8_t mac[KVB_WIRE_MAC_LEN])
+{
+    if (len <= KVB_WIRE_MAC_LEN)
+        return KVB_ERR_PROTOCOL;
+    kvb_hello_t h;
+    int rc = kvb__wire_hello_decode(in, len - KVB_WIRE_MAC_LEN, &h);
+    if (rc)
+        return rc;
+    *hello = h;
+    memcpy(mac, in + len - KVB_WIRE_MAC_LEN, KVB_WIRE_MAC_LEN);
+    return KVB_OK;
 }
 
 /* hello_ack: hello | count u32 | count x (addr u64 | len u64 | access u32 | loc_len u16 | loc) */

@@ -11,7 +11,7 @@
 #include "kvbridge/engine.h"
 
 #define KVB_WIRE_MAGIC    0x3142564Bu /* "KVB1" read as little-endian */
-#define KVB_WIRE_VERSION  1
+#define KVB_WIRE_VERSION  2           /* 2: mutual authentication; version-1 peers are refused */
 #define KVB_WIRE_HDR_SIZE 40
 
 /* Limits on what a peer may announce; anything larger is a protocol error. */
@@ -32,7 +32,13 @@ typedef enum {
     KVB_FRAME_NOTIFY_ACK = 8,
     KVB_FRAME_ERROR = 9,  /* status; the sender closes the connection after it */
     KVB_FRAME_ATTRS = 10, /* target -> initiator after HELLO_ACK on lane 0; payload: attrs */
-    KVB_FRAME_TYPE_MAX = 10,
+    /* target -> initiator, answering HELLO: payload: hello (with the target's nonce) | mac[32],
+     * the target's proof (kvb__wire_auth_mac, KVB_AUTH_TARGET) */
+    KVB_FRAME_CHALLENGE = 11,
+    /* initiator -> target: payload: mac[32], the initiator's proof (KVB_AUTH_INITIATOR). Only
+     * after it checks out does the target send HELLO_ACK and accept anything else. */
+    KVB_FRAME_AUTH = 12,
+    KVB_FRAME_TYPE_MAX = 12,
 } kvb_frame_type_t;
 
 /* Header flag: the data moves through shared memory, not this connection (same host). Requests
@@ -56,15 +62,25 @@ void kvb__wire_encode_hdr(const kvb_frame_hdr_t *h, uint8_t out[KVB_WIRE_HDR_SIZ
 int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *out, char *why,
                          size_t why_len);
 
+/* The status an ERROR frame reports, as this side may pass it up: a known peer-level error, or
+ * KVB_ERR_PROTOCOL for anything a peer should not send (unknown codes, local-only ones). */
+int kvb__wire_error_status(int32_t status);
+
 /* Number of payload bytes that follow a (validated) header on the wire. */
 uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h);
 
-/* The identity each side states in the handshake. */
+#define KVB_WIRE_NONCE_LEN 32
+#define KVB_WIRE_MAC_LEN   32
+
+/* The identity each side states in the handshake. `nonce` is fresh per connection in HELLO and
+ * CHALLENGE; in HELLO_ACK it carries the one-time token that binds a same-host link to this
+ * (authenticated) connection, or zeros. */
 typedef struct {
     uint64_t incarnation;
     uint32_t pid;
     uint32_t lane;
     uint8_t host_id[KVB_HOST_ID_LEN];
+    uint8_t nonce[KVB_WIRE_NONCE_LEN];
     char name[KVB_NAME_MAX + 1];
 } kvb_hello_t;
 
@@ -72,6 +88,17 @@ typedef struct {
 size_t kvb__wire_hello_size(const kvb_hello_t *h);
 size_t kvb__wire_hello_encode(const kvb_hello_t *h, uint8_t *out);
 int kvb__wire_hello_decode(const uint8_t *in, size_t len, kvb_hello_t *out);
+
+/* The proofs of the handshake: HMAC-SHA256 under the cluster secret over the protocol version, the
+ * role, and both hellos as sent (so both nonces, names, incarnations, pids, hosts and the lane).
+ * The two roles use distinct labels, so one side's proof can never be replayed as the other's. */
+enum { KVB_AUTH_TARGET = 0, KVB_AUTH_INITIATOR = 1 };
+int kvb__wire_auth_mac(const uint8_t *key, size_t key_len, int role, const kvb_hello_t *initiator,
+                       const kvb_hello_t *target, uint8_t out[KVB_WIRE_MAC_LEN]);
+
+/* CHALLENGE payload: hello | mac. */
+int kvb__wire_challenge_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
+                               uint8_t mac[KVB_WIRE_MAC_LEN]);
 
 /* Segment attributes: small named blobs an engine publishes with its segment (a KV layout
  * descriptor, say). */

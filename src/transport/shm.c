@@ -5,6 +5,7 @@
 #include "transport/shm.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -23,13 +24,23 @@
 #include "common/log.h"
 
 #define MSG_MAGIC      0x5342564Bu /* "KVBS" */
-#define MSG_VERSION    1
+#define MSG_VERSION    2
 #define MAX_CLIENTS    1024
 #define MAX_MAPPINGS   4096
 #define SPLIT_MIN      (1u << 20) /* copies below this stay on the calling thread */
 #define SPLIT_PART_MIN (256u << 10)
 
-enum { M_HELLO = 1, M_HELLO_ACK, M_SHARE, M_SHARE_ACK, M_UNSHARE, M_UNSHARE_ACK };
+/* HELLO opens a link with the token of one authenticated connection, BIND adds another's. */
+enum {
+    M_HELLO = 1,
+    M_HELLO_ACK,
+    M_SHARE,
+    M_SHARE_ACK,
+    M_UNSHARE,
+    M_UNSHARE_ACK,
+    M_BIND,
+    M_BIND_ACK
+};
 
 /* Side-channel message; fixed size, host byte order (both ends are on this host). */
 typedef struct {
@@ -37,10 +48,10 @@ typedef struct {
     uint16_t version;
     uint16_t type;
     int32_t status;
-    uint32_t pid;
-    uint64_t a, b, c;
+    uint32_t reserved;
+    uint64_t a, b, c, d;
 } shm_msg_t;
-_Static_assert(sizeof(shm_msg_t) == 40, "shm_msg_t is a wire format");
+_Static_assert(sizeof(shm_msg_t) == 48, "shm_msg_t is a wire format");
 
 typedef struct shm_alloc {
     struct shm_alloc *next;
@@ -55,12 +66,22 @@ typedef struct {
 
 struct kvb_shm_peer {
     atomic_uint refs;
-    uint64_t incarnation;
-    pid_t pid;
+    pid_t pid; /* as the kernel says (SO_PEERCRED), never as the peer claims */
     bool cma_ok;
-    pthread_rwlock_t lock; /* copies hold it shared; unshare takes it exclusive before munmap */
+    pthread_rwlock_t lock; /* copies hold it shared; share and unshare take it exclusive */
     shm_map_t *maps;
     size_t nmaps;
+    uint64_t mapped; /* bytes in maps, capped by cfg.shm_map_max */
+};
+
+struct kvb_shm_offer {
+    struct kvb_shm_offer *next;
+    kvb_shm_t *shm;
+    atomic_uint refs; /* the connection's, and the table's while listed */
+    bool listed;      /* in s->offers: the token is still good (guarded by s->mu) */
+    uint32_t pid;     /* the pid the connection authenticated as */
+    uint8_t token[KVB_LINK_TOKEN_LEN];
+    _Atomic(kvb_shm_peer_t *) peer; /* set once by the control thread */
 };
 
 struct kvb_shm_link {
@@ -83,12 +104,13 @@ typedef struct {
 
 struct kvb_shm {
     kvb_engine_t *engine;
-    pthread_mutex_t mu; /* allocations, links, peers */
+    /* Lock order: links_mu, then a link's mu, then mu. */
+    pthread_mutex_t links_mu; /* the list of links */
+    pthread_mutex_t mu;       /* allocations and offers */
     shm_alloc_t *allocs;
     uint64_t next_id;
     kvb_shm_link_t *links;
-    kvb_shm_peer_t **peers;
-    size_t npeers, cap_peers;
+    kvb_shm_offer_t *offers;
     /* control thread */
     int listen_fd, stop_fd;
     pthread_t ctl;
@@ -110,9 +132,12 @@ int kvb__shm_alloc(kvb_shm_t *s, size_t len, unsigned flags, void **out)
 {
     if (len == 0 || !out)
         return KVB_ERR_INVALID_ARG;
-    unsigned mf = MFD_CLOEXEC | ((flags & KVB_ALLOC_HUGE) ? MFD_HUGETLB : 0);
+    unsigned mf = MFD_CLOEXEC | MFD_ALLOW_SEALING | ((flags & KVB_ALLOC_HUGE) ? MFD_HUGETLB : 0);
     int fd = memfd_create("kvbridge", mf);
-    if (fd < 0 || ftruncate(fd, (off_t)len) != 0) {
+    /* Sealed against resizing: a peer that maps it can trust its size for as long as it maps it
+     * (a shrink would SIGBUS the peer's copies), and peers refuse descriptors without the seal. */
+    if (fd < 0 || ftruncate(fd, (off_t)len) != 0 ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
         int err = errno;
         if (fd >= 0)
             close(fd);
@@ -165,8 +190,12 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
     shm_alloc_t *a = *pp;
     if (a)
         *pp = a->next;
+    pthread_mutex_unlock(&s->mu);
     /* Peers that mapped it must drop their mapping first: the address may be reused by a new
-     * allocation, and a stale mapping would take its bytes. */
+     * allocation, and a stale mapping would take its bytes. A share racing with this either ran
+     * before the allocation left the list (it holds l->mu throughout, so we see its id below) or
+     * finds it gone. s->mu is not held here: share() takes it under l->mu. */
+    pthread_mutex_lock(&s->links_mu);
     for (kvb_shm_link_t *l = a ? s->links : NULL; l; l = l->next) {
         pthread_mutex_lock(&l->mu);
         for (size_t i = 0; i < l->nshared; i++) {
@@ -181,7 +210,7 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
         }
         pthread_mutex_unlock(&l->mu);
     }
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->links_mu);
     if (!a)
         return KVB_ERR_NOT_FOUND;
     munmap((void *)(uintptr_t)a->addr, a->len);
@@ -401,36 +430,112 @@ void kvb__shm_peer_put(kvb_shm_peer_t *p)
     peer_put(p);
 }
 
-kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation)
+/* ---- offers: one-time tokens that bind a link to an authenticated connection ---------------- */
+
+static void offer_put(kvb_shm_offer_t *o)
 {
-    kvb_shm_peer_t *found = NULL;
-    pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->npeers && !found; i++)
-        if (s->peers[i]->incarnation == incarnation) {
-            found = s->peers[i];
-            atomic_fetch_add(&found->refs, 1);
-        }
-    pthread_mutex_unlock(&s->mu);
-    return found;
+    if (!o || atomic_fetch_sub(&o->refs, 1) != 1)
+        return;
+    peer_put(atomic_load(&o->peer));
+    kvb__wipe(o->token, sizeof o->token);
+    free(o);
 }
 
-/* Its side channel closed: drop the table's reference and the connection's. */
-static void peer_remove(kvb_shm_t *s, kvb_shm_peer_t *p)
+int kvb__shm_offer(kvb_shm_t *s, uint32_t pid, uint8_t token[KVB_LINK_TOKEN_LEN],
+                   kvb_shm_offer_t **out)
 {
-    bool listed = false;
+    *out = NULL;
+    if (!s->ctl_started)
+        return KVB_OK; /* no same-host path into this engine */
+    kvb_shm_offer_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return KVB_ERR_NOMEM;
+    if (kvb__random(o->token, sizeof o->token)) {
+        free(o);
+        return KVB_ERR_SYSTEM;
+    }
+    atomic_init(&o->refs, 2);
+    atomic_init(&o->peer, NULL);
+    o->pid = pid;
+    o->shm = s;
+    o->listed = true;
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->npeers && !listed; i++)
-        if (s->peers[i] == p) {
-            s->peers[i] = s->peers[--s->npeers];
-            listed = true;
+    o->next = s->offers;
+    s->offers = o;
+    pthread_mutex_unlock(&s->mu);
+    memcpy(token, o->token, sizeof o->token);
+    *out = o;
+    return KVB_OK;
+}
+
+/* Caller holds s->mu. Unlists o; the caller then drops the table's reference. */
+static void offer_unlist(kvb_shm_t *s, kvb_shm_offer_t *o)
+{
+    for (kvb_shm_offer_t **pp = &s->offers; *pp; pp = &(*pp)->next)
+        if (*pp == o) {
+            *pp = o->next;
+            break;
         }
+    o->listed = false;
+}
+
+void kvb__shm_offer_drop(kvb_shm_offer_t *o)
+{
+    if (!o)
+        return;
+    /* The engine's shm state outlives every connection (it is destroyed after the transport). */
+    kvb_shm_t *s = o->shm;
+    pthread_mutex_lock(&s->mu);
+    bool listed = o->listed;
+    if (listed)
+        offer_unlist(s, o);
     pthread_mutex_unlock(&s->mu);
     if (listed)
-        peer_put(p);
-    peer_put(p);
+        offer_put(o); /* the table's */
+    offer_put(o);
 }
 
-static int on_hello(kvb_shm_t *s, const shm_msg_t *m, kvb_shm_peer_t **slot)
+kvb_shm_peer_t *kvb__shm_offer_peer(kvb_shm_offer_t *o)
+{
+    kvb_shm_peer_t *p = o ? atomic_load_explicit(&o->peer, memory_order_acquire) : NULL;
+    if (p)
+        atomic_fetch_add(&p->refs, 1);
+    return p;
+}
+
+/* Redeems a token presented on the Unix socket by process `pid`: binds its offer to p. The token
+ * is spent whatever the outcome, so a guess or a replay gets one try. */
+static int offer_redeem(kvb_shm_t *s, const shm_msg_t *m, pid_t pid, kvb_shm_peer_t *p)
+{
+    uint8_t token[KVB_LINK_TOKEN_LEN];
+    memcpy(token, &m->a, 8);
+    memcpy(token + 8, &m->b, 8);
+    kvb_shm_offer_t *o = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (kvb_shm_offer_t *it = s->offers; it && !o; it = it->next)
+        if (kvb__ct_equal(it->token, token, sizeof token))
+            o = it;
+    if (o)
+        offer_unlist(s, o);
+    pthread_mutex_unlock(&s->mu);
+    if (!o) {
+        KVB_WARN("same-host link from pid %d: unknown or spent token; refused", (int)pid);
+        return KVB_ERR_AUTH;
+    }
+    int rc = KVB_OK;
+    if ((pid_t)o->pid != pid) {
+        KVB_WARN("same-host link from pid %d with the token of pid %u's connection; refused",
+                 (int)pid, o->pid);
+        rc = KVB_ERR_AUTH;
+    } else {
+        atomic_fetch_add(&p->refs, 1);
+        atomic_store_explicit(&o->peer, p, memory_order_release);
+    }
+    offer_put(o); /* the table's reference */
+    return rc;
+}
+
+static int on_hello(kvb_shm_t *s, const shm_msg_t *m, pid_t pid, kvb_shm_peer_t **slot)
 {
     if (*slot)
         return KVB_ERR_PROTOCOL;
@@ -439,56 +544,70 @@ static int on_hello(kvb_shm_t *s, const shm_msg_t *m, kvb_shm_peer_t **slot)
         return KVB_ERR_NOMEM;
     atomic_init(&p->refs, 1);
     pthread_rwlock_init(&p->lock, NULL);
-    p->incarnation = m->a;
-    p->pid = (pid_t)m->pid;
+    p->pid = pid;
+    int rc = offer_redeem(s, m, pid, p);
+    if (rc) {
+        peer_put(p);
+        return rc;
+    }
     /* Probe cross-memory attach: read 8 bytes whose address and value the initiator told us. */
     uint64_t v = 0;
     struct iovec l = {.iov_base = &v, .iov_len = sizeof v};
-    struct iovec r = {.iov_base = (void *)(uintptr_t)m->b, .iov_len = sizeof v};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)m->c, .iov_len = sizeof v};
     ssize_t n = process_vm_readv(p->pid, &l, 1, &r, 1, 0);
-    p->cma_ok = n == (ssize_t)sizeof v && v == m->c;
+    p->cma_ok = n == (ssize_t)sizeof v && v == m->d;
     if (!p->cma_ok)
         KVB_WARN("cross-memory attach to pid %d refused (%s): only its kvb_alloc memory goes "
                  "through shared memory, the rest over TCP",
                  (int)p->pid, n < 0 ? strerror(errno) : "probe mismatch");
-    pthread_mutex_lock(&s->mu);
-    if (s->npeers == s->cap_peers) {
-        size_t ncap = s->cap_peers ? s->cap_peers * 2 : 8;
-        kvb_shm_peer_t **np = realloc(s->peers, ncap * sizeof *np);
-        if (!np) {
-            pthread_mutex_unlock(&s->mu);
-            peer_put(p);
-            return KVB_ERR_NOMEM;
-        }
-        s->peers = np;
-        s->cap_peers = ncap;
-    }
-    s->peers[s->npeers++] = p;
-    atomic_fetch_add(&p->refs, 1); /* the table's and the connection's */
-    pthread_mutex_unlock(&s->mu);
     *slot = p;
     return KVB_OK;
 }
 
-static int on_share(kvb_shm_peer_t *p, const shm_msg_t *m, int fd)
+static int on_bind(kvb_shm_t *s, const shm_msg_t *m, pid_t pid, kvb_shm_peer_t *p)
 {
-    uint64_t end;
+    return p ? offer_redeem(s, m, pid, p) : KVB_ERR_PROTOCOL;
+}
+
+/* Maps a descriptor the initiator shares. It must be a memfd sealed against shrinking (or it
+ * could SIGBUS our copies later), large enough, and within what we map for one peer. */
+static int on_share(kvb_shm_t *s, kvb_shm_peer_t *p, const shm_msg_t *m, int fd)
+{
+    uint64_t end, total;
     struct stat st;
-    if (!p || fd < 0 || m->c == 0 || kvb__add_u64(m->b, m->c, &end) || fstat(fd, &st) != 0 ||
-        (uint64_t)st.st_size < m->c || p->nmaps >= MAX_MAPPINGS)
+    if (!p || fd < 0 || m->c == 0 || m->c > SIZE_MAX || kvb__add_u64(m->b, m->c, &end) ||
+        fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size < m->c ||
+        p->nmaps >= MAX_MAPPINGS)
         return KVB_ERR_PROTOCOL;
-    void *ptr = mmap(NULL, m->c, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+        KVB_WARN("same-host peer pid %d shared memory not sealed against shrinking; refused",
+                 (int)p->pid);
+        return KVB_ERR_ACCESS_DENIED;
+    }
+    if (kvb__add_u64(p->mapped, m->c, &total) || total > s->engine->cfg.shm_map_max) {
+        KVB_WARN("same-host peer pid %d: mapping %llu more bytes would pass the cap of %llu",
+                 (int)p->pid, (unsigned long long)m->c,
+                 (unsigned long long)s->engine->cfg.shm_map_max);
+        return KVB_ERR_TOO_LARGE;
+    }
+    /* No MAP_POPULATE: the pages are the initiator's (kvb_alloc populated them); populating here
+     * would let a sparse descriptor charge us for memory it never used. */
+    void *ptr = mmap(NULL, m->c, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (ptr == MAP_FAILED)
         return KVB_ERR_NOMEM;
+    pthread_rwlock_wrlock(&p->lock); /* copies resolve() under the read lock */
     shm_map_t *nm = realloc(p->maps, (p->nmaps + 1) * sizeof *nm);
+    if (nm) {
+        p->maps = nm;
+        p->maps[p->nmaps++] = (shm_map_t){.id = m->a, .addr = m->b, .len = m->c, .ptr = ptr};
+        p->mapped = total;
+    }
+    pthread_rwlock_unlock(&p->lock);
     if (!nm) {
         munmap(ptr, m->c);
         return KVB_ERR_NOMEM;
     }
-    pthread_rwlock_wrlock(&p->lock);
-    p->maps = nm;
-    p->maps[p->nmaps++] = (shm_map_t){.id = m->a, .addr = m->b, .len = m->c, .ptr = ptr};
-    pthread_rwlock_unlock(&p->lock);
     return KVB_OK;
 }
 
@@ -500,6 +619,7 @@ static int on_unshare(kvb_shm_peer_t *p, const shm_msg_t *m)
     for (size_t i = 0; i < p->nmaps; i++)
         if (p->maps[i].id == m->a) {
             munmap(p->maps[i].ptr, p->maps[i].len);
+            p->mapped -= p->maps[i].len;
             p->maps[i] = p->maps[--p->nmaps];
             break;
         }
@@ -507,8 +627,8 @@ static int on_unshare(kvb_shm_peer_t *p, const shm_msg_t *m)
     return KVB_OK;
 }
 
-/* Handles one message from client i; false if the connection must close. */
-static bool ctl_handle(kvb_shm_t *s, int fd, kvb_shm_peer_t **slot)
+/* Handles one message from the client process `pid`; false if the connection must close. */
+static bool ctl_handle(kvb_shm_t *s, int fd, pid_t pid, kvb_shm_peer_t **slot)
 {
     shm_msg_t m, r = {0};
     int pfd, rc = msg_recv(fd, &m, &pfd);
@@ -516,11 +636,15 @@ static bool ctl_handle(kvb_shm_t *s, int fd, kvb_shm_peer_t **slot)
         return false;
     switch (m.type) {
     case M_HELLO:
-        rc = on_hello(s, &m, slot);
+        rc = on_hello(s, &m, pid, slot);
         r = (shm_msg_t){.type = M_HELLO_ACK, .status = rc, .a = *slot && (*slot)->cma_ok};
         break;
+    case M_BIND:
+        rc = on_bind(s, &m, pid, *slot);
+        r = (shm_msg_t){.type = M_BIND_ACK, .status = rc};
+        break;
     case M_SHARE:
-        rc = on_share(*slot, &m, pfd);
+        rc = on_share(s, *slot, &m, pfd);
         r = (shm_msg_t){.type = M_SHARE_ACK, .status = rc, .a = m.a};
         break;
     case M_UNSHARE:
@@ -536,7 +660,9 @@ static bool ctl_handle(kvb_shm_t *s, int fd, kvb_shm_peer_t **slot)
         KVB_ERROR("shared-memory side channel: malformed message (type %u); closing", m.type);
         return false;
     }
-    return msg_send(fd, &r, -1) == KVB_OK;
+    if (msg_send(fd, &r, -1) != KVB_OK)
+        return false;
+    return rc != KVB_ERR_AUTH; /* a refused token ends the link */
 }
 
 static void *ctl_main(void *arg)
@@ -544,9 +670,11 @@ static void *ctl_main(void *arg)
     kvb_shm_t *s = arg;
     struct pollfd *pf = calloc(MAX_CLIENTS + 2, sizeof *pf);
     kvb_shm_peer_t **peer = calloc(MAX_CLIENTS + 2, sizeof *peer);
-    if (!pf || !peer) {
+    pid_t *pids = calloc(MAX_CLIENTS + 2, sizeof *pids);
+    if (!pf || !peer || !pids) {
         free(pf);
         free(peer);
+        free(pids);
         return NULL;
     }
     size_t n = 2;
@@ -559,32 +687,47 @@ static void *ctl_main(void *arg)
             break;
         if (pf[1].revents & POLLIN) {
             int c = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            struct ucred cr;
+            socklen_t cl = sizeof cr;
+            if (c >= 0 && getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0) {
+                close(c);
+                c = -1;
+            }
+            /* Only processes of our own user may link: another user's process could otherwise
+             * make us copy into memory it could not reach itself. */
+            if (c >= 0 && cr.uid != geteuid()) {
+                KVB_WARN("same-host link from pid %d of uid %u refused: not our uid %u",
+                         (int)cr.pid, (unsigned)cr.uid, (unsigned)geteuid());
+                close(c);
+                c = -1;
+            }
             if (c >= 0 && n < MAX_CLIENTS + 2) {
                 pf[n] = (struct pollfd){.fd = c, .events = POLLIN};
+                pids[n] = cr.pid;
                 peer[n++] = NULL;
             } else if (c >= 0) {
                 close(c);
             }
         }
         for (size_t i = 2; i < n; i++) {
-            if (!pf[i].revents || ctl_handle(s, pf[i].fd, &peer[i]))
+            if (!pf[i].revents || ctl_handle(s, pf[i].fd, pids[i], &peer[i]))
                 continue;
             close(pf[i].fd);
-            if (peer[i])
-                peer_remove(s, peer[i]);
+            peer_put(peer[i]); /* connections bound to it keep theirs */
             pf[i] = pf[n - 1];
             peer[i] = peer[n - 1];
+            pids[i] = pids[n - 1];
             n--;
             i--;
         }
     }
     for (size_t i = 2; i < n; i++) {
         close(pf[i].fd);
-        if (peer[i])
-            peer_remove(s, peer[i]);
+        peer_put(peer[i]);
     }
     free(pf);
     free(peer);
+    free(pids);
     return NULL;
 }
 
@@ -615,11 +758,11 @@ static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline)
     return rc;
 }
 
-int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadline,
-                       kvb_shm_link_t **out)
+/* Connects to the target's Unix socket and checks, with the kernel's word for it, that the
+ * process behind it is the one we authenticated over TCP and runs as our user: a local process
+ * that bound the (public) socket name first gets nothing from us. */
+static int link_connect(const kvb_hello_t *target, int *out)
 {
-    if (memcmp(target->host_id, s->engine->hello.host_id, KVB_HOST_ID_LEN) != 0)
-        return KVB_ERR_UNSUPPORTED;
     struct sockaddr_un sa;
     socklen_t sl;
     sock_name(target->incarnation, &sa, &sl);
@@ -629,6 +772,37 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadlin
             close(fd);
         return KVB_ERR_CONNECT; /* not on our host after all, or another network namespace */
     }
+    struct ucred cr;
+    socklen_t cl = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || cr.uid != geteuid() ||
+        (uint32_t)cr.pid != target->pid) {
+        KVB_WARN("same-host socket of pid %u is held by pid %d uid %u; not linking", target->pid,
+                 (int)cr.pid, (unsigned)cr.uid);
+        close(fd);
+        return KVB_ERR_AUTH;
+    }
+    *out = fd;
+    return KVB_OK;
+}
+
+static void token_put(shm_msg_t *m, const uint8_t token[KVB_LINK_TOKEN_LEN])
+{
+    memcpy(&m->a, token, 8);
+    memcpy(&m->b, token + 8, 8);
+}
+
+int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
+                       const uint8_t (*tokens)[KVB_LINK_TOKEN_LEN], size_t ntokens,
+                       uint64_t deadline, kvb_shm_link_t **out)
+{
+    static const uint8_t none[KVB_LINK_TOKEN_LEN];
+    if (memcmp(target->host_id, s->engine->hello.host_id, KVB_HOST_ID_LEN) != 0)
+        return KVB_ERR_UNSUPPORTED;
+    if (ntokens == 0 || !memcmp(tokens[0], none, sizeof none))
+        return KVB_ERR_UNSUPPORTED; /* the target offered no same-host path */
+    int fd, rc = link_connect(target, &fd);
+    if (rc)
+        return rc;
     kvb_shm_link_t *l = calloc(1, sizeof *l);
     if (!l) {
         close(fd);
@@ -637,23 +811,25 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadlin
     l->shm = s;
     l->fd = fd;
     pthread_mutex_init(&l->mu, NULL);
-    shm_msg_t m = {.type = M_HELLO,
-                   .pid = (uint32_t)getpid(),
-                   .a = s->engine->hello.incarnation,
-                   .b = (uintptr_t)&s->probe,
-                   .c = s->probe};
-    int rc = link_call(l, &m, -1, deadline);
+    shm_msg_t m = {.type = M_HELLO, .c = (uintptr_t)&s->probe, .d = s->probe};
+    token_put(&m, tokens[0]);
+    rc = link_call(l, &m, -1, deadline);
+    l->cma_ok = rc == KVB_OK && m.a != 0;
+    for (size_t i = 1; i < ntokens && rc == KVB_OK; i++) {
+        m = (shm_msg_t){.type = M_BIND};
+        token_put(&m, tokens[i]);
+        rc = link_call(l, &m, -1, deadline);
+    }
     if (rc) {
         close(fd);
         pthread_mutex_destroy(&l->mu);
         free(l);
         return rc;
     }
-    l->cma_ok = m.a != 0;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->links_mu);
     l->next = s->links;
     s->links = l;
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->links_mu);
     *out = l;
     return KVB_OK;
 }
@@ -664,13 +840,13 @@ void kvb__shm_link_close(kvb_shm_link_t *l)
         return;
     kvb_shm_t *s = l->shm;
     if (s) {
-        pthread_mutex_lock(&s->mu);
+        pthread_mutex_lock(&s->links_mu);
         for (kvb_shm_link_t **pp = &s->links; *pp; pp = &(*pp)->next)
             if (*pp == l) {
                 *pp = l->next;
                 break;
             }
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->links_mu);
     }
     close(l->fd); /* the target unmaps everything we shared with it */
     pthread_mutex_destroy(&l->mu);
@@ -785,6 +961,7 @@ int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **
     s->listen_fd = s->stop_fd = -1;
     s->probe = e->hello.incarnation ^ 0x70726f6265ull;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->links_mu, NULL);
     int rc = start_pool(s, copy_threads);
     if (rc == KVB_OK && listen && start_listener(s) != KVB_OK) {
         if (s->listen_fd >= 0)
@@ -838,10 +1015,13 @@ void kvb__shm_destroy(kvb_shm_t *s)
         close(a->fd);
         free(a);
     }
-    for (size_t i = 0; i < s->npeers; i++)
-        peer_put(s->peers[i]);
-    free(s->peers);
+    while (s->offers) { /* tokens never redeemed; their connections are gone already */
+        kvb_shm_offer_t *o = s->offers;
+        offer_unlist(s, o);
+        offer_put(o);
+    }
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->links_mu);
     pthread_mutex_destroy(&s->pool_mu);
     pthread_cond_destroy(&s->pool_cv);
     pthread_cond_destroy(&s->done_cv);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "common/auth.h"
 #include "engine/internal.h"
 
 typedef struct kvb_shm kvb_shm_t;
@@ -28,18 +29,32 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr);
 bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, uint64_t *base,
                        uint64_t *alloc_len);
 
-/* Initiator side: links to a same-host target named by its hello. Blocks until `deadline`.
- * Fails (and the caller stays on TCP) if the target is elsewhere or refuses. */
-int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target, uint64_t deadline,
-                       kvb_shm_link_t **out);
+/* Initiator side: links to a same-host target named by its (authenticated) hello, presenting the
+ * one-time tokens its lanes received in their HELLO_ACKs: tokens[0] opens the link, the others
+ * bind the remaining lanes to it. Checks that the Unix socket's owner is the target's pid and our
+ * uid. Blocks until `deadline`. Fails (and the caller stays on TCP) if the target is elsewhere or
+ * refuses. */
+int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
+                       const uint8_t (*tokens)[KVB_LINK_TOKEN_LEN], size_t ntokens,
+                       uint64_t deadline, kvb_shm_link_t **out);
 void kvb__shm_link_close(kvb_shm_link_t *l);
 /* True if the target can reach local [addr, addr+len): kvb_alloc memory (shared with it on first
  * use, which blocks for one local round trip) or, where the kernel allows, any memory. */
 bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len);
 bool kvb__shm_link_cma(const kvb_shm_link_t *l);
 
-/* Target side: the linked initiator with this incarnation (a reference), or NULL. */
-kvb_shm_peer_t *kvb__shm_peer_get(kvb_shm_t *s, uint64_t incarnation);
+/* Target side. An offer is made on each authenticated connection from a same-host initiator: a
+ * fresh one-time token (sent back in HELLO_ACK) that the initiator presents on the Unix socket,
+ * from the process the connection authenticated as (pid and uid checked with SO_PEERCRED), to
+ * bind its same-host link to this connection. Same-host requests on a connection are honoured
+ * only once its offer is bound. NULL *out (and KVB_OK) when the engine has no same-host path. */
+typedef struct kvb_shm_offer kvb_shm_offer_t;
+int kvb__shm_offer(kvb_shm_t *s, uint32_t pid, uint8_t token[KVB_LINK_TOKEN_LEN],
+                   kvb_shm_offer_t **out);
+/* The link bound to the offer (a reference), or NULL while none is. */
+kvb_shm_peer_t *kvb__shm_offer_peer(kvb_shm_offer_t *o);
+/* The connection closed: the token is void and the offer's references go. NULL is ignored. */
+void kvb__shm_offer_drop(kvb_shm_offer_t *o);
 void kvb__shm_peer_put(kvb_shm_peer_t *p);
 /* A copy a target owes a same-host initiator: len bytes between our `mine` and the initiator's
  * `theirs` (to_peer: mine -> theirs). */

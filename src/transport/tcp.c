@@ -4,6 +4,7 @@
  * and payloads received straight into their destination. Also carries the p2p handshake. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -17,6 +18,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "common/auth.h"
 #include "common/checked.h"
 #include "common/clock.h"
 #include "common/log.h"
@@ -34,6 +36,7 @@
 #define TXQ_HIGH 8192
 #define JOBS_MAX 128 /* same-host copies gathered before they run */
 #define TXQ_LOW  1024
+#define TICK_MS  250 /* how often a progress thread with connections checks their deadlines */
 
 typedef struct tcp_thread tcp_thread_t;
 typedef struct tcp_conn tcp_conn_t;
@@ -50,6 +53,9 @@ typedef struct tcp_frame {
 } tcp_frame_t;
 
 enum { ROLE_INIT, ROLE_TARGET };
+/* A target connection's handshake: nothing but HELLO, then nothing but AUTH, is accepted before
+ * the initiator has proved it knows the cluster secret. */
+enum { AUTH_HELLO, AUTH_PROOF, AUTH_DONE };
 enum { RX_HDR, RX_PAYLOAD };
 enum { SINK_DRAIN, SINK_OP, SINK_REGION, SINK_BUF, SINK_INLINE };
 
@@ -79,18 +85,26 @@ struct tcp_conn {
     bool want_out;   /* EPOLLOUT armed */
     bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
     tcp_frame_t *free_frames;
-    bool driven;   /* a waiting thread reads this connection; EPOLLIN is off meanwhile */
+    bool driven; /* a waiting thread reads this connection; EPOLLIN is off meanwhile */
+    /* When bytes last moved either way (monotonic ns): requests in flight on a connection that
+     * stays silent for the peer timeout fail it (a frozen host, a cut link, a stopped process). */
+    atomic_ullong last_io;
     bool in_epoll; /* its owner thread has added it: until then events are only recorded */
 
     /* The receive side: the owner thread's, or a waiting thread's that drives the connection
      * (kvb_batch_wait); rx_mu is held while either reads. */
     pthread_mutex_t rx_mu;
-    bool hello_done;  /* ROLE_TARGET: handshake received */
+    int auth;          /* ROLE_TARGET: AUTH_* */
+    uint64_t born_ns;  /* ROLE_TARGET: accepted at; the handshake must end within the deadline */
+    bool hello_done;   /* ROLE_TARGET: authenticated, HELLO_ACK queued */
+    kvb_hello_t their; /* ROLE_TARGET: the initiator's hello, as sent */
+    uint8_t expect[KVB_WIRE_MAC_LEN]; /* ROLE_TARGET: the initiator's proof, once challenged */
+    kvb_shm_offer_t *offer;           /* ROLE_TARGET: the same-host link token it was given */
     bool rx_more;     /* read budget ran out with bytes left: read again on the scan */
     uint8_t *scratch; /* where discarded payload bytes go; allocated on first use */
     char from[KVB_NAME_MAX + 1];
     uint64_t their_incarnation; /* ROLE_TARGET: the initiator's, from its hello */
-    kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link, once it used one */
+    kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link (bound through offer) */
     uint8_t inl[8];             /* SINK_INLINE */
     /* Same-host copies owed, in arrival order: run together (in parallel) at the end of a read
      * pass, or before any other answer is queued, so answers keep the requests' order. */
@@ -118,12 +132,16 @@ struct tcp_thread {
     tcp_conn_t *incoming; /* new connections handed to this thread */
     tcp_conn_t *conns;    /* owner only */
     bool need_scan;       /* owner only: some conn wants closing */
+    uint64_t next_tick;   /* owner only: when to check the connections' deadlines next */
     uint8_t *scratch;     /* owner only: where discarded payload bytes go */
 };
 
 struct kvb_transport {
     kvb_engine_t *engine;
     int listen_fd;
+    int reserve_fd;     /* kept open to be given up when accept() hits EMFILE */
+    bool listen_paused; /* thread 0 only: EPOLLIN off after an EMFILE it could not shed */
+    atomic_uint nconns; /* accepted connections open now (cfg.max_connections) */
     uint16_t port;
     int nthreads;
     tcp_thread_t *threads;
@@ -135,7 +153,8 @@ typedef struct {
     int nlanes;
     atomic_uint rr;
     tcp_conn_t *lanes[16];
-    kvb_shm_link_t *link; /* same-host data path; NULL: bytes go over the lanes */
+    kvb_shm_link_t *link;                   /* same-host data path; NULL: bytes go over the lanes */
+    uint8_t tokens[16][KVB_LINK_TOKEN_LEN]; /* per lane, from its HELLO_ACK */
 } tcp_peer_t;
 
 static char listen_tag, wake_tag;       /* epoll data.ptr markers */
@@ -149,6 +168,7 @@ static void conn_release(tcp_conn_t *c)
         return;
     if (c->fd >= 0)
         close(c->fd);
+    kvb__shm_offer_drop(c->offer);
     while (c->free_frames) {
         tcp_frame_t *f = c->free_frames;
         c->free_frames = f->next;
@@ -162,12 +182,15 @@ static void conn_release(tcp_conn_t *c)
     free(c);
 }
 
-static int set_sock_opts(int fd)
+static int set_sock_opts(int fd, uint32_t peer_timeout_ms)
 {
-    int one = 1, idle = 5, intvl = 2, cnt = 3;
-    unsigned user_timeout = 10000;
     /* NODELAY: small control frames must not wait for Nagle; data is already coalesced by us.
-     * Keepalive + USER_TIMEOUT: a vanished host (no RST) is detected in seconds, not hours. */
+     * Keepalive + USER_TIMEOUT: a vanished host (no RST, link cut) is detected within the peer
+     * timeout, not hours: unacknowledged data fails after it, and an idle connection is probed
+     * after a third of it and given up after two unanswered probes. */
+    int one = 1, secs = (int)(peer_timeout_ms / 1000);
+    int idle = secs / 3 > 1 ? secs / 3 : 1, intvl = secs / 3 > 1 ? secs / 3 : 1, cnt = 2;
+    unsigned user_timeout = peer_timeout_ms;
     if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) ||
         setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one) ||
         setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle) ||
@@ -235,13 +258,24 @@ static void conn_request_close(tcp_conn_t *c, int err)
         thread_wake(c->th);
 }
 
-/* A fatal error on c, found by its owner thread. */
+/* A fatal error on c. */
 static void conn_fail(tcp_conn_t *c, int err, const char *what)
 {
     if (c->role == ROLE_INIT) {
-        if (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION)
-            KVB_ERROR("connection to %s: %s", c->peer->name, what);
-        kvb__peer_fail(c->peer, err); /* closes every lane of the peer, this one included */
+        /* c->peer goes NULL once the owner thread closed c: take a reference under the lock. */
+        pthread_mutex_lock(&c->mu);
+        kvb_peer_t *p = c->peer;
+        if (p)
+            atomic_fetch_add(&p->refs, 1);
+        pthread_mutex_unlock(&c->mu);
+        if (p && (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION))
+            KVB_ERROR("connection to %s: %s", p->name, what);
+        if (p)
+            kvb__peer_fail(p, err); /* closes every lane of the peer, this one included */
+        kvb__peer_release(p);
+    } else if (err == KVB_ERR_AUTH) {
+        KVB_WARN("connection from %s closed: %s",
+                 c->auth == AUTH_DONE ? c->from : "(unauthenticated)", what);
     } else if (err == KVB_ERR_PROTOCOL || err == KVB_ERR_VERSION) {
         KVB_ERROR("connection from %s closed: %s", c->hello_done ? c->from : "(no handshake)",
                   what);
@@ -276,6 +310,9 @@ static void fail_op_list(kvb_op_t *op, int err)
 /* Owner thread: tears c down and ends everything it held. */
 static void conn_close(tcp_conn_t *c)
 {
+    /* First wait out a waiting thread that drives c (kvb_batch_wait): it may be reading from the
+     * fd or holding the in-flight op it is filling. rx_mu comes before mu everywhere. */
+    pthread_mutex_lock(&c->rx_mu);
     pthread_mutex_lock(&c->mu);
     c->dead = true;
     int err = c->close_err ? c->close_err : KVB_ERR_PEER_LOST;
@@ -291,11 +328,14 @@ static void conn_close(tcp_conn_t *c)
     pthread_mutex_unlock(&c->mu);
 
     if (c->fd >= 0) {
-        epoll_ctl(c->th->epfd, EPOLL_CTL_DEL, c->fd, NULL); /* close() would drop it anyway */
+        if (c->th)
+            epoll_ctl(c->th->epfd, EPOLL_CTL_DEL, c->fd, NULL); /* close() would drop it anyway */
         close(c->fd);
         c->fd = -1;
     }
-    pthread_mutex_lock(&c->rx_mu); /* a waiting thread may be reading it */
+    if (c->role == ROLE_TARGET && c->th)
+        atomic_fetch_sub(&c->th->tp->nconns, 1);
+    c->rx_op = NULL;
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
@@ -309,11 +349,15 @@ static void conn_close(tcp_conn_t *c)
     c->shm_peer = NULL;
     c->rx_dst = NULL;
     c->rx_sink = SINK_DRAIN;
+    kvb__shm_offer_drop(c->offer);
+    c->offer = NULL;
     pthread_mutex_unlock(&c->rx_mu);
     fail_op_list(inflight, err);
     /* Break the peer <-> lane reference cycle: a closed lane no longer needs its peer. */
+    pthread_mutex_lock(&c->mu);
     kvb_peer_t *p = c->peer;
     c->peer = NULL;
+    pthread_mutex_unlock(&c->mu);
     kvb__peer_release(p);
 }
 
@@ -425,6 +469,7 @@ static int conn_flush_locked(tcp_conn_t *c)
             return set_events(c, true, c->rx_paused);
         if (n < 0)
             return KVB_ERR_PEER_LOST;
+        atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
         for (uint64_t left = (uint64_t)n; left > 0;) {
             tcp_frame_t *f = c->txq_head;
             uint64_t rem = KVB_WIRE_HDR_SIZE + f->len - c->tx_off;
@@ -489,10 +534,13 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
                 f->inl[i] = (uint8_t)((uintptr_t)op->local >> (8 * i));
             f->data = f->inl;
         }
-        if (c->inflight_tail)
+        if (c->inflight_tail) {
             c->inflight_tail->next = op;
-        else
+        } else {
             c->inflight_head = op;
+            /* The silence that counts against the peer starts with its first request. */
+            atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
+        }
         c->inflight_tail = op;
         op = next;
     }
@@ -506,17 +554,25 @@ static void flush_jobs(tcp_conn_t *c);
 static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_registry_t *reg = &c->th->tp->engine->registry;
-    if (!c->hello_done && h->type != KVB_FRAME_HELLO)
-        return KVB_ERR_PROTOCOL;
+    if (c->auth != AUTH_DONE) {
+        /* Before the proof only the handshake's own frames: no region, data or notification. */
+        int want = c->auth == AUTH_HELLO ? KVB_FRAME_HELLO : KVB_FRAME_AUTH;
+        if (h->type == KVB_FRAME_ERROR)
+            return h->status == KVB_ERR_AUTH ? KVB_ERR_AUTH : KVB_ERR_PROTOCOL;
+        if (h->type != want || h->len == 0)
+            return KVB_ERR_AUTH;
+        c->rx_dst = malloc(h->len);
+        if (!c->rx_dst)
+            return KVB_ERR_NOMEM;
+        c->rx_sink = SINK_BUF;
+        return KVB_OK;
+    }
     bool shm = h->flags & KVB_FRAME_F_SHM;
     unsigned access = h->type == KVB_FRAME_READ_REQ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
     if (!shm)
         flush_jobs(c); /* this frame's answer must follow the copies owed before it */
     switch (h->type) {
-    case KVB_FRAME_HELLO:
     case KVB_FRAME_NOTIFY:
-        if (h->type == KVB_FRAME_HELLO && (c->hello_done || h->len == 0))
-            return KVB_ERR_PROTOCOL;
         c->rx_dst = malloc(h->len ? h->len : 1);
         if (!c->rx_dst)
             return KVB_ERR_NOMEM;
@@ -547,17 +603,69 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     }
 }
 
-static int send_hello_ack(tcp_conn_t *c, const kvb_hello_t *their)
+/* The initiator's HELLO is in: answer with our hello (a fresh nonce) and our proof, and keep the
+ * proof we expect back. */
+static int send_challenge(tcp_conn_t *c, const uint8_t *body, size_t len)
 {
     kvb_engine_t *e = c->th->tp->engine;
+    int rc = kvb__wire_hello_decode(body, len, &c->their);
+    if (rc)
+        return rc;
+    kvb_hello_t me = e->hello;
+    me.lane = c->their.lane;
+    uint8_t *buf = malloc(kvb__wire_hello_size(&me) + KVB_WIRE_MAC_LEN);
+    if (!buf)
+        return KVB_ERR_NOMEM;
+    size_t hl = 0;
+    if ((rc = kvb__random(me.nonce, sizeof me.nonce)) == KVB_OK)
+        hl = kvb__wire_hello_encode(&me, buf);
+    if (rc == KVB_OK)
+        rc =
+            kvb__wire_auth_mac(e->secret, e->secret_len, KVB_AUTH_TARGET, &c->their, &me, buf + hl);
+    if (rc == KVB_OK)
+        rc = kvb__wire_auth_mac(e->secret, e->secret_len, KVB_AUTH_INITIATOR, &c->their, &me,
+                                c->expect);
+    if (rc) {
+        free(buf);
+        return rc;
+    }
+    c->auth = AUTH_PROOF;
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_CHALLENGE, .len = hl + KVB_WIRE_MAC_LEN};
+    return queue_frame(c, &h, buf, NULL, buf);
+}
+
+/* Tells an initiator that failed authentication why, before closing: one small frame, sent now
+ * if the socket takes it (it is never queued behind anything, nothing was sent after the
+ * challenge). */
+static void send_auth_error(tcp_conn_t *c)
+{
+    uint8_t hdr[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_ERROR, .status = KVB_ERR_AUTH};
+    kvb__wire_encode_hdr(&h, hdr);
+    pthread_mutex_lock(&c->mu);
+    if (!c->txq_head && c->fd >= 0 && send(c->fd, hdr, sizeof hdr, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        KVB_DEBUG("auth error frame not sent: %s", strerror(errno));
+    pthread_mutex_unlock(&c->mu);
+}
+
+static int send_hello_ack(tcp_conn_t *c)
+{
+    kvb_engine_t *e = c->th->tp->engine;
+    const kvb_hello_t *their = &c->their;
     kvb_region_info_t *regions;
     size_t n, len, alen;
     uint8_t *buf, *attrs;
-    int rc = kvb__registry_list(&e->registry, &regions, &n);
-    if (rc)
+    kvb_hello_t me = e->hello;
+    me.lane = their->lane;
+    /* A same-host initiator gets a one-time token that binds its link to this connection. */
+    int rc = KVB_OK;
+    if (!memcmp(their->host_id, e->hello.host_id, KVB_HOST_ID_LEN))
+        rc = kvb__shm_offer(e->shm, their->pid, me.nonce, &c->offer);
+    if (rc || (rc = kvb__registry_list(&e->registry, &regions, &n)))
         return rc;
-    rc = kvb__wire_hello_ack_encode(&e->hello, regions, n, &buf, &len);
+    rc = kvb__wire_hello_ack_encode(&me, regions, n, &buf, &len);
     free(regions);
+    kvb__wipe(me.nonce, sizeof me.nonce);
     if (rc)
         return rc;
     snprintf(c->from, sizeof c->from, "%s", their->name);
@@ -605,12 +713,11 @@ static void flush_jobs(tcp_conn_t *c)
 /* Target side: a same-host request's address payload is in; owe its copy. */
 static int answer_shm(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
-    kvb_engine_t *e = c->th->tp->engine;
     int st = c->rx_status;
     if (st == KVB_OK && !c->shm_peer)
-        c->shm_peer = kvb__shm_peer_get(e->shm, c->their_incarnation);
+        c->shm_peer = kvb__shm_offer_peer(c->offer);
     if (st == KVB_OK && !c->shm_peer)
-        st = KVB_ERR_SHM_COPY; /* no side channel from this initiator */
+        st = KVB_ERR_SHM_COPY; /* no same-host link bound to this connection */
     if (c->njobs == JOBS_MAX)
         flush_jobs(c);
     uint64_t theirs = 0;
@@ -636,11 +743,23 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return answer_shm(c, h);
     switch (h->type) {
     case KVB_FRAME_HELLO: {
-        kvb_hello_t their;
-        int rc = kvb__wire_hello_decode(c->rx_dst, h->len, &their);
+        int rc = send_challenge(c, c->rx_dst, h->len);
         free(c->rx_dst);
         c->rx_dst = NULL;
-        return rc ? rc : send_hello_ack(c, &their);
+        return rc;
+    }
+    case KVB_FRAME_AUTH: {
+        bool ok = kvb__ct_equal(c->rx_dst, c->expect, KVB_WIRE_MAC_LEN);
+        free(c->rx_dst);
+        c->rx_dst = NULL;
+        kvb__wipe(c->expect, sizeof c->expect);
+        if (!ok) {
+            send_auth_error(c);
+            return KVB_ERR_AUTH;
+        }
+        c->auth = AUTH_DONE;
+        KVB_DEBUG("connection from %s (lane %u) authenticated", c->their.name, c->their.lane);
+        return send_hello_ack(c);
     }
     case KVB_FRAME_WRITE_REQ: {
         if (c->rx_pin)
@@ -671,7 +790,7 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     static const uint8_t resp_of[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK,
                                       KVB_FRAME_NOTIFY_ACK};
     if (h->type == KVB_FRAME_ERROR)
-        return h->status < 0 ? h->status : KVB_ERR_PROTOCOL;
+        return kvb__wire_error_status(h->status);
     pthread_mutex_lock(&c->mu);
     kvb_op_t *op = c->inflight_head; /* stays valid: only this thread retires in-flight ops */
     pthread_mutex_unlock(&c->mu);
@@ -730,6 +849,8 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
         got = (ssize_t)n;
     } else {
         got = recv(c->fd, dst, n, MSG_DONTWAIT);
+        if (got > 0)
+            atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
     }
     if (op_locked)
         kvb__op_dst_unlock(c->rx_op);
@@ -753,6 +874,15 @@ static int on_header(tcp_conn_t *c)
     c->rx_got = 0;
     c->rx_sink = SINK_DRAIN;
     rc = c->role == ROLE_TARGET ? target_on_header(c, &c->rx_hdr) : init_on_header(c, &c->rx_hdr);
+    if (rc == KVB_ERR_AUTH && c->rx_hdr.type == KVB_FRAME_ERROR) {
+        conn_fail(c, rc, "the peer refused our proof: cluster secrets differ");
+        return rc;
+    }
+    if (rc == KVB_ERR_AUTH) {
+        snprintf(why, sizeof why, "frame type %u before authentication", c->rx_hdr.type);
+        conn_fail(c, rc, why);
+        return rc;
+    }
     if (rc) {
         snprintf(why, sizeof why, "unexpected frame type %u id %llu: %s", c->rx_hdr.type,
                  (unsigned long long)c->rx_hdr.id, kvb_strerror(rc));
@@ -773,7 +903,9 @@ static int on_frame_end(tcp_conn_t *c)
     int rc = target_on_frame(c, &c->rx_hdr);
     c->rx_sink = SINK_DRAIN;
     if (rc)
-        conn_fail(c, rc, kvb_strerror(rc));
+        conn_fail(c, rc,
+                  rc == KVB_ERR_AUTH ? "authentication failed (wrong or missing cluster secret)"
+                                     : kvb_strerror(rc));
     return rc;
 }
 
@@ -839,6 +971,7 @@ static void read_frames(tcp_conn_t *c)
         size_t space = RXBUF_SIZE - c->rx_len;
         ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, space, MSG_DONTWAIT);
         if (n > 0) {
+            atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
             c->rx_len += (size_t)n;
             drained = (size_t)n < space;
             continue;
@@ -908,20 +1041,93 @@ static void thread_scan(tcp_thread_t *th)
     }
 }
 
+/* Out of descriptors, the listening socket stays readable (epoll is level-triggered) and the
+ * progress thread would spin on it: give up the reserve descriptor, accept and close the
+ * connection at once (the peer sees a reset, not a hang), and take the reserve back. */
+static void shed_one(kvb_transport_t *tp)
+{
+    static atomic_bool warned;
+    if (!atomic_exchange(&warned, true))
+        KVB_ERROR("accept: out of file descriptors; refusing connections until some close");
+    if (tp->reserve_fd >= 0)
+        close(tp->reserve_fd);
+    int fd = accept4(tp->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd >= 0)
+        close(fd);
+    tp->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || tp->reserve_fd < 0) {
+        /* Could not even shed it: stop listening until the next tick rather than spin. */
+        struct epoll_event ev = {.events = 0, .data.ptr = &listen_tag};
+        if (epoll_ctl(tp->threads[0].epfd, EPOLL_CTL_MOD, tp->listen_fd, &ev) == 0)
+            tp->listen_paused = true;
+    }
+}
+
+/* Owner thread: fails connections past a deadline - a handshake not done within the connect
+ * timeout (a peer that connects and says nothing holds no slot for long), and requests in flight
+ * on a connection silent for the peer timeout. */
+static void thread_tick(tcp_thread_t *th, uint64_t now)
+{
+    const kvb_config_t *cfg = &th->tp->engine->cfg;
+    th->next_tick = now + TICK_MS * 1000000ull;
+    kvb_transport_t *tp = th->tp;
+    if (th == &tp->threads[0] && tp->listen_paused) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &listen_tag};
+        if (epoll_ctl(th->epfd, EPOLL_CTL_MOD, tp->listen_fd, &ev) == 0)
+            tp->listen_paused = false;
+    }
+    for (tcp_conn_t *c = th->conns; c; c = c->next) {
+        if (c->close_req)
+            continue;
+        if (c->role == ROLE_TARGET && c->auth != AUTH_DONE &&
+            now - c->born_ns > cfg->connect_timeout_ms * 1000000ull) {
+            conn_fail(c, KVB_ERR_AUTH, "no authenticated handshake within the connect timeout");
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        bool waiting = c->inflight_head != NULL;
+        pthread_mutex_unlock(&c->mu);
+        uint64_t last = atomic_load_explicit(&c->last_io, memory_order_relaxed);
+        if (waiting && now > last && now - last > cfg->peer_timeout_ms * 1000000ull) {
+            char why[96];
+            snprintf(why, sizeof why, "no answer for %u ms with requests in flight",
+                     cfg->peer_timeout_ms);
+            KVB_WARN("connection to %s: %s", c->peer ? c->peer->name : "?", why);
+            conn_fail(c, KVB_ERR_PEER_LOST, why);
+        }
+    }
+}
+
 static void accept_all(kvb_transport_t *tp)
 {
     for (;;) {
         int fd = accept4(tp->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE) {
+                shed_one(tp);
+                if (tp->listen_paused)
+                    return;
+                continue;
+            }
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 KVB_WARN("accept: %s", strerror(errno));
             return;
         }
-        tcp_conn_t *c = set_sock_opts(fd) == KVB_OK ? conn_new(tp, fd, ROLE_TARGET) : NULL;
+        if (atomic_load(&tp->nconns) >= tp->engine->cfg.max_connections) {
+            KVB_WARN("connection refused: %u connections open (max_connections)",
+                     atomic_load(&tp->nconns));
+            close(fd);
+            continue;
+        }
+        tcp_conn_t *c = set_sock_opts(fd, tp->engine->cfg.peer_timeout_ms) == KVB_OK
+                            ? conn_new(tp, fd, ROLE_TARGET)
+                            : NULL;
         if (!c) {
             close(fd);
             continue;
         }
+        atomic_fetch_add(&tp->nconns, 1);
+        c->born_ns = kvb__now_ns();
         thread_adopt(tp, c);
     }
 }
@@ -934,7 +1140,10 @@ static void *thread_main(void *arg)
     while (!atomic_load(&th->tp->stop)) {
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
          * without sleeping. */
-        int n = epoll_wait(th->epfd, evs, MAX_EVENTS, th->need_scan ? 0 : -1);
+        int n = epoll_wait(th->epfd, evs, MAX_EVENTS,
+                           th->need_scan                                        ? 0
+                           : th->conns || th->incoming || th->tp->listen_paused ? TICK_MS
+                                                                                : -1);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -968,6 +1177,12 @@ static void *thread_main(void *arg)
         }
         if (th->need_scan)
             thread_scan(th);
+        uint64_t now = kvb__now_ns();
+        if ((th->conns || th->tp->listen_paused) && now >= th->next_tick) {
+            thread_tick(th, now);
+            if (th->need_scan)
+                thread_scan(th);
+        }
     }
     return NULL;
 }
@@ -1033,6 +1248,7 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
         return KVB_ERR_NOMEM;
     tp->engine = e;
     tp->listen_fd = -1;
+    tp->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     tp->threads = calloc((size_t)e->cfg.progress_threads, sizeof *tp->threads);
     if (!tp->threads) {
         free(tp);
@@ -1115,6 +1331,8 @@ static void tcp_destroy(kvb_transport_t *tp)
     }
     if (tp->listen_fd >= 0)
         close(tp->listen_fd);
+    if (tp->reserve_fd >= 0)
+        close(tp->reserve_fd);
     free(tp->threads);
     free(tp);
 }
@@ -1179,6 +1397,7 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
         return KVB_ERR_RESOLVE;
     }
     int rc = KVB_ERR_CONNECT, err = 0;
+    *out = -1;
     for (struct addrinfo *ai = res; ai && rc != KVB_OK; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         if (fd < 0)
@@ -1201,7 +1420,13 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
     freeaddrinfo(res);
     if (rc)
         KVB_WARN("segment %s: connect failed: %s", p->name, strerror(err ? err : ECONNREFUSED));
-    return rc == KVB_OK ? set_sock_opts(*out) : (err == ETIMEDOUT ? KVB_ERR_TIMEOUT : rc);
+    if (rc)
+        return err == ETIMEDOUT ? KVB_ERR_TIMEOUT : rc;
+    if ((rc = set_sock_opts(*out, p->engine->cfg.peer_timeout_ms))) {
+        close(*out); /* ours until it is returned */
+        *out = -1;
+    }
+    return rc;
 }
 
 /* Connects one lane and runs the handshake on it. Lane 0 records the peer's identity and
@@ -1216,7 +1441,7 @@ static int recv_frame(int fd, uint8_t want, uint64_t deadline, uint8_t **body, s
     if (!rc)
         rc = kvb__wire_decode_hdr(rh, &h, why, why_len);
     if (!rc && h.type == KVB_FRAME_ERROR)
-        return h.status < 0 ? h.status : KVB_ERR_PROTOCOL;
+        return kvb__wire_error_status(h.status);
     if (!rc && (h.type != want || h.status != 0 || h.len == 0))
         rc = KVB_ERR_PROTOCOL;
     if (!rc && !(*body = malloc(h.len)))
@@ -1229,30 +1454,76 @@ static int recv_frame(int fd, uint8_t want, uint64_t deadline, uint8_t **body, s
     return rc;
 }
 
-/* Connects one lane and runs the handshake on it. Lane 0 records the peer's identity, regions
- * and attributes; the others must meet the same incarnation. */
+/* Sends one frame (header and payload) before `deadline`. */
+static int send_frame(int fd, uint8_t type, int32_t status, const uint8_t *body, size_t len,
+                      uint64_t deadline)
+{
+    uint8_t hdr[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t h = {.type = type, .status = status, .len = len};
+    kvb__wire_encode_hdr(&h, hdr);
+    int rc = io_all(fd, hdr, sizeof hdr, true, deadline);
+    return rc || !len ? rc : io_all(fd, (void *)body, len, true, deadline);
+}
+
+/* The initiator's half of the mutual authentication: HELLO with our nonce, the target's proof
+ * checked against its CHALLENGE, then our proof. Fills *their with the target's hello. */
+static int authenticate(kvb_engine_t *e, int fd, uint32_t lane, uint64_t deadline,
+                        kvb_hello_t *their, char *why, size_t why_len)
+{
+    kvb_hello_t me = e->hello;
+    me.lane = lane;
+    uint8_t msg[KVB_WIRE_MAX_HELLO], *body = NULL, mac[KVB_WIRE_MAC_LEN], want[KVB_WIRE_MAC_LEN];
+    size_t len = 0;
+    int rc = kvb__random(me.nonce, sizeof me.nonce);
+    if (!rc)
+        rc = send_frame(fd, KVB_FRAME_HELLO, 0, msg, kvb__wire_hello_encode(&me, msg), deadline);
+    if (!rc)
+        rc = recv_frame(fd, KVB_FRAME_CHALLENGE, deadline, &body, &len, why, why_len);
+    if (!rc)
+        rc = kvb__wire_challenge_decode(body, len, their, mac);
+    free(body);
+    if (!rc)
+        rc = kvb__wire_auth_mac(e->secret, e->secret_len, KVB_AUTH_TARGET, &me, their, want);
+    if (!rc && !kvb__ct_equal(mac, want, sizeof mac)) {
+        /* Tell the target why we hang up, so that both sides log the same cause. */
+        send_frame(fd, KVB_FRAME_ERROR, KVB_ERR_AUTH, NULL, 0, deadline);
+        snprintf(why, why_len, "the target's proof does not match our cluster secret");
+        rc = KVB_ERR_AUTH;
+    }
+    if (!rc)
+        rc = kvb__wire_auth_mac(e->secret, e->secret_len, KVB_AUTH_INITIATOR, &me, their, mac);
+    if (!rc)
+        rc = send_frame(fd, KVB_FRAME_AUTH, 0, mac, sizeof mac, deadline);
+    return rc;
+}
+
+/* Connects one lane and runs the handshake on it: mutual authentication, then HELLO_ACK (the
+ * region list and this lane's same-host token) and, on lane 0, the attributes. Lane 0 records
+ * the peer's identity, regions and attributes; the others must meet the same incarnation. */
 static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t deadline, int *out)
 {
     int fd, rc = dial(p, deadline, &fd);
     if (rc)
         return rc;
-    kvb_hello_t me = tp->engine->hello;
-    me.lane = lane;
-    uint8_t msg[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO], *body = NULL;
-    size_t hl = kvb__wire_hello_encode(&me, msg + KVB_WIRE_HDR_SIZE), len = 0;
-    kvb_frame_hdr_t h = {.type = KVB_FRAME_HELLO, .len = hl};
-    kvb__wire_encode_hdr(&h, msg);
     char why[96] = "";
-    kvb_hello_t their;
+    uint8_t *body = NULL;
+    size_t len = 0, n = 0;
+    kvb_hello_t their, ack;
     kvb_region_info_t *regions = NULL;
-    size_t n = 0;
-    rc = io_all(fd, msg, KVB_WIRE_HDR_SIZE + hl, true, deadline);
+    rc = authenticate(tp->engine, fd, lane, deadline, &their, why, sizeof why);
     if (!rc)
         rc = recv_frame(fd, KVB_FRAME_HELLO_ACK, deadline, &body, &len, why, sizeof why);
     if (!rc)
-        rc = kvb__wire_hello_ack_decode(body, len, &their, &regions, &n);
+        rc = kvb__wire_hello_ack_decode(body, len, &ack, &regions, &n);
     free(body);
     body = NULL;
+    if (!rc && ack.incarnation != their.incarnation)
+        rc = KVB_ERR_PROTOCOL;
+    if (!rc) {
+        memcpy(((tcp_peer_t *)p->tp)->tokens[lane], ack.nonce, KVB_LINK_TOKEN_LEN);
+        kvb__wipe(ack.nonce, sizeof ack.nonce);
+        memset(their.nonce, 0, sizeof their.nonce);
+    }
     if (!rc && lane == 0) {
         p->hello = their;
         p->regions = regions;
@@ -1267,8 +1538,12 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t
     }
     free(regions);
     if (rc) {
-        KVB_WARN("segment %s: handshake failed: %s%s%s", p->name, kvb_strerror(rc),
-                 why[0] ? ": " : "", why);
+        if (rc == KVB_ERR_AUTH)
+            KVB_ERROR("segment %s: authentication failed: %s", p->name,
+                      why[0] ? why : "the target refused our proof (cluster secrets differ)");
+        else
+            KVB_WARN("segment %s: handshake failed: %s%s%s", p->name, kvb_strerror(rc),
+                     why[0] ? ": " : "", why);
         close(fd);
         return rc;
     }
@@ -1302,7 +1577,9 @@ static int link_same_host(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
     tcp_peer_t *tpp = p->tp;
     if (e->protocol == KVB_PROTO_TCP)
         return KVB_OK;
-    int rc = kvb__shm_link_open(e->shm, &p->hello, deadline, &tpp->link);
+    int rc =
+        kvb__shm_link_open(e->shm, &p->hello, (const uint8_t(*)[KVB_LINK_TOKEN_LEN])tpp->tokens,
+                           (size_t)e->cfg.lanes, deadline, &tpp->link);
     if (rc == KVB_OK) {
         KVB_INFO("segment %s: same host, data through shared memory%s", p->name,
                  kvb__shm_link_cma(tpp->link) ? "" : " (kvb_alloc memory only)");

@@ -21,7 +21,7 @@ static const entry_t entries[] = {
 #define N_ENTRIES (sizeof entries / sizeof entries[0])
 
 /* Codes that are not in the map, including ones inside each range and at the int extremes. */
-static const int unknown_codes[] = {1,    2,    100,  -99,   -98,     -106,    -199,
+static const int unknown_codes[] = {1,    2,    100,  -99,   -98,     -107,    -199,
                                     -250, -299, -300, -1000, INT_MIN, INT_MAX, INT_MIN + 1};
 
 static int is_known(int code)

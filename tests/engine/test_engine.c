@@ -50,6 +50,8 @@ Test(engine, config_is_checked)
     cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
     kvb_config_init(&c);
     c.bind_addr = "no-such-host.invalid";
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "not loopback, no secret");
+    c.insecure = 1;
     cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_RESOLVE);
     cr_assert_null(e);
     cr_expect_eq(kvb_engine_create(NULL, NULL), KVB_ERR_INVALID_ARG);

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The TCP transport against hostile or broken peers on raw sockets: malformed frames close that
- * connection (never the engine), per-request errors keep it open, and a broken target fails the
- * initiator's handshake or requests promptly. */
+/* The TCP transport against hostile or broken peers on raw sockets: unauthenticated peers get
+ * nothing (wrong or missing secret, replayed handshakes, frames before the proof), malformed
+ * frames close that connection (never the engine), per-request errors keep it open, and a broken
+ * target fails the initiator's handshake or requests promptly. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <netinet/in.h>
@@ -57,9 +58,69 @@ static size_t hello_frame(uint8_t *out)
 {
     kvb_hello_t h = {.incarnation = 7, .pid = 1};
     strcpy(h.name, "raw:1");
+    for (size_t i = 0; i < sizeof h.nonce; i++)
+        h.nonce[i] = (uint8_t)rand();
     size_t n = kvb__wire_hello_encode(&h, out + KVB_WIRE_HDR_SIZE);
     put_hdr(out, KVB_FRAME_HELLO, 0, 0, 0, n);
     return KVB_WIRE_HDR_SIZE + n;
+}
+
+/* Reads one frame's header and body (malloc'd into *body). */
+static kvb_frame_hdr_t recv_frame(int fd, uint8_t **body)
+{
+    uint8_t h[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t hdr;
+    cr_assert_eq(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+    cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
+    uint8_t *b = malloc(hdr.len ? hdr.len : 1);
+    if (hdr.len)
+        cr_assert_eq(recv(fd, b, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
+    if (body)
+        *body = b;
+    else
+        free(b);
+    return hdr;
+}
+
+/* Runs the initiator's side of the handshake by hand with `secret` (NULL: none): HELLO, the
+ * target's CHALLENGE (its proof checked), our AUTH. The HELLO_ACK (and ATTRS) stay unread. Fills
+ * *target with the target's hello and, if auth_out is not NULL, the AUTH frame sent. */
+static void raw_login_as(int fd, const char *secret, uint32_t lane, kvb_hello_t *target,
+                         uint8_t auth_out[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN])
+{
+    kvb_hello_t me = {.incarnation = 7, .pid = (uint32_t)getpid(), .lane = lane};
+    strcpy(me.name, "raw:1");
+    for (size_t i = 0; i < sizeof me.nonce; i++)
+        me.nonce[i] = (uint8_t)rand();
+    uint8_t out[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO], *body;
+    size_t n = kvb__wire_hello_encode(&me, out + KVB_WIRE_HDR_SIZE);
+    put_hdr(out, KVB_FRAME_HELLO, 0, 0, 0, n);
+    cr_assert_eq(send(fd, out, KVB_WIRE_HDR_SIZE + n, 0), (ssize_t)(KVB_WIRE_HDR_SIZE + n));
+    kvb_frame_hdr_t h = recv_frame(fd, &body);
+    cr_assert_eq(h.type, KVB_FRAME_CHALLENGE);
+    kvb_hello_t their;
+    uint8_t mac[KVB_WIRE_MAC_LEN], want[KVB_WIRE_MAC_LEN];
+    cr_assert_eq(kvb__wire_challenge_decode(body, h.len, &their, mac), KVB_OK);
+    free(body);
+    size_t sl = secret ? strlen(secret) : 0;
+    cr_assert_eq(
+        kvb__wire_auth_mac((const uint8_t *)secret, sl, KVB_AUTH_TARGET, &me, &their, want),
+        KVB_OK);
+    cr_assert_arr_eq(mac, want, sizeof mac, "the target's proof does not check out");
+    uint8_t auth[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN];
+    put_hdr(auth, KVB_FRAME_AUTH, 0, 0, 0, KVB_WIRE_MAC_LEN);
+    kvb__wire_auth_mac((const uint8_t *)secret, sl, KVB_AUTH_INITIATOR, &me, &their,
+                       auth + KVB_WIRE_HDR_SIZE);
+    cr_assert_eq(send(fd, auth, sizeof auth, 0), (ssize_t)sizeof auth);
+    if (target)
+        *target = their;
+    if (auth_out)
+        memcpy(auth_out, auth, sizeof auth);
+}
+
+static void raw_login(int fd)
+{
+    raw_login_as(fd, NULL, 0, NULL, NULL);
 }
 
 /* Reads and discards until EOF; true if the engine closed within 2 s. */
@@ -109,9 +170,8 @@ static void engine_still_serves(void)
 static void expect_closed_after(const uint8_t *bytes, size_t len, bool with_hello)
 {
     int fd = raw_connect(kvb_engine_port(eng));
-    uint8_t hello[KVB_WIRE_HDR_SIZE + 128];
     if (with_hello)
-        cr_assert_eq(send(fd, hello, hello_frame(hello), 0) > 0, true);
+        raw_login(fd);
     cr_assert_eq(send(fd, bytes, len, MSG_NOSIGNAL), (ssize_t)len);
     cr_assert(closed_by_engine(fd), "engine kept a hostile connection open");
     close(fd);
@@ -130,7 +190,7 @@ Test(tcp, hostile_headers_are_refused)
     uint8_t f[KVB_WIRE_HDR_SIZE];
     put_hdr(f, KVB_FRAME_READ_REQ, 0, 1, (uintptr_t)mem, 8);
     expect_closed_after(f, sizeof f, false); /* request before the handshake */
-    f[4] = 2;                                /* another protocol version */
+    f[4] = 1;                                /* a version-1 peer */
     expect_closed_after(f, sizeof f, false);
     put_hdr(f, KVB_FRAME_HELLO, 0, 0, 0, KVB_WIRE_MAX_HELLO + 1);
     expect_closed_after(f, sizeof f, false);
@@ -166,11 +226,11 @@ Test(tcp, truncated_frames_and_early_close)
 Test(tcp, per_request_errors_keep_the_connection)
 {
     int fd = raw_connect(kvb_engine_port(eng));
-    uint8_t out[KVB_WIRE_HDR_SIZE * 3 + 128];
-    size_t n = hello_frame(out);
-    put_hdr(out + n, KVB_FRAME_READ_REQ, 0, 1, 0x10, 8); /* unregistered */
-    put_hdr(out + n + KVB_WIRE_HDR_SIZE, KVB_FRAME_READ_REQ, 0, 2, (uintptr_t)mem, 4);
-    cr_assert_eq(send(fd, out, n + 2 * KVB_WIRE_HDR_SIZE, 0), (ssize_t)(n + 2 * KVB_WIRE_HDR_SIZE));
+    raw_login(fd);
+    uint8_t out[KVB_WIRE_HDR_SIZE * 2];
+    put_hdr(out, KVB_FRAME_READ_REQ, 0, 1, 0x10, 8); /* unregistered */
+    put_hdr(out + KVB_WIRE_HDR_SIZE, KVB_FRAME_READ_REQ, 0, 2, (uintptr_t)mem, 4);
+    cr_assert_eq(send(fd, out, sizeof out, 0), (ssize_t)sizeof out);
     /* HELLO_ACK and ATTRS, then READ_RESP(error), then READ_RESP(4 bytes). */
     read_handshake_reply(fd);
     uint8_t h[KVB_WIRE_HDR_SIZE];
@@ -203,8 +263,13 @@ static void *fake_target(void *arg)
     if (fd < 0)
         return NULL;
     uint8_t in[4096];
-    ssize_t n = recv(fd, in, sizeof in, 0); /* the hello */
-    (void)n;
+    kvb_hello_t their;
+    /* the hello */
+    ssize_t n = recv(fd, in, KVB_WIRE_HDR_SIZE, MSG_WAITALL);
+    kvb_frame_hdr_t hh;
+    if (n == KVB_WIRE_HDR_SIZE && kvb__wire_decode_hdr(in, &hh, NULL, 0) == 0 &&
+        recv(fd, in, hh.len, MSG_WAITALL) == (ssize_t)hh.len)
+        kvb__wire_hello_decode(in, hh.len, &their);
     if (f->mode == 1) {
         memset(in, 0x42, 100);
         send(fd, in, 100, MSG_NOSIGNAL);
@@ -214,6 +279,14 @@ static void *fake_target(void *arg)
         kvb_region_info_t r = {.addr = 0x1000, .len = 0x1000, .access = KVB_ACCESS_RW};
         uint8_t *body, hdr[KVB_WIRE_HDR_SIZE];
         size_t len;
+        /* A target that knows the (empty) secret: challenge, then the initiator's proof. */
+        uint8_t ch[KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN];
+        size_t hl = kvb__wire_hello_encode(&me, ch);
+        kvb__wire_auth_mac(NULL, 0, KVB_AUTH_TARGET, &their, &me, ch + hl);
+        put_hdr(hdr, KVB_FRAME_CHALLENGE, 0, 0, 0, hl + KVB_WIRE_MAC_LEN);
+        send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
+        send(fd, ch, hl + KVB_WIRE_MAC_LEN, MSG_NOSIGNAL);
+        recv(fd, in, KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN, MSG_WAITALL);
         kvb__wire_hello_ack_encode(&me, &r, 1, &body, &len);
         put_hdr(hdr, KVB_FRAME_HELLO_ACK, 0, 0, 0, len);
         send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
@@ -302,8 +375,7 @@ Test(tcp, reply_to_unknown_request_is_a_protocol_error)
 Test(tcp, flooding_peer_is_held_off_then_served)
 {
     int fd = raw_connect(kvb_engine_port(eng));
-    uint8_t hello[KVB_WIRE_HDR_SIZE + 128];
-    cr_assert_gt(send(fd, hello, hello_frame(hello), 0), 0);
+    raw_login(fd);
     enum { MAX = 1000000 };
     uint64_t sent = 0;
     bool blocked = false;
