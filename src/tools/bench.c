@@ -32,6 +32,7 @@ typedef struct {
     const char *mode;
     const char *segment;
     const char *bind;
+    bool insecure;        /* --insecure */
     const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
     const char *protocol; /* tcp, shm or auto */
     const char *kv_model; /* --kv: the KV-shaped workload instead */
@@ -180,6 +181,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.bind_addr = o->bind;
+    cfg.insecure = o->insecure;
     cfg.port = (uint16_t)o->port;
     cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
@@ -389,6 +391,7 @@ static int run_initiator(bench_opts_t *o)
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.bind_addr = o->bind;
+    cfg.insecure = o->insecure;
     cfg.protocol = o->protocol;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
@@ -800,6 +803,8 @@ static void usage(FILE *f)
            "  --name NAME               the target's segment name (default host:port)\n"
            "  --port P                  target port (default: any free port, printed)\n"
            "  --bind ADDR               address to bind (default 127.0.0.1)\n"
+           "  --secret-file PATH        the cluster secret (both sides; also KVB_SECRET_FILE)\n"
+           "  --insecure                allow a non-loopback --bind without a secret\n"
            "  --operation read|write    default read\n"
            "  --block-size N[K|M]       bytes per request (default 64K)\n"
            "  --batch-size N            requests per batch (default 128)\n"
@@ -848,6 +853,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"metadata", 1, 0, 'M'},
                                           {"cluster", 1, 0, 'C'},
                                           {"name", 1, 0, 'n'},
+                                          {"secret-file", 1, 0, 'F'},
+                                          {"insecure", 0, 0, 'I'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
                         .protocol = "tcp",
@@ -949,6 +956,13 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         case 'n':
             bad = !*optarg || strlen(optarg) > KVB_NAME_MAX;
             o->name = optarg;
+            break;
+        case 'F':
+            if (kvb_cli_secret_file("bench", optarg))
+                return 2;
+            break;
+        case 'I':
+            o->insecure = true;
             break;
         case 'h':
             usage(stdout);

@@ -30,6 +30,11 @@ void kvb_cli_block_stop_signals(void);
 bool kvb_cli_wants_help(int argc, char **argv);
 int kvb_cli_wait_stop(void);
 
+/* --secret-file PATH: checks that the file holds a usable cluster secret and exports it as
+ * KVB_SECRET_FILE, where every engine this process creates reads it. Returns 0, or -1 after a
+ * message on stderr. */
+int kvb_cli_secret_file(const char *cmd, const char *path);
+
 /* Parses a size with an optional K/M/G suffix (powers of 1024). Returns 0 on success. */
 int kvb_cli_parse_size(const char *s, uint64_t *out);
 /* Parses a non-negative integer no larger than max. Returns 0 on success. */

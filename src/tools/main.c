@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/auth.h"
 #include "kvbridge/engine.h"
 #include "tools/cli.h"
 
@@ -40,6 +41,19 @@ int kvb_cli_wait_stop(void)
     int sig = 0;
     sigwait(&set, &sig);
     return sig;
+}
+
+int kvb_cli_secret_file(const char *cmd, const char *path)
+{
+    uint8_t *secret;
+    size_t len;
+    if (kvb__secret_load(path, &secret, &len) != KVB_OK) {
+        fprintf(stderr, "kvbridge %s: --secret-file %s: unreadable, or not 16..4096 bytes\n", cmd,
+                path);
+        return -1;
+    }
+    kvb__secret_free(secret, len);
+    return setenv("KVB_SECRET_FILE", path, 1) == 0 ? 0 : -1;
 }
 
 int kvb_cli_parse_uint(const char *s, uint64_t max, uint64_t *out)

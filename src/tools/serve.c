@@ -14,7 +14,8 @@ static void usage(FILE *f)
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
             "                      [--blocks N] [--lease-ms N]\n"
-            "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n\n"
+            "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
+            "                      [--secret-file PATH] [--insecure]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
             "  --role R        prefill, decode, or both (colocated: /v1/completions locally)\n"
             "  --model M       a preset (tiny-gqa, tiny-mla) or a weight file\n"
@@ -32,7 +33,10 @@ static void usage(FILE *f)
             "                  `kvbridge proxy --discover URI` finds it; withdrawn at exit, and\n"
             "                  gone within the TTL after a crash. Unreachable at start: exit 1\n"
             "  --cluster NAME  namespace of the keys (default \"default\")\n"
-            "  --metadata-ttl-ms N  how long the keys outlive a crash (default 10000, min 1000)\n\n"
+            "  --metadata-ttl-ms N  how long the keys outlive a crash (default 10000, min 1000)\n"
+            "  --secret-file PATH  the cluster secret the engines authenticate peers with (also\n"
+            "                  KVB_SECRET_FILE); required with a non-loopback --bind\n"
+            "  --insecure      allow a non-loopback --bind without a secret (warns)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
             KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS);
@@ -85,6 +89,9 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (!kvb_pd_cluster_valid(val))
             return bad("bad --cluster (1..63 characters of [A-Za-z0-9._-])", val);
         o->cluster = val;
+    } else if (!strcmp(opt, "--secret-file")) {
+        if (kvb_cli_secret_file("serve", val))
+            return 2;
     } else if (!strcmp(opt, "--metadata-ttl-ms")) {
         if (kvb_cli_parse_uint(val, 3600000, &v) || v < 1000)
             return bad("bad --metadata-ttl-ms (1000..3600000)", val);
@@ -103,6 +110,10 @@ static int parse_args(int argc, char **argv, kvb_pd_server_opts_t *o)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             return 1;
+        }
+        if (!strcmp(argv[i], "--insecure")) { /* the one flag without a value */
+            o->insecure = true;
+            continue;
         }
         if (i + 1 >= argc)
             return bad("missing value of", argv[i]);

@@ -634,15 +634,16 @@ static int send_challenge(tcp_conn_t *c, const uint8_t *body, size_t len)
     return queue_frame(c, &h, buf, NULL, buf);
 }
 
-/* Tells an initiator that failed authentication why, before closing: one small frame, sent now
- * if the socket takes it (it is never queued behind anything, nothing was sent after the
- * challenge). */
+/* Tells an initiator that failed authentication why, before closing: one small frame behind the
+ * challenge, sent now if the socket takes them (best effort: the connection closes either way). */
 static void send_auth_error(tcp_conn_t *c)
 {
     uint8_t hdr[KVB_WIRE_HDR_SIZE];
     kvb_frame_hdr_t h = {.type = KVB_FRAME_ERROR, .status = KVB_ERR_AUTH};
     kvb__wire_encode_hdr(&h, hdr);
     pthread_mutex_lock(&c->mu);
+    if (c->txq_head && c->fd >= 0) /* the challenge, if it is still queued */
+        (void)conn_flush_locked(c);
     if (!c->txq_head && c->fd >= 0 && send(c->fd, hdr, sizeof hdr, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
         KVB_DEBUG("auth error frame not sent: %s", strerror(errno));
     pthread_mutex_unlock(&c->mu);

@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the wire codecs (src/engine/wire.c): header round trips and validation, hello and
- * hello_ack round trips, every truncation, every limit and one over, and a seeded mutation fuzz.
+/* Tests for the wire codecs (src/engine/wire.c), protocol version 2: header round trips and
+ * validation, hello, challenge and hello_ack round trips, the handshake MACs, ERROR status mapping,
+ * every truncation, every limit and one over, and a seeded mutation fuzz.
  * Inputs are decoded from exact-size heap copies so that AddressSanitizer sees any over-read. */
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +13,13 @@
 #include "engine/wire.h"
 
 /* --- helpers ------------------------------------------------------------------------------ */
+
+/* hello: incarnation u64 | pid u32 | lane u32 | host_id[16] | nonce[32] | name_len u16 | name,
+ * spelled out independently of wire.c. */
+#define HELLO_HOST_OFF     16
+#define HELLO_NONCE_OFF    (HELLO_HOST_OFF + KVB_HOST_ID_LEN)
+#define HELLO_NAME_LEN_OFF (HELLO_NONCE_OFF + KVB_WIRE_NONCE_LEN)
+#define HELLO_NAME_OFF     (HELLO_NAME_LEN_OFF + 2)
 
 static void put16(uint8_t *p, uint16_t v)
 {
@@ -111,6 +120,10 @@ static uint64_t type_limit(int t)
         return KVB_WIRE_MAX_HELLO_ACK;
     case KVB_FRAME_ATTRS:
         return KVB_WIRE_MAX_ATTRS;
+    case KVB_FRAME_CHALLENGE:
+        return KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN;
+    case KVB_FRAME_AUTH:
+        return KVB_WIRE_MAC_LEN;
     case KVB_FRAME_NOTIFY:
         return KVB_NOTIFY_MAX;
     case KVB_FRAME_READ_REQ:
@@ -123,11 +136,19 @@ static uint64_t type_limit(int t)
     }
 }
 
+/* The smallest length a header of type t may carry: AUTH is exactly one MAC, nothing else. */
+static uint64_t type_min(int t)
+{
+    return t == KVB_FRAME_AUTH ? KVB_WIRE_MAC_LEN : 0;
+}
+
 static kvb_hello_t sample_hello(const char *name)
 {
     kvb_hello_t h = {.incarnation = 0x0102030405060708ull, .pid = 0xA1B2C3D4u, .lane = 7};
     for (int i = 0; i < KVB_HOST_ID_LEN; i++)
         h.host_id[i] = (uint8_t)(0xF0 + i);
+    for (int i = 0; i < KVB_WIRE_NONCE_LEN; i++)
+        h.nonce[i] = (uint8_t)(0x40 + 3 * i);
     snprintf(h.name, sizeof h.name, "%s", name);
     return h;
 }
@@ -138,6 +159,7 @@ static void assert_hello_eq(const kvb_hello_t *a, const kvb_hello_t *b)
     cr_assert_eq(a->pid, b->pid);
     cr_assert_eq(a->lane, b->lane);
     cr_assert_arr_eq(a->host_id, b->host_id, KVB_HOST_ID_LEN);
+    cr_assert_arr_eq(a->nonce, b->nonce, KVB_WIRE_NONCE_LEN);
     cr_assert_str_eq(a->name, b->name);
 }
 
@@ -157,16 +179,17 @@ static uint8_t *hello_bytes(const kvb_hello_t *h, size_t *len)
 static uint8_t *raw_hello(uint16_t name_len_field, const uint8_t *name, size_t name_bytes,
                           size_t *len)
 {
-    size_t n = 18 + KVB_HOST_ID_LEN + name_bytes;
+    size_t n = HELLO_NAME_OFF + name_bytes;
     uint8_t *buf = calloc(1, n);
     cr_assert_not_null(buf);
     put64(buf, 42);
     put32(buf + 8, 1234);
     put32(buf + 12, 0);
-    memset(buf + 16, 0xAB, KVB_HOST_ID_LEN);
-    put16(buf + 16 + KVB_HOST_ID_LEN, name_len_field);
+    memset(buf + HELLO_HOST_OFF, 0xAB, KVB_HOST_ID_LEN);
+    memset(buf + HELLO_NONCE_OFF, 0xCD, KVB_WIRE_NONCE_LEN);
+    put16(buf + HELLO_NAME_LEN_OFF, name_len_field);
     if (name_bytes)
-        memcpy(buf + 18 + KVB_HOST_ID_LEN, name, name_bytes);
+        memcpy(buf + HELLO_NAME_OFF, name, name_bytes);
     *len = n;
     return buf;
 }
@@ -227,7 +250,7 @@ static void assert_regions_eq(const kvb_region_info_t *a, const kvb_region_info_
 /* Offset of the region count in a hello_ack whose hello has a name of name_len bytes. */
 static size_t ack_count_off(size_t name_len)
 {
-    return 18 + KVB_HOST_ID_LEN + name_len;
+    return HELLO_NAME_OFF + name_len;
 }
 
 /* --- frame headers ------------------------------------------------------------------------ */
@@ -243,7 +266,8 @@ Test(wire_hdr, layout_is_fixed_little_endian)
     kvb__wire_encode_hdr(&h, buf);
     const uint8_t magic[4] = {'K', 'V', 'B', '1'};
     cr_assert_arr_eq(buf, magic, 4);
-    cr_assert_eq(buf[4], KVB_WIRE_VERSION);
+    cr_assert_eq(KVB_WIRE_VERSION, 2, "protocol version 2: mutual authentication");
+    cr_assert_eq(buf[4], 2);
     cr_assert_eq(buf[5], KVB_FRAME_READ_RESP);
     cr_assert_eq(get16(buf + 6), 0);
     cr_assert_eq((int32_t)get32(buf + 8), -201);
@@ -258,8 +282,8 @@ Test(wire_hdr, roundtrip_every_type)
 {
     uint64_t seed = 0x1234;
     for (int t = KVB_FRAME_HELLO; t <= KVB_FRAME_TYPE_MAX; t++) {
-        uint64_t lim = type_limit(t);
-        uint64_t lens[] = {0, lim / 2, lim};
+        uint64_t lim = type_limit(t), min = type_min(t);
+        uint64_t lens[] = {min, min + (lim - min) / 2, lim};
         int32_t statuses[] = {0, KVB_ERR_PEER_LOST, KVB_ERR_ACCESS_DENIED, INT32_MIN};
         for (size_t li = 0; li < 3; li++) {
             for (size_t si = 0; si < 4; si++) {
@@ -311,19 +335,42 @@ Test(wire_hdr, bad_magic_rejected)
 
 Test(wire_hdr, wrong_version_is_a_version_error)
 {
-    kvb_frame_hdr_t h = mkhdr(KVB_FRAME_HELLO, 0, 100);
+    /* Version 1 peers (no authentication) are refused outright, as is anything newer. */
+    const uint8_t types[] = {KVB_FRAME_HELLO, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
+                             KVB_FRAME_READ_REQ};
+    for (size_t t = 0; t < sizeof types; t++) {
+        kvb_frame_hdr_t h = mkhdr(types[t], 0, type_min(types[t]));
+        uint8_t buf[KVB_WIRE_HDR_SIZE];
+        kvb__wire_encode_hdr(&h, buf);
+        cr_assert_eq(buf[4], 2);
+        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 2", types[t]);
+        const uint8_t versions[] = {0, 1, 3, 4, 0x7F, 0x80, 0xFF};
+        for (size_t i = 0; i < sizeof versions; i++) {
+            buf[4] = versions[i];
+            cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "type %u version %u", types[t],
+                         versions[i]);
+        }
+    }
+    /* A version-1 HELLO exactly as an old peer would send it (old hello layout, 40 bytes). */
+    kvb_frame_hdr_t h = mkhdr(KVB_FRAME_HELLO, 0, 18 + KVB_HOST_ID_LEN + 6);
     uint8_t buf[KVB_WIRE_HDR_SIZE];
     kvb__wire_encode_hdr(&h, buf);
-    const uint8_t versions[] = {0, 2, 3, 0x7F, 0x80, 0xFF};
-    for (size_t i = 0; i < sizeof versions; i++) {
-        buf[4] = versions[i];
-        cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "version %u", versions[i]);
-    }
+    buf[4] = 1;
+    kvb_frame_hdr_t out, before;
+    memset(&out, 0xA5, sizeof out);
+    memcpy(&before, &out, sizeof out);
+    char why[128] = "";
+    cr_assert_eq(kvb__wire_decode_hdr(buf, &out, why, sizeof why), KVB_ERR_VERSION);
+    cr_assert_neq(strstr(why, "version"), NULL, "reason: %s", why);
+    cr_assert_arr_eq(&out, &before, sizeof out, "output written for a version-1 header");
 }
 
 Test(wire_hdr, unknown_type_rejected)
 {
-    const unsigned types[] = {0, KVB_FRAME_TYPE_MAX + 1, 11, 12, 0x7F, 0x80, 0xFF};
+    cr_assert_eq(KVB_FRAME_CHALLENGE, 11);
+    cr_assert_eq(KVB_FRAME_AUTH, 12);
+    cr_assert_eq(KVB_FRAME_TYPE_MAX, 12);
+    const unsigned types[] = {0, KVB_FRAME_TYPE_MAX + 1, 13, 14, 0x7F, 0x80, 0xFF};
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
         kvb_frame_hdr_t h = mkhdr((uint8_t)types[i], 0, 0);
         kvb_frame_hdr_t out;
@@ -340,12 +387,13 @@ Test(wire_hdr, flags_set_rejected)
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "flag bit %d", bit);
     }
     /* The shared-memory flag only on data frames. */
-    const uint8_t control[] = {KVB_FRAME_HELLO, KVB_FRAME_HELLO_ACK, KVB_FRAME_NOTIFY,
-                               KVB_FRAME_NOTIFY_ACK, KVB_FRAME_ERROR};
+    const uint8_t control[] = {KVB_FRAME_HELLO,      KVB_FRAME_HELLO_ACK, KVB_FRAME_NOTIFY,
+                               KVB_FRAME_NOTIFY_ACK, KVB_FRAME_ERROR,     KVB_FRAME_ATTRS,
+                               KVB_FRAME_CHALLENGE,  KVB_FRAME_AUTH};
     for (size_t i = 0; i < sizeof control; i++) {
-        kvb_frame_hdr_t h = mkhdr(control[i], 0, 0);
+        kvb_frame_hdr_t h = mkhdr(control[i], 0, type_min(control[i])), out;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "type %u without the flag", control[i]);
         h.flags = KVB_FRAME_F_SHM;
-        kvb_frame_hdr_t out;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", control[i]);
     }
 }
@@ -386,7 +434,7 @@ Test(wire_hdr, positive_status_rejected_for_every_type)
     const int32_t statuses[] = {1, 2, 100, 200, INT32_MAX};
     for (int t = KVB_FRAME_HELLO; t <= KVB_FRAME_TYPE_MAX; t++) {
         for (size_t i = 0; i < sizeof statuses / sizeof statuses[0]; i++) {
-            kvb_frame_hdr_t h = mkhdr((uint8_t)t, statuses[i], 0);
+            kvb_frame_hdr_t h = mkhdr((uint8_t)t, statuses[i], type_min(t));
             kvb_frame_hdr_t out;
             cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %d status %d", t,
                          statuses[i]);
@@ -396,12 +444,17 @@ Test(wire_hdr, positive_status_rejected_for_every_type)
 
 Test(wire_hdr, status_on_request_frame_rejected)
 {
-    const int requests[] = {KVB_FRAME_HELLO, KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ,
-                            KVB_FRAME_NOTIFY};
-    const int32_t statuses[] = {-1, KVB_ERR_PROTOCOL, KVB_ERR_ACCESS_DENIED, INT32_MIN};
+    /* CHALLENGE and AUTH carry no status: a failed handshake is an ERROR frame. */
+    const int requests[] = {KVB_FRAME_HELLO,  KVB_FRAME_READ_REQ,  KVB_FRAME_WRITE_REQ,
+                            KVB_FRAME_NOTIFY, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
+                            KVB_FRAME_ATTRS};
+    const int32_t statuses[] = {-1, KVB_ERR_PROTOCOL, KVB_ERR_AUTH, KVB_ERR_ACCESS_DENIED,
+                                INT32_MIN};
     for (size_t t = 0; t < sizeof requests / sizeof requests[0]; t++) {
+        kvb_frame_hdr_t ok = mkhdr((uint8_t)requests[t], 0, type_min(requests[t])), out0;
+        cr_assert_eq(hdr_roundtrip(&ok, &out0), KVB_OK, "type %d without status", requests[t]);
         for (size_t i = 0; i < sizeof statuses / sizeof statuses[0]; i++) {
-            kvb_frame_hdr_t h = mkhdr((uint8_t)requests[t], statuses[i], 0);
+            kvb_frame_hdr_t h = mkhdr((uint8_t)requests[t], statuses[i], type_min(requests[t]));
             kvb_frame_hdr_t out;
             cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %d status %d",
                          requests[t], statuses[i]);
@@ -442,6 +495,62 @@ Test(wire_hdr, length_at_limit_and_one_over)
     cr_assert_eq(type_limit(KVB_FRAME_HELLO), 4096);
     cr_assert_eq(type_limit(KVB_FRAME_NOTIFY), KVB_NOTIFY_MAX);
     cr_assert_eq(type_limit(KVB_FRAME_HELLO_ACK), 16u << 20);
+    cr_assert_eq(type_limit(KVB_FRAME_CHALLENGE), 4096 + 32);
+    cr_assert_eq(type_limit(KVB_FRAME_AUTH), 32);
+    cr_assert_eq(KVB_WIRE_MAC_LEN, 32);
+    cr_assert_eq(KVB_WIRE_NONCE_LEN, 32);
+}
+
+Test(wire_hdr, challenge_length_at_limit_and_one_over)
+{
+    kvb_frame_hdr_t out;
+    const uint64_t ok[] = {0,
+                           1,
+                           KVB_WIRE_MAC_LEN,
+                           KVB_WIRE_MAX_HELLO,
+                           KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN - 1,
+                           KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        kvb_frame_hdr_t h = mkhdr(KVB_FRAME_CHALLENGE, 0, ok[i]);
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "len %llu", (unsigned long long)ok[i]);
+        cr_assert_eq(kvb__wire_payload_len(&out), ok[i]);
+    }
+    const uint64_t bad[] = {KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN + 1,
+                            KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN + 2, 1ull << 32, UINT64_MAX};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvb_frame_hdr_t h = mkhdr(KVB_FRAME_CHALLENGE, 0, bad[i]);
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "len %llu",
+                     (unsigned long long)bad[i]);
+    }
+}
+
+Test(wire_hdr, auth_length_is_exactly_one_mac)
+{
+    kvb_frame_hdr_t out;
+    for (uint64_t len = 0; len <= 2 * KVB_WIRE_MAC_LEN + 1; len++) {
+        kvb_frame_hdr_t h = mkhdr(KVB_FRAME_AUTH, 0, len);
+        int rc = hdr_roundtrip(&h, &out);
+        if (len == KVB_WIRE_MAC_LEN) {
+            cr_assert_eq(rc, KVB_OK);
+            cr_assert_eq(out.len, KVB_WIRE_MAC_LEN);
+            cr_assert_eq(kvb__wire_payload_len(&out), KVB_WIRE_MAC_LEN);
+        } else {
+            cr_assert_eq(rc, KVB_ERR_PROTOCOL, "AUTH of %llu bytes accepted",
+                         (unsigned long long)len);
+        }
+    }
+    const uint64_t bad[] = {KVB_WIRE_MAX_HELLO, 1ull << 32, 1ull << 63, UINT64_MAX};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvb_frame_hdr_t h = mkhdr(KVB_FRAME_AUTH, 0, bad[i]);
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL);
+    }
+    /* The reason names the problem. */
+    uint8_t buf[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t h = mkhdr(KVB_FRAME_AUTH, 0, 0);
+    kvb__wire_encode_hdr(&h, buf);
+    char why[128] = "";
+    cr_assert_eq(kvb__wire_decode_hdr(buf, &out, why, sizeof why), KVB_ERR_PROTOCOL);
+    cr_assert_gt(strlen(why), 0);
 }
 
 Test(wire_hdr, length_limit_also_applies_with_error_status)
@@ -477,6 +586,12 @@ Test(wire_hdr, payload_len_per_type)
         {KVB_FRAME_NOTIFY_ACK, 0, 0, 0},
         {KVB_FRAME_NOTIFY_ACK, KVB_ERR_REMOTE_NO_SPACE, 0, 0},
         {KVB_FRAME_ERROR, KVB_ERR_PROTOCOL, 0, 0},
+        {KVB_FRAME_ERROR, KVB_ERR_AUTH, 0, 0},
+        {KVB_FRAME_ATTRS, 0, 555, 555},
+        {KVB_FRAME_CHALLENGE, 0, 100, 100},
+        {KVB_FRAME_CHALLENGE, 0, KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN,
+         KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN},
+        {KVB_FRAME_AUTH, 0, KVB_WIRE_MAC_LEN, KVB_WIRE_MAC_LEN},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kvb_frame_hdr_t h = mkhdr((uint8_t)cases[i].type, cases[i].status, cases[i].len);
@@ -513,6 +628,10 @@ Test(wire_hdr, output_untouched_on_error)
         mkhdr(KVB_FRAME_HELLO, -1, 0),
         mkhdr(KVB_FRAME_HELLO, 1, 0),
         mkhdr(KVB_FRAME_NOTIFY, 0, KVB_NOTIFY_MAX + 1),
+        mkhdr(KVB_FRAME_AUTH, 0, KVB_WIRE_MAC_LEN - 1),
+        mkhdr(KVB_FRAME_AUTH, 0, KVB_WIRE_MAC_LEN + 1),
+        mkhdr(KVB_FRAME_CHALLENGE, 0, KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN + 1),
+        mkhdr(KVB_FRAME_CHALLENGE, KVB_ERR_AUTH, 64),
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvb__wire_encode_hdr(&bad[i], buf);
@@ -528,7 +647,7 @@ Test(wire_hdr, output_untouched_on_error)
 Test(wire_hdr, random_headers_never_crash)
 {
     uint64_t seed = 0xC0FFEE;
-    int accepted = 0;
+    int accepted = 0, per_type[KVB_FRAME_TYPE_MAX + 1] = {0};
     for (int it = 0; it < 20000; it++) {
         uint8_t buf[KVB_WIRE_HDR_SIZE];
         for (int i = 0; i < KVB_WIRE_HDR_SIZE; i += 8)
@@ -537,12 +656,14 @@ Test(wire_hdr, random_headers_never_crash)
         if (it % 4 != 0) {
             put32(buf, KVB_WIRE_MAGIC);
             buf[4] = KVB_WIRE_VERSION;
-            buf[5] = (uint8_t)(buf[5] % 11);
+            buf[5] = (uint8_t)(buf[5] % (KVB_FRAME_TYPE_MAX + 1));
             if (it % 2) {
                 put16(buf + 6, 0);
                 put32(buf + 12, 0);
             }
-            if (it % 3)
+            if (it % 7 == 1)
+                put64(buf + 32, KVB_WIRE_MAC_LEN + (it % 3) - 1); /* AUTH's exact length +-1 */
+            else if (it % 3)
                 put64(buf + 32, get64(buf + 32) % (KVB_WIRE_MAX_DATA + 2));
             if (it % 5)
                 put32(buf + 8, 0);
@@ -554,9 +675,13 @@ Test(wire_hdr, random_headers_never_crash)
         if (rc == KVB_OK) {
             accepted++;
             cr_assert(out.type >= KVB_FRAME_HELLO && out.type <= KVB_FRAME_TYPE_MAX);
+            per_type[out.type]++;
             cr_assert_eq(out.flags, 0);
             cr_assert_leq(out.status, 0);
             cr_assert_leq(out.len, type_limit(out.type));
+            cr_assert_geq(out.len, type_min(out.type));
+            if (out.type == KVB_FRAME_AUTH)
+                cr_assert_eq(out.len, KVB_WIRE_MAC_LEN);
             cr_assert_leq(kvb__wire_payload_len(&out), out.len);
             /* What was accepted encodes back to the same bytes. */
             uint8_t again[KVB_WIRE_HDR_SIZE];
@@ -565,6 +690,8 @@ Test(wire_hdr, random_headers_never_crash)
         }
     }
     cr_assert_gt(accepted, 0, "the fuzz never reached an accepted header");
+    cr_assert_gt(per_type[KVB_FRAME_CHALLENGE], 0, "no CHALLENGE header accepted");
+    cr_assert_gt(per_type[KVB_FRAME_AUTH], 0, "no AUTH header accepted");
 }
 
 /* --- hello -------------------------------------------------------------------------------- */
@@ -576,14 +703,71 @@ Test(wire_hello, layout)
     kvb_hello_t h = sample_hello("node-a");
     size_t n;
     uint8_t *buf = hello_bytes(&h, &n);
-    cr_assert_eq(n, 8 + 4 + 4 + KVB_HOST_ID_LEN + 2 + 6);
+    cr_assert_eq(n, 8 + 4 + 4 + 16 + 32 + 2 + 6);
+    cr_assert_eq(HELLO_NAME_OFF, 66);
+    cr_assert_eq(kvb__wire_hello_size(&h), n);
     cr_assert_eq(get64(buf), 0x0102030405060708ull);
     cr_assert_eq(get32(buf + 8), 0xA1B2C3D4u);
     cr_assert_eq(get32(buf + 12), 7);
     cr_assert_arr_eq(buf + 16, h.host_id, KVB_HOST_ID_LEN);
-    cr_assert_eq(get16(buf + 32), 6);
-    cr_assert_arr_eq(buf + 34, "node-a", 6);
+    cr_assert_arr_eq(buf + 32, h.nonce, KVB_WIRE_NONCE_LEN);
+    cr_assert_eq(get16(buf + 64), 6);
+    cr_assert_arr_eq(buf + 66, "node-a", 6);
     free(buf);
+}
+
+Test(wire_hello, nonce_roundtrips)
+{
+    uint64_t seed = 0xBADC0DE;
+    for (int k = 0; k < 64; k++) {
+        kvb_hello_t h = sample_hello("nonce-node");
+        if (k == 0)
+            memset(h.nonce, 0x00, sizeof h.nonce); /* HELLO_ACK without a link token */
+        else if (k == 1)
+            memset(h.nonce, 0xFF, sizeof h.nonce);
+        else
+            for (int i = 0; i < KVB_WIRE_NONCE_LEN; i++)
+                h.nonce[i] = (uint8_t)rng_next(&seed);
+        size_t n;
+        uint8_t *buf = hello_bytes(&h, &n);
+        cr_assert_arr_eq(buf + HELLO_NONCE_OFF, h.nonce, KVB_WIRE_NONCE_LEN, "case %d", k);
+        kvb_hello_t out;
+        memset(&out, 0x33, sizeof out);
+        cr_assert_eq(hello_decode_exact(buf, n, &out), KVB_OK, "case %d", k);
+        assert_hello_eq(&out, &h);
+        free(buf);
+    }
+    /* Every nonce byte is opaque: any value at any position decodes, and lands only there. */
+    kvb_hello_t h = sample_hello("n");
+    size_t n;
+    uint8_t *buf = hello_bytes(&h, &n);
+    for (int pos = 0; pos < KVB_WIRE_NONCE_LEN; pos++) {
+        const uint8_t vals[] = {0x00, ' ', 0x7f, 0x80, 0xff};
+        for (size_t v = 0; v < sizeof vals; v++) {
+            uint8_t saved = buf[HELLO_NONCE_OFF + pos];
+            buf[HELLO_NONCE_OFF + pos] = vals[v];
+            kvb_hello_t out, expect = h;
+            expect.nonce[pos] = vals[v];
+            cr_assert_eq(hello_decode_exact(buf, n, &out), KVB_OK, "pos %d val 0x%02x", pos,
+                         vals[v]);
+            assert_hello_eq(&out, &expect);
+            buf[HELLO_NONCE_OFF + pos] = saved;
+        }
+    }
+    free(buf);
+    /* Two hellos differing only in the nonce encode differently, in the nonce bytes only. */
+    kvb_hello_t a = sample_hello("same"), b = a;
+    b.nonce[KVB_WIRE_NONCE_LEN - 1] ^= 1;
+    size_t na, nb;
+    uint8_t *ea = hello_bytes(&a, &na), *eb = hello_bytes(&b, &nb);
+    cr_assert_eq(na, nb);
+    for (size_t i = 0; i < na; i++)
+        if (i == HELLO_NONCE_OFF + KVB_WIRE_NONCE_LEN - 1)
+            cr_assert_neq(ea[i], eb[i]);
+        else
+            cr_assert_eq(ea[i], eb[i], "byte %zu", i);
+    free(ea);
+    free(eb);
 }
 
 Test(wire_hello, roundtrip)
@@ -614,7 +798,7 @@ Test(wire_hello, name_at_max_length_roundtrips)
     memcpy(h.name, name, sizeof name);
     size_t n;
     uint8_t *buf = hello_bytes(&h, &n);
-    cr_assert_eq(n, 34 + KVB_NAME_MAX);
+    cr_assert_eq(n, 66 + KVB_NAME_MAX);
     cr_assert_leq(n, KVB_WIRE_MAX_HELLO);
     kvb_hello_t out;
     cr_assert_eq(hello_decode_exact(buf, n, &out), KVB_OK);
@@ -722,6 +906,566 @@ Test(wire_hello, non_printable_name_bytes_rejected)
         buf = raw_hello(2, last, 2, &n);
         cr_assert_eq(hello_decode_exact(buf, n, &out), KVB_ERR_PROTOCOL);
         free(buf);
+    }
+}
+
+/* --- handshake MACs ----------------------------------------------------------------------- */
+
+TestSuite(wire_auth, .timeout = 30);
+
+static const uint8_t auth_key[] = "kvbridge-test-cluster-secret-0123456789";
+#define AUTH_KEY_LEN (sizeof auth_key - 1)
+
+/* A plausible handshake transcript: the two sides differ in every field but the lane. */
+static void auth_pair(kvb_hello_t *initiator, kvb_hello_t *target)
+{
+    *initiator = sample_hello("initiator:7001");
+    initiator->lane = 3;
+    *target = sample_hello("target:7002");
+    target->lane = 3;
+    target->incarnation = 0x1111222233334444ull;
+    target->pid = 4242;
+    for (int i = 0; i < KVB_HOST_ID_LEN; i++)
+        target->host_id[i] = (uint8_t)(0x10 + i);
+    for (int i = 0; i < KVB_WIRE_NONCE_LEN; i++)
+        target->nonce[i] = (uint8_t)(0xC0 ^ (7 * i));
+}
+
+/* Computes a MAC, checking it succeeds and writes exactly KVB_WIRE_MAC_LEN bytes. */
+static void auth_mac(const uint8_t *key, size_t key_len, int role, const kvb_hello_t *initiator,
+                     const kvb_hello_t *target, uint8_t out[KVB_WIRE_MAC_LEN])
+{
+    uint8_t buf[KVB_WIRE_MAC_LEN + 16];
+    memset(buf, 0xE7, sizeof buf);
+    cr_assert_eq(kvb__wire_auth_mac(key, key_len, role, initiator, target, buf + 8), KVB_OK);
+    for (int i = 0; i < 8; i++) {
+        cr_assert_eq(buf[i], 0xE7, "wrote before the MAC");
+        cr_assert_eq(buf[8 + KVB_WIRE_MAC_LEN + i], 0xE7, "wrote past the MAC");
+    }
+    memcpy(out, buf + 8, KVB_WIRE_MAC_LEN);
+}
+
+static int mac_eq(const uint8_t *a, const uint8_t *b)
+{
+    return memcmp(a, b, KVB_WIRE_MAC_LEN) == 0;
+}
+
+/* Asserts that, under both roles, the MAC over (key, i, t) differs from the one over the base
+ * transcript (auth_key, auth_pair()). */
+static void assert_mac_differs(const char *what, const uint8_t *key, size_t key_len,
+                               const kvb_hello_t *i, const kvb_hello_t *t)
+{
+    kvb_hello_t bi, bt;
+    auth_pair(&bi, &bt);
+    const int roles[] = {KVB_AUTH_TARGET, KVB_AUTH_INITIATOR};
+    for (int r = 0; r < 2; r++) {
+        uint8_t base[KVB_WIRE_MAC_LEN], changed[KVB_WIRE_MAC_LEN];
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &bi, &bt, base);
+        auth_mac(key, key_len, roles[r], i, t, changed);
+        cr_assert(!mac_eq(base, changed), "%s: same MAC for role %d", what, roles[r]);
+    }
+}
+
+Test(wire_auth, deterministic)
+{
+    const int roles[] = {KVB_AUTH_TARGET, KVB_AUTH_INITIATOR};
+    for (int r = 0; r < 2; r++) {
+        kvb_hello_t i1, t1, i2, t2;
+        auth_pair(&i1, &t1);
+        auth_pair(&i2, &t2); /* separately built, equal content */
+        uint8_t a[KVB_WIRE_MAC_LEN], b[KVB_WIRE_MAC_LEN], c[KVB_WIRE_MAC_LEN];
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &i1, &t1, a);
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &i1, &t1, b);
+        uint8_t key_copy[sizeof auth_key];
+        memcpy(key_copy, auth_key, sizeof auth_key);
+        auth_mac(key_copy, AUTH_KEY_LEN, roles[r], &i2, &t2, c);
+        cr_assert(mac_eq(a, b), "role %d: not deterministic", roles[r]);
+        cr_assert(mac_eq(a, c), "role %d: depends on more than the content", roles[r]);
+        uint8_t zero[KVB_WIRE_MAC_LEN] = {0};
+        cr_assert(!mac_eq(a, zero));
+        /* The inputs are left alone. */
+        cr_assert_arr_eq(&i1, &i2, sizeof i1);
+        cr_assert_arr_eq(&t1, &t2, sizeof t1);
+    }
+}
+
+Test(wire_auth, covers_the_hellos_as_sent)
+{
+    /* The receiver recomputes the MAC from decoded hellos: they must give the sender's MAC, even
+     * when the sender's name buffers hold garbage after the terminating NUL. */
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    kvb_hello_t gi = i, gt = t;
+    memset(gi.name + strlen(gi.name) + 1, 'Q', sizeof gi.name - strlen(gi.name) - 1);
+    memset(gt.name + strlen(gt.name) + 1, 0xFF, sizeof gt.name - strlen(gt.name) - 1);
+    size_t ni, nt;
+    uint8_t *ei = hello_bytes(&gi, &ni), *et = hello_bytes(&gt, &nt);
+    kvb_hello_t di, dt;
+    cr_assert_eq(hello_decode_exact(ei, ni, &di), KVB_OK);
+    cr_assert_eq(hello_decode_exact(et, nt, &dt), KVB_OK);
+    const int roles[] = {KVB_AUTH_TARGET, KVB_AUTH_INITIATOR};
+    for (int r = 0; r < 2; r++) {
+        uint8_t a[KVB_WIRE_MAC_LEN], b[KVB_WIRE_MAC_LEN], c[KVB_WIRE_MAC_LEN];
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &i, &t, a);
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &gi, &gt, b);
+        auth_mac(auth_key, AUTH_KEY_LEN, roles[r], &di, &dt, c);
+        cr_assert(mac_eq(a, b), "role %d: bytes after the name's NUL were MACed", roles[r]);
+        cr_assert(mac_eq(a, c), "role %d: decoded hellos give another MAC", roles[r]);
+    }
+    free(ei);
+    free(et);
+}
+
+Test(wire_auth, differs_when_the_key_changes)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    uint8_t key[sizeof auth_key];
+    for (size_t pos = 0; pos < AUTH_KEY_LEN; pos++) {
+        memcpy(key, auth_key, sizeof key);
+        key[pos] ^= 0x01;
+        assert_mac_differs("key byte flipped", key, AUTH_KEY_LEN, &i, &t);
+    }
+    assert_mac_differs("key one byte shorter", auth_key, AUTH_KEY_LEN - 1, &i, &t);
+    assert_mac_differs("key one byte prefix", auth_key, 1, &i, &t);
+    assert_mac_differs("empty key", auth_key, 0, &i, &t);
+    uint8_t other[16];
+    memset(other, 'k', sizeof other);
+    assert_mac_differs("another key", other, sizeof other, &i, &t);
+}
+
+Test(wire_auth, differs_when_either_nonce_changes)
+{
+    kvb_hello_t i, t;
+    for (int pos = 0; pos < KVB_WIRE_NONCE_LEN; pos++) {
+        auth_pair(&i, &t);
+        i.nonce[pos] ^= 0x80;
+        assert_mac_differs("initiator nonce", auth_key, AUTH_KEY_LEN, &i, &t);
+        auth_pair(&i, &t);
+        t.nonce[pos] ^= 0x01;
+        assert_mac_differs("target nonce", auth_key, AUTH_KEY_LEN, &i, &t);
+    }
+    /* Swapping the two nonces is a different transcript too. */
+    auth_pair(&i, &t);
+    uint8_t tmp[KVB_WIRE_NONCE_LEN];
+    memcpy(tmp, i.nonce, sizeof tmp);
+    memcpy(i.nonce, t.nonce, sizeof tmp);
+    memcpy(t.nonce, tmp, sizeof tmp);
+    assert_mac_differs("nonces swapped", auth_key, AUTH_KEY_LEN, &i, &t);
+}
+
+Test(wire_auth, differs_when_either_name_changes)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    i.name[0] = 'J';
+    assert_mac_differs("initiator name", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.name[strlen(t.name) - 1] = '3';
+    assert_mac_differs("target name", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    strcat(i.name, "x");
+    assert_mac_differs("initiator name longer", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.name[strlen(t.name) - 1] = '\0';
+    assert_mac_differs("target name shorter", auth_key, AUTH_KEY_LEN, &i, &t);
+    /* Moving a byte from one name to the other keeps the concatenated bytes the same. */
+    auth_pair(&i, &t);
+    snprintf(i.name, sizeof i.name, "%s%c", "initiator:7001", t.name[0]);
+    snprintf(t.name, sizeof t.name, "%s", "arget:7002");
+    assert_mac_differs("byte moved between names", auth_key, AUTH_KEY_LEN, &i, &t);
+}
+
+Test(wire_auth, differs_when_any_other_field_changes)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    i.lane = 4;
+    assert_mac_differs("initiator lane", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.lane = 4;
+    assert_mac_differs("target lane", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    i.lane = t.lane = 0;
+    assert_mac_differs("both lanes", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    i.incarnation++;
+    assert_mac_differs("initiator incarnation", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.incarnation ^= 1ull << 63;
+    assert_mac_differs("target incarnation", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    i.pid ^= 1;
+    assert_mac_differs("initiator pid", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.pid ^= 0x80000000u;
+    assert_mac_differs("target pid", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    i.host_id[KVB_HOST_ID_LEN - 1] ^= 1;
+    assert_mac_differs("initiator host", auth_key, AUTH_KEY_LEN, &i, &t);
+    auth_pair(&i, &t);
+    t.host_id[0] ^= 1;
+    assert_mac_differs("target host", auth_key, AUTH_KEY_LEN, &i, &t);
+    /* The same two hellos in the other order. */
+    auth_pair(&i, &t);
+    assert_mac_differs("hellos swapped", auth_key, AUTH_KEY_LEN, &t, &i);
+}
+
+Test(wire_auth, roles_give_different_proofs)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    const size_t key_lens[] = {AUTH_KEY_LEN, 1, 0};
+    for (size_t k = 0; k < sizeof key_lens / sizeof key_lens[0]; k++) {
+        uint8_t tp[KVB_WIRE_MAC_LEN], ip[KVB_WIRE_MAC_LEN], reflected[KVB_WIRE_MAC_LEN];
+        auth_mac(auth_key, key_lens[k], KVB_AUTH_TARGET, &i, &t, tp);
+        auth_mac(auth_key, key_lens[k], KVB_AUTH_INITIATOR, &i, &t, ip);
+        cr_assert(!mac_eq(tp, ip), "key length %zu: target and initiator proofs equal",
+                  key_lens[k]);
+        /* A target's proof cannot be reflected back as an initiator's on a connection the
+         * attacker opens with the roles (and so the hellos) swapped, nor the other way. */
+        auth_mac(auth_key, key_lens[k], KVB_AUTH_INITIATOR, &t, &i, reflected);
+        cr_assert(!mac_eq(tp, reflected));
+        auth_mac(auth_key, key_lens[k], KVB_AUTH_TARGET, &t, &i, reflected);
+        cr_assert(!mac_eq(ip, reflected));
+    }
+    /* Identical hellos on both sides (a loopback connection to itself): roles still differ. */
+    uint8_t tp[KVB_WIRE_MAC_LEN], ip[KVB_WIRE_MAC_LEN];
+    auth_mac(auth_key, AUTH_KEY_LEN, KVB_AUTH_TARGET, &i, &i, tp);
+    auth_mac(auth_key, AUTH_KEY_LEN, KVB_AUTH_INITIATOR, &i, &i, ip);
+    cr_assert(!mac_eq(tp, ip));
+}
+
+Test(wire_auth, empty_key_allowed)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    const int roles[] = {KVB_AUTH_TARGET, KVB_AUTH_INITIATOR};
+    uint8_t per_role[2][KVB_WIRE_MAC_LEN];
+    for (int r = 0; r < 2; r++) {
+        uint8_t a[KVB_WIRE_MAC_LEN], b[KVB_WIRE_MAC_LEN], c[KVB_WIRE_MAC_LEN];
+        auth_mac(NULL, 0, roles[r], &i, &t, a);
+        auth_mac(NULL, 0, roles[r], &i, &t, b);
+        auth_mac(auth_key, 0, roles[r], &i, &t, c); /* a pointer with no bytes: the same key */
+        cr_assert(mac_eq(a, b), "role %d: empty-key MAC not deterministic", roles[r]);
+        cr_assert(mac_eq(a, c), "role %d: empty key depends on the pointer", roles[r]);
+        uint8_t zero[KVB_WIRE_MAC_LEN] = {0};
+        cr_assert(!mac_eq(a, zero));
+        memcpy(per_role[r], a, KVB_WIRE_MAC_LEN);
+        /* Still bound to the transcript. */
+        kvb_hello_t i2 = i;
+        i2.nonce[0] ^= 1;
+        auth_mac(NULL, 0, roles[r], &i2, &t, b);
+        cr_assert(!mac_eq(a, b), "role %d: empty-key MAC ignores the nonce", roles[r]);
+    }
+    cr_assert(!mac_eq(per_role[0], per_role[1]));
+}
+
+Test(wire_auth, longest_hellos_and_long_keys)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    memset(i.name, 'i', KVB_NAME_MAX);
+    i.name[KVB_NAME_MAX] = '\0';
+    memset(t.name, 't', KVB_NAME_MAX);
+    t.name[KVB_NAME_MAX] = '\0';
+    static uint8_t key[4096];
+    for (size_t k = 0; k < sizeof key; k++)
+        key[k] = (uint8_t)(k * 31 + 7);
+    uint8_t a[KVB_WIRE_MAC_LEN], b[KVB_WIRE_MAC_LEN];
+    auth_mac(key, sizeof key, KVB_AUTH_INITIATOR, &i, &t, a);
+    auth_mac(key, sizeof key, KVB_AUTH_INITIATOR, &i, &t, b);
+    cr_assert(mac_eq(a, b));
+    /* The last name byte and the last key byte count. */
+    t.name[KVB_NAME_MAX - 1] = 'u';
+    auth_mac(key, sizeof key, KVB_AUTH_INITIATOR, &i, &t, b);
+    cr_assert(!mac_eq(a, b));
+    t.name[KVB_NAME_MAX - 1] = 't';
+    key[sizeof key - 1] ^= 1;
+    auth_mac(key, sizeof key, KVB_AUTH_INITIATOR, &i, &t, b);
+    cr_assert(!mac_eq(a, b));
+}
+
+/* --- challenge ---------------------------------------------------------------------------- */
+
+TestSuite(wire_challenge, .timeout = 30);
+
+/* CHALLENGE payload bytes: hello | mac, in a heap buffer of exactly that size. */
+static uint8_t *challenge_bytes(const kvb_hello_t *h, const uint8_t mac[KVB_WIRE_MAC_LEN],
+                                size_t *len)
+{
+    size_t hs = kvb__wire_hello_size(h);
+    uint8_t *buf = malloc(hs + KVB_WIRE_MAC_LEN);
+    cr_assert_not_null(buf);
+    cr_assert_eq(kvb__wire_hello_encode(h, buf), hs);
+    memcpy(buf + hs, mac, KVB_WIRE_MAC_LEN);
+    *len = hs + KVB_WIRE_MAC_LEN;
+    return buf;
+}
+
+/* Decodes from an exact-size copy; on failure checks the outputs were not touched. */
+static int challenge_decode_exact(const uint8_t *src, size_t len, kvb_hello_t *hello,
+                                  uint8_t mac[KVB_WIRE_MAC_LEN])
+{
+    uint8_t *copy = exact_copy(src, len);
+    kvb_hello_t hello_before;
+    uint8_t mac_before[KVB_WIRE_MAC_LEN];
+    memset(&hello_before, 0x5a, sizeof hello_before);
+    memset(mac_before, 0xa5, sizeof mac_before);
+    memcpy(hello, &hello_before, sizeof hello_before);
+    memcpy(mac, mac_before, sizeof mac_before);
+    int rc = kvb__wire_challenge_decode(copy, len, hello, mac);
+    free(copy);
+    if (rc != KVB_OK) {
+        cr_assert_arr_eq(hello, &hello_before, sizeof hello_before, "hello set on failure");
+        cr_assert_arr_eq(mac, mac_before, sizeof mac_before, "mac set on failure");
+    }
+    return rc;
+}
+
+Test(wire_challenge, roundtrip)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    uint8_t proof[KVB_WIRE_MAC_LEN];
+    auth_mac(auth_key, AUTH_KEY_LEN, KVB_AUTH_TARGET, &i, &t, proof);
+    uint8_t macs[4][KVB_WIRE_MAC_LEN];
+    memcpy(macs[0], proof, KVB_WIRE_MAC_LEN);
+    memset(macs[1], 0x00, KVB_WIRE_MAC_LEN);
+    memset(macs[2], 0xFF, KVB_WIRE_MAC_LEN);
+    for (int k = 0; k < KVB_WIRE_MAC_LEN; k++)
+        macs[3][k] = (uint8_t)k;
+    const char *names[] = {"t", "target:7002", "~!@#$%^&*()_+{}|:\"<>?"};
+    for (size_t n = 0; n < sizeof names / sizeof names[0]; n++) {
+        for (int m = 0; m < 4; m++) {
+            kvb_hello_t h = t;
+            snprintf(h.name, sizeof h.name, "%s", names[n]);
+            size_t len;
+            uint8_t *buf = challenge_bytes(&h, macs[m], &len);
+            cr_assert_eq(len, HELLO_NAME_OFF + strlen(names[n]) + KVB_WIRE_MAC_LEN);
+            kvb_hello_t out;
+            uint8_t mac[KVB_WIRE_MAC_LEN];
+            cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_OK, "name %s mac %d",
+                         names[n], m);
+            assert_hello_eq(&out, &h);
+            cr_assert_arr_eq(mac, macs[m], KVB_WIRE_MAC_LEN);
+            cr_assert_arr_eq(mac, buf + len - KVB_WIRE_MAC_LEN, KVB_WIRE_MAC_LEN);
+            free(buf);
+        }
+    }
+    /* The longest challenge fits its frame limit and decodes. */
+    kvb_hello_t h = t;
+    memset(h.name, 'z', KVB_NAME_MAX);
+    h.name[KVB_NAME_MAX] = '\0';
+    size_t len;
+    uint8_t *buf = challenge_bytes(&h, proof, &len);
+    cr_assert_eq(len, 66 + KVB_NAME_MAX + 32);
+    cr_assert_leq(len, KVB_WIRE_MAX_HELLO + KVB_WIRE_MAC_LEN);
+    kvb_hello_t out;
+    uint8_t mac[KVB_WIRE_MAC_LEN];
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_OK);
+    assert_hello_eq(&out, &h);
+    cr_assert_arr_eq(mac, proof, KVB_WIRE_MAC_LEN);
+    free(buf);
+}
+
+Test(wire_challenge, every_truncation_rejected)
+{
+    kvb_hello_t i, t;
+    auth_pair(&i, &t);
+    uint8_t proof[KVB_WIRE_MAC_LEN];
+    auth_mac(auth_key, AUTH_KEY_LEN, KVB_AUTH_TARGET, &i, &t, proof);
+    size_t len;
+    uint8_t *buf = challenge_bytes(&t, proof, &len);
+    for (size_t cut = 0; cut < len; cut++) {
+        kvb_hello_t out;
+        uint8_t mac[KVB_WIRE_MAC_LEN];
+        cr_assert_eq(challenge_decode_exact(buf, cut, &out, mac), KVB_ERR_PROTOCOL,
+                     "prefix %zu of %zu", cut, len);
+    }
+    free(buf);
+}
+
+Test(wire_challenge, short_payload_rejected)
+{
+    /* Nothing, part of a MAC, or a MAC alone: no hello at all. */
+    uint8_t bytes[KVB_WIRE_MAC_LEN + 1];
+    memset(bytes, 'a', sizeof bytes);
+    for (size_t len = 0; len <= KVB_WIRE_MAC_LEN; len++) {
+        kvb_hello_t out;
+        uint8_t mac[KVB_WIRE_MAC_LEN];
+        cr_assert_eq(challenge_decode_exact(bytes, len, &out, mac), KVB_ERR_PROTOCOL, "len %zu",
+                     len);
+    }
+    /* A hello with no MAC behind it (a HELLO payload sent as CHALLENGE). */
+    kvb_hello_t h = sample_hello("target");
+    size_t n;
+    uint8_t *hb = hello_bytes(&h, &n);
+    kvb_hello_t out;
+    uint8_t mac[KVB_WIRE_MAC_LEN];
+    cr_assert_eq(challenge_decode_exact(hb, n, &out, mac), KVB_ERR_PROTOCOL);
+    free(hb);
+    /* A hello with a MAC one byte short. */
+    uint8_t proof[KVB_WIRE_MAC_LEN];
+    memset(proof, 0x42, sizeof proof);
+    size_t len;
+    uint8_t *buf = challenge_bytes(&h, proof, &len);
+    cr_assert_eq(challenge_decode_exact(buf, len - 1, &out, mac), KVB_ERR_PROTOCOL);
+    free(buf);
+}
+
+Test(wire_challenge, trailing_bytes_rejected)
+{
+    kvb_hello_t h = sample_hello("target");
+    uint8_t proof[KVB_WIRE_MAC_LEN];
+    for (int k = 0; k < KVB_WIRE_MAC_LEN; k++)
+        proof[k] = (uint8_t)(0x80 + k);
+    size_t len;
+    uint8_t *buf = challenge_bytes(&h, proof, &len);
+    size_t hs = len - KVB_WIRE_MAC_LEN;
+    uint8_t *longer = calloc(1, len + 16);
+    cr_assert_not_null(longer);
+    for (size_t extra = 1; extra <= 16; extra++) {
+        kvb_hello_t out;
+        uint8_t mac[KVB_WIRE_MAC_LEN];
+        /* hello | mac | extra */
+        memset(longer, 0, len + 16);
+        memcpy(longer, buf, len);
+        cr_assert_eq(challenge_decode_exact(longer, len + extra, &out, mac), KVB_ERR_PROTOCOL,
+                     "%zu bytes after the MAC", extra);
+        /* hello | extra | mac */
+        memset(longer, 'x', len + 16);
+        memcpy(longer, buf, hs);
+        memcpy(longer + hs + extra, proof, KVB_WIRE_MAC_LEN);
+        cr_assert_eq(challenge_decode_exact(longer, len + extra, &out, mac), KVB_ERR_PROTOCOL,
+                     "%zu bytes between hello and MAC", extra);
+    }
+    free(longer);
+    free(buf);
+}
+
+Test(wire_challenge, bad_hello_part_rejected)
+{
+    kvb_hello_t h = sample_hello("tgt");
+    uint8_t proof[KVB_WIRE_MAC_LEN];
+    memset(proof, 0x11, sizeof proof);
+    size_t len;
+    uint8_t *buf = challenge_bytes(&h, proof, &len);
+    kvb_hello_t out;
+    uint8_t mac[KVB_WIRE_MAC_LEN];
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_OK);
+    cr_assert_eq(get16(buf + HELLO_NAME_LEN_OFF), 3);
+    buf[HELLO_NAME_OFF] = ' '; /* a non-printable first name byte */
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_ERR_PROTOCOL);
+    buf[HELLO_NAME_OFF] = 't';
+    put16(buf + HELLO_NAME_LEN_OFF, 0);
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_ERR_PROTOCOL);
+    /* A name length that reaches into the MAC, even if the MAC bytes are printable. */
+    memset(buf + len - KVB_WIRE_MAC_LEN, 'm', KVB_WIRE_MAC_LEN);
+    const uint16_t lens[] = {4, 3 + KVB_WIRE_MAC_LEN, KVB_NAME_MAX + 1, 0xFFFF};
+    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+        put16(buf + HELLO_NAME_LEN_OFF, lens[k]);
+        cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_ERR_PROTOCOL,
+                     "name length %u", lens[k]);
+    }
+    /* A shorter name length leaves bytes between hello and MAC. */
+    put16(buf + HELLO_NAME_LEN_OFF, 2);
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_ERR_PROTOCOL);
+    put16(buf + HELLO_NAME_LEN_OFF, 3);
+    cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_OK);
+    free(buf);
+}
+
+Test(wire_challenge, mac_bytes_are_opaque)
+{
+    kvb_hello_t h = sample_hello("target");
+    uint8_t proof[KVB_WIRE_MAC_LEN] = {0};
+    size_t len;
+    uint8_t *buf = challenge_bytes(&h, proof, &len);
+    const uint8_t vals[] = {0x00, '\n', ' ', 0x7f, 0x80, 0xff};
+    for (int pos = 0; pos < KVB_WIRE_MAC_LEN; pos++) {
+        for (size_t v = 0; v < sizeof vals; v++) {
+            buf[len - KVB_WIRE_MAC_LEN + pos] = vals[v];
+            kvb_hello_t out;
+            uint8_t mac[KVB_WIRE_MAC_LEN];
+            cr_assert_eq(challenge_decode_exact(buf, len, &out, mac), KVB_OK, "pos %d", pos);
+            assert_hello_eq(&out, &h);
+            cr_assert_arr_eq(mac, buf + len - KVB_WIRE_MAC_LEN, KVB_WIRE_MAC_LEN);
+        }
+        buf[len - KVB_WIRE_MAC_LEN + pos] = 0;
+    }
+    free(buf);
+}
+
+/* --- ERROR frame status --------------------------------------------------------------------- */
+
+TestSuite(wire_error_status, .timeout = 30);
+
+static int is_passed_status(int64_t s)
+{
+    return s == KVB_ERR_VERSION || s == KVB_ERR_AUTH || s == KVB_ERR_PROTOCOL ||
+           s == KVB_ERR_PEER_LOST;
+}
+
+Test(wire_error_status, peer_level_errors_pass_through)
+{
+    cr_assert_eq(kvb__wire_error_status(KVB_ERR_VERSION), KVB_ERR_VERSION);
+    cr_assert_eq(kvb__wire_error_status(KVB_ERR_AUTH), KVB_ERR_AUTH);
+    cr_assert_eq(kvb__wire_error_status(KVB_ERR_PROTOCOL), KVB_ERR_PROTOCOL);
+    cr_assert_eq(kvb__wire_error_status(KVB_ERR_PEER_LOST), KVB_ERR_PEER_LOST);
+}
+
+Test(wire_error_status, anything_else_is_a_protocol_error)
+{
+    const int32_t others[] = {
+        KVB_OK, 1, 2, 100, 102, 103, 106, 200, 201, INT32_MAX, INT_MAX, INT32_MIN, INT_MIN,
+        INT32_MIN + 1, -1, -99, -101, -104, -105, -107, -199, -204, -299, -300, -1000,
+        /* per-request codes are answered in READ_RESP / WRITE_ACK / NOTIFY_ACK, never ERROR */
+        KVB_ERR_ACCESS_DENIED, KVB_ERR_REMOTE_NOT_REGISTERED, KVB_ERR_REMOTE_NO_SPACE,
+        KVB_ERR_SHM_COPY,
+        /* local-only codes a peer has no business reporting */
+        KVB_ERR_INVALID_ARG, KVB_ERR_NOMEM, KVB_ERR_TIMEOUT, KVB_ERR_SYSTEM, KVB_ERR_SHUTDOWN,
+        KVB_ERR_SEGMENT_NOT_FOUND, KVB_ERR_META_UNREACHABLE,
+        /* peer-level, but only ever decided locally */
+        KVB_ERR_CONNECT, KVB_ERR_PEER_RESTARTED, KVB_ERR_RESOLVE};
+    for (size_t i = 0; i < sizeof others / sizeof others[0]; i++)
+        cr_assert_eq(kvb__wire_error_status(others[i]), KVB_ERR_PROTOCOL, "status %d mapped to %d",
+                     others[i], kvb__wire_error_status(others[i]));
+}
+
+Test(wire_error_status, every_known_code)
+{
+    int n = 0, passed = 0;
+#define CHECK_CODE(name, value, msg)                                                               \
+    do {                                                                                           \
+        int got = kvb__wire_error_status(KVB_##name);                                              \
+        if (is_passed_status(KVB_##name)) {                                                        \
+            cr_assert_eq(got, KVB_##name, #name " not passed through");                            \
+            passed++;                                                                              \
+        } else {                                                                                   \
+            cr_assert_eq(got, KVB_ERR_PROTOCOL, #name " mapped to %d", got);                       \
+        }                                                                                          \
+        n++;                                                                                       \
+    } while (0);
+    KVB_STATUS_MAP(CHECK_CODE)
+#undef CHECK_CODE
+    cr_assert_eq(passed, 4);
+    cr_assert_gt(n, 4);
+}
+
+Test(wire_error_status, sweep)
+{
+    uint64_t seed = 0xE77;
+    for (int64_t s = -70000; s <= 70000; s++) {
+        int got = kvb__wire_error_status((int32_t)s);
+        cr_assert_eq(got, is_passed_status(s) ? (int)s : KVB_ERR_PROTOCOL, "status %lld",
+                     (long long)s);
+    }
+    for (int it = 0; it < 100000; it++) {
+        int32_t s = (int32_t)(uint32_t)rng_next(&seed);
+        int got = kvb__wire_error_status(s);
+        cr_assert(is_passed_status(got), "status %d mapped to %d", s, got);
+        cr_assert_eq(got, is_passed_status(s) ? s : KVB_ERR_PROTOCOL, "status %d", s);
     }
 }
 
@@ -974,12 +1718,15 @@ Test(wire_hello_ack, bad_hello_part_rejected)
     kvb_hello_t ho;
     kvb_region_info_t *ro;
     size_t no;
-    buf[34] = ' '; /* first name byte */
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
+    cr_assert_eq(buf[66], 't');
+    buf[66] = ' '; /* first name byte */
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
-    buf[34] = 't';
-    put16(buf + 32, 0);
+    buf[66] = 't';
+    cr_assert_eq(get16(buf + 64), 3);
+    put16(buf + 64, 0);
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
-    put16(buf + 32, 4); /* swallows one byte of the count */
+    put16(buf + 64, 4); /* swallows one byte of the count */
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     free(buf);
 }
@@ -1031,19 +1778,20 @@ Test(wire_hello_ack, trailing_bytes_rejected)
 static void check_consistent(const uint8_t *in, size_t len, const kvb_hello_t *h,
                              const kvb_region_info_t *r, size_t n)
 {
-    cr_assert_geq(len, 34 + 1 + 4);
+    cr_assert_geq(len, HELLO_NAME_OFF + 1 + 4);
     cr_assert_eq(h->incarnation, get64(in));
     cr_assert_eq(h->pid, get32(in + 8));
     cr_assert_eq(h->lane, get32(in + 12));
-    cr_assert_arr_eq(h->host_id, in + 16, KVB_HOST_ID_LEN);
-    size_t nl = get16(in + 32);
+    cr_assert_arr_eq(h->host_id, in + HELLO_HOST_OFF, KVB_HOST_ID_LEN);
+    cr_assert_arr_eq(h->nonce, in + HELLO_NONCE_OFF, KVB_WIRE_NONCE_LEN);
+    size_t nl = get16(in + HELLO_NAME_LEN_OFF);
     cr_assert(nl >= 1 && nl <= KVB_NAME_MAX, "name length %zu accepted", nl);
     cr_assert_eq(strlen(h->name), nl);
-    cr_assert_arr_eq(h->name, in + 34, nl);
+    cr_assert_arr_eq(h->name, in + HELLO_NAME_OFF, nl);
     for (size_t i = 0; i < nl; i++)
         cr_assert(h->name[i] >= 0x21 && h->name[i] <= 0x7e, "name byte 0x%02x accepted",
                   (unsigned char)h->name[i]);
-    size_t off = 34 + nl;
+    size_t off = HELLO_NAME_OFF + nl;
     cr_assert_leq(off + 4, len);
     cr_assert_eq(get32(in + off), n);
     cr_assert_leq(n, KVB_WIRE_MAX_REGIONS);

@@ -11,10 +11,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "engine/internal.h"
 #include "engine/wire.h"
 #include "kvbridge/engine.h"
 
@@ -89,6 +96,7 @@ static void raw_login_as(int fd, const char *secret, uint32_t lane, kvb_hello_t 
                          uint8_t auth_out[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN])
 {
     kvb_hello_t me = {.incarnation = 7, .pid = (uint32_t)getpid(), .lane = lane};
+    kvb__host_id(me.host_id); /* same host: the engine offers a same-host link token */
     strcpy(me.name, "raw:1");
     for (size_t i = 0; i < sizeof me.nonce; i++)
         me.nonce[i] = (uint8_t)rand();
@@ -405,4 +413,382 @@ Test(tcp, flooding_peer_is_held_off_then_served)
         cr_assert_eq(hdr.status, 0);
     }
     close(fd);
+}
+
+/* ---- authentication and the same-host path against hostile peers ------------------------------
+ */
+
+#define SECRET "kvbridge test cluster secret 0123456789"
+
+static void setup_secret(void)
+{
+    kvb_log_set_level(0);
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.connect_timeout_ms = 500;
+    c.secret = SECRET;
+    c.secret_len = strlen(SECRET);
+    c.max_connections = 8;
+    c.shm_map_max = 1u << 20;
+    cr_assert_eq(kvb_engine_create(&c, &eng), KVB_OK);
+    cr_assert_eq(kvb_register(eng, mem, sizeof mem, NULL, KVB_ACCESS_RW), KVB_OK);
+}
+
+TestSuite(hostile, .init = setup_secret, .fini = teardown, .timeout = 60);
+
+/* Everything the engine sends until it closes, as a list of frame types (0-terminated). */
+static void frames_until_close(int fd, uint8_t *types, size_t cap, int32_t *last_status)
+{
+    size_t n = 0;
+    *last_status = 0;
+    for (;;) {
+        uint8_t h[KVB_WIRE_HDR_SIZE];
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        cr_assert_gt(poll(&p, 1, 3000), 0, "engine neither answered nor closed");
+        ssize_t got = recv(fd, h, sizeof h, MSG_WAITALL);
+        if (got <= 0)
+            break;
+        cr_assert_eq(got, (ssize_t)sizeof h);
+        kvb_frame_hdr_t hdr;
+        cr_assert_eq(kvb__wire_decode_hdr(h, &hdr, NULL, 0), KVB_OK);
+        if (hdr.len) {
+            uint8_t *skip = malloc(hdr.len);
+            cr_assert_eq(recv(fd, skip, hdr.len, MSG_WAITALL), (ssize_t)hdr.len);
+            free(skip);
+        }
+        cr_assert_lt(n + 1, cap);
+        types[n++] = hdr.type;
+        *last_status = hdr.status;
+    }
+    types[n] = 0;
+}
+
+static void engine_serves_with_secret(void)
+{
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.secret = SECRET;
+    c.secret_len = strlen(SECRET);
+    kvb_engine_t *me;
+    cr_assert_eq(kvb_engine_create(&c, &me), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(me, kvb_engine_segment_name(eng), &s), KVB_OK);
+    static uint8_t local[4096];
+    memset(mem, 0xA7, sizeof local);
+    cr_assert_eq(kvb_register(me, local, sizeof local, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_request_t r = {KVB_OP_READ, local, s, (uintptr_t)mem, sizeof local};
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(me, &r, 1, NULL, &b), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(b, 5000), KVB_OK);
+    kvb_batch_free(b);
+    for (size_t i = 0; i < sizeof local; i++)
+        cr_assert_eq(local[i], 0xA7);
+    kvb_engine_destroy(me);
+}
+
+Test(hostile, frames_before_the_proof_get_nothing)
+{
+    /* HELLO, then a READ and a NOTIFY without AUTH: the engine answers the HELLO with its
+     * challenge and nothing else, and closes. */
+    int fd = raw_connect(kvb_engine_port(eng));
+    uint8_t out[KVB_WIRE_HDR_SIZE + 512];
+    size_t n = hello_frame(out);
+    put_hdr(out + n, KVB_FRAME_READ_REQ, 0, 1, (uintptr_t)mem, 64);
+    put_hdr(out + n + KVB_WIRE_HDR_SIZE, KVB_FRAME_NOTIFY, 0, 2, 0, 4);
+    memcpy(out + n + 2 * KVB_WIRE_HDR_SIZE, "evil", 4);
+    send(fd, out, n + 2 * KVB_WIRE_HDR_SIZE + 4, MSG_NOSIGNAL);
+    uint8_t types[16];
+    int32_t st;
+    frames_until_close(fd, types, sizeof types, &st);
+    /* The challenge may or may not have left before the engine hung up; nothing else may. */
+    for (int i = 0; types[i]; i++)
+        cr_assert_eq(types[i], KVB_FRAME_CHALLENGE, "got frame type %u before authenticating",
+                     types[i]);
+    close(fd);
+    kvb_notification_t *nt = malloc(sizeof *nt);
+    cr_assert_eq(kvb_notify_recv(eng, nt, 300), KVB_ERR_TIMEOUT, "a forged notification arrived");
+    free(nt);
+    engine_serves_with_secret();
+}
+
+Test(hostile, a_wrong_secret_gets_an_auth_error_and_nothing_else)
+{
+    int fd = raw_connect(kvb_engine_port(eng));
+    uint8_t out[KVB_WIRE_HDR_SIZE + 512], *body;
+    kvb_hello_t me = {.incarnation = 3, .pid = 1};
+    strcpy(me.name, "mallory:1");
+    size_t n = kvb__wire_hello_encode(&me, out + KVB_WIRE_HDR_SIZE);
+    put_hdr(out, KVB_FRAME_HELLO, 0, 0, 0, n);
+    send(fd, out, KVB_WIRE_HDR_SIZE + n, 0);
+    kvb_frame_hdr_t h = recv_frame(fd, &body);
+    cr_assert_eq(h.type, KVB_FRAME_CHALLENGE);
+    kvb_hello_t their;
+    uint8_t mac[KVB_WIRE_MAC_LEN];
+    cr_assert_eq(kvb__wire_challenge_decode(body, h.len, &their, mac), KVB_OK);
+    free(body);
+    uint8_t auth[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN];
+    put_hdr(auth, KVB_FRAME_AUTH, 0, 0, 0, KVB_WIRE_MAC_LEN);
+    const char *guess = "not the cluster secret at all";
+    kvb__wire_auth_mac((const uint8_t *)guess, strlen(guess), KVB_AUTH_INITIATOR, &me, &their,
+                       auth + KVB_WIRE_HDR_SIZE);
+    send(fd, auth, sizeof auth, MSG_NOSIGNAL);
+    uint8_t types[8];
+    int32_t st;
+    frames_until_close(fd, types, sizeof types, &st);
+    cr_assert_eq(types[0], KVB_FRAME_ERROR, "no region list for a wrong proof");
+    cr_assert_eq(types[1], 0);
+    cr_assert_eq(st, KVB_ERR_AUTH);
+    close(fd);
+    engine_serves_with_secret();
+}
+
+Test(hostile, a_replayed_handshake_is_refused)
+{
+    /* Record a genuine handshake (with the secret), then replay its HELLO and AUTH on a new
+     * connection: the engine's fresh nonce makes the old proof worthless. */
+    int fd = raw_connect(kvb_engine_port(eng));
+    uint8_t auth[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN];
+    kvb_hello_t target;
+    srand(1234);
+    raw_login_as(fd, SECRET, 0, &target, auth);
+    read_handshake_reply(fd); /* accepted: HELLO_ACK and ATTRS */
+    close(fd);
+    srand(1234); /* the same HELLO bytes (same nonce) again */
+    uint8_t hello[KVB_WIRE_HDR_SIZE + 512];
+    kvb_hello_t me = {.incarnation = 7, .pid = (uint32_t)getpid()};
+    kvb__host_id(me.host_id);
+    strcpy(me.name, "raw:1");
+    for (size_t i = 0; i < sizeof me.nonce; i++)
+        me.nonce[i] = (uint8_t)rand();
+    size_t n = kvb__wire_hello_encode(&me, hello + KVB_WIRE_HDR_SIZE);
+    put_hdr(hello, KVB_FRAME_HELLO, 0, 0, 0, n);
+    fd = raw_connect(kvb_engine_port(eng));
+    send(fd, hello, KVB_WIRE_HDR_SIZE + n, 0);
+    send(fd, auth, sizeof auth, MSG_NOSIGNAL);
+    uint8_t types[8];
+    int32_t st;
+    frames_until_close(fd, types, sizeof types, &st);
+    cr_assert_eq(types[0], KVB_FRAME_CHALLENGE);
+    cr_assert_eq(types[1], KVB_FRAME_ERROR, "a replayed proof was accepted");
+    cr_assert_eq(st, KVB_ERR_AUTH);
+    close(fd);
+    engine_serves_with_secret();
+}
+
+Test(hostile, notifications_carry_the_proven_name)
+{
+    int fd = raw_connect(kvb_engine_port(eng));
+    raw_login_as(fd, SECRET, 0, NULL, NULL);
+    read_handshake_reply(fd);
+    uint8_t f[KVB_WIRE_HDR_SIZE + 4];
+    put_hdr(f, KVB_FRAME_NOTIFY, 0, 1, 0, 4);
+    memcpy(f + KVB_WIRE_HDR_SIZE, "done", 4);
+    send(fd, f, sizeof f, 0);
+    kvb_frame_hdr_t h = recv_frame(fd, NULL);
+    cr_assert_eq(h.type, KVB_FRAME_NOTIFY_ACK);
+    kvb_notification_t *nt = malloc(sizeof *nt);
+    cr_assert_eq(kvb_notify_recv(eng, nt, 2000), KVB_OK);
+    cr_assert_str_eq(nt->from, "raw:1", "the name proved in the handshake");
+    free(nt);
+    close(fd);
+}
+
+Test(hostile, silent_connections_are_closed_at_the_handshake_deadline)
+{
+    int fd = raw_connect(kvb_engine_port(eng));
+    uint64_t t0 = kvb__now_ns();
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 3000), 1, "a silent connection was kept past the deadline");
+    uint8_t b;
+    cr_assert_leq(recv(fd, &b, 1, 0), 0);
+    cr_assert_lt(kvb__now_ns() - t0, 2000000000ull);
+    close(fd);
+}
+
+Test(hostile, connections_past_the_cap_are_refused)
+{
+    int fds[8];
+    for (int i = 0; i < 8; i++)
+        fds[i] = raw_connect(kvb_engine_port(eng));
+    usleep(100000);
+    int extra = raw_connect(kvb_engine_port(eng));
+    struct pollfd p = {.fd = extra, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 400), 1, "the 9th connection was kept");
+    uint8_t b;
+    cr_assert_leq(recv(extra, &b, 1, 0), 0);
+    close(extra);
+    for (int i = 0; i < 8; i++)
+        close(fds[i]);
+    usleep(100000);
+    engine_serves_with_secret();
+}
+
+Test(hostile, out_of_descriptors_sheds_connections_without_spinning)
+{
+    struct rlimit old, low;
+    getrlimit(RLIMIT_NOFILE, &old);
+    int probe = dup(0);
+    low = old;
+    low.rlim_cur = (rlim_t)probe + 4;
+    close(probe);
+    cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+    int held[16], nheld = 0, d;
+    while (nheld < 16 && (d = dup(0)) >= 0)
+        held[nheld++] = d;
+    cr_assert_eq(errno, EMFILE);
+    /* Clients need descriptors too: give two back for them. */
+    close(held[--nheld]);
+    close(held[--nheld]);
+    struct rusage r0, r1;
+    getrusage(RUSAGE_SELF, &r0);
+    int c1 = raw_connect(kvb_engine_port(eng));
+    struct pollfd p = {.fd = c1, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 2000), 1, "a connection the engine cannot take must be closed");
+    usleep(500000);
+    getrusage(RUSAGE_SELF, &r1);
+    double cpu = (double)(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec -
+                          r0.ru_stime.tv_sec) +
+                 (double)(r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec -
+                          r0.ru_stime.tv_usec) /
+                     1e6;
+    cr_assert_lt(cpu, 0.3, "the engine spun on EMFILE: %.2f s of CPU in 0.5 s", cpu);
+    close(c1);
+    while (nheld > 0)
+        close(held[--nheld]);
+    setrlimit(RLIMIT_NOFILE, &old);
+    usleep(300000);
+    engine_serves_with_secret();
+}
+
+/* The same-host side channel, spoken by hand: the message layout of src/transport/shm.c. */
+typedef struct {
+    uint32_t magic;
+    uint16_t version, type;
+    int32_t status;
+    uint32_t reserved;
+    uint64_t a, b, c, d;
+} shm_msg_t;
+
+static int unix_call(int fd, uint16_t type, const uint8_t *token, uint64_t c, uint64_t d,
+                     int pass_fd)
+{
+    shm_msg_t m = {.magic = 0x5342564Bu, .version = 2, .type = type, .c = c, .d = d};
+    if (token) {
+        memcpy(&m.a, token, 8);
+        memcpy(&m.b, token + 8, 8);
+    }
+    struct iovec iov = {.iov_base = &m, .iov_len = sizeof m};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (pass_fd >= 0) {
+        mh.msg_control = u.buf;
+        mh.msg_controllen = sizeof u.buf;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+    }
+    if (sendmsg(fd, &mh, MSG_NOSIGNAL) != (ssize_t)sizeof m)
+        return 1;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, 2000) != 1 || recv(fd, &m, sizeof m, 0) != (ssize_t)sizeof m)
+        return 1; /* closed: a refusal that ends the link */
+    return m.status;
+}
+
+/* Logs in over TCP with the secret and returns the same-host token from HELLO_ACK; *unix_fd is
+ * connected to the engine's side channel. */
+static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
+{
+    *tcp_fd = raw_connect(kvb_engine_port(eng));
+    kvb_hello_t target, ack;
+    raw_login_as(*tcp_fd, SECRET, 0, &target, NULL);
+    uint8_t *body;
+    kvb_frame_hdr_t h = recv_frame(*tcp_fd, &body);
+    cr_assert_eq(h.type, KVB_FRAME_HELLO_ACK);
+    kvb_region_info_t *regions;
+    size_t n;
+    cr_assert_eq(kvb__wire_hello_ack_decode(body, h.len, &ack, &regions, &n), KVB_OK);
+    free(body);
+    free(regions);
+    recv_frame(*tcp_fd, NULL); /* ATTRS */
+    memcpy(token, ack.nonce, 16);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    int len = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "kvbridge-%016llx",
+                       (unsigned long long)target.incarnation);
+    *unix_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    cr_assert_eq(connect(*unix_fd, (struct sockaddr *)&sa,
+                         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)len)),
+                 0);
+    return 0;
+}
+
+Test(hostile, shm_requests_need_a_bound_link)
+{
+    /* Authenticated, same host, but no link bound: a READ_REQ|F_SHM naming an address in some
+     * process must not make the engine copy anywhere. */
+    int fd = raw_connect(kvb_engine_port(eng));
+    raw_login_as(fd, SECRET, 0, NULL, NULL);
+    read_handshake_reply(fd);
+    uint8_t f[KVB_WIRE_HDR_SIZE + 8];
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
+                         .flags = KVB_FRAME_F_SHM,
+                         .id = 1,
+                         .addr = (uintptr_t)mem,
+                         .len = 64};
+    kvb__wire_encode_hdr(&h, f);
+    uint64_t victim = 0x7f0000001000ull;
+    memcpy(f + KVB_WIRE_HDR_SIZE, &victim, 8);
+    send(fd, f, sizeof f, 0);
+    h = recv_frame(fd, NULL);
+    cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+    cr_assert_eq(h.status, KVB_ERR_SHM_COPY);
+    close(fd);
+}
+
+Test(hostile, link_tokens_are_one_time_and_memfds_must_be_sealed)
+{
+    int tfd, ufd;
+    uint8_t token[16], wrong[16];
+    raw_link(&tfd, &ufd, token);
+    memcpy(wrong, token, 16);
+    wrong[0] ^= 0x80;
+    static uint64_t probe = 0x1234;
+    /* A wrong token ends the link at once. */
+    cr_assert_neq(unix_call(ufd, 1 /* M_HELLO */, wrong, (uintptr_t)&probe, probe, -1), 0);
+    close(ufd);
+    close(tfd);
+
+    raw_link(&tfd, &ufd, token);
+    cr_assert_eq(unix_call(ufd, 1 /* M_HELLO */, token, (uintptr_t)&probe, probe, -1), 0);
+    /* Spent: the same token cannot bind again. */
+    cr_assert_neq(unix_call(ufd, 7 /* M_BIND */, token, 0, 0, -1), 0, "a token was reused");
+    close(ufd);
+    close(tfd);
+
+    raw_link(&tfd, &ufd, token);
+    cr_assert_eq(unix_call(ufd, 1, token, (uintptr_t)&probe, probe, -1), 0);
+    int unsealed = memfd_create("t", MFD_CLOEXEC);
+    cr_assert_eq(ftruncate(unsealed, 65536), 0);
+    shm_msg_t dummy;
+    (void)dummy;
+    cr_assert_eq(unix_call(ufd, 3 /* M_SHARE */,
+                           (const uint8_t *)"\1\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 65536, 0, unsealed),
+                 KVB_ERR_ACCESS_DENIED, "an unsealed memfd (could shrink under the engine)");
+    close(unsealed);
+    /* Sealed but past the engine's map cap (1 MiB here): refused, nothing mapped. */
+    int big = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_eq(ftruncate(big, 2 << 20), 0);
+    cr_assert_eq(fcntl(big, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    cr_assert_eq(
+        unix_call(ufd, 3, (const uint8_t *)"\2\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 2 << 20, 0, big),
+        KVB_ERR_TOO_LARGE);
+    close(big);
+    close(ufd);
+    close(tfd);
+    engine_serves_with_secret();
 }
