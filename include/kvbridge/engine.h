@@ -23,7 +23,9 @@ extern "C" {
 typedef struct kvb_engine kvb_engine_t;
 typedef struct kvb_batch kvb_batch_t;
 
-/* A handle to an opened remote segment. 0 is never a valid handle. */
+/* A handle to an opened remote segment. 0 is never a valid handle. A handle stays valid until its
+ * last kvb_segment_close; after that it is refused (KVB_ERR_BAD_SEGMENT) even when another segment
+ * is opened later, so a stale handle never addresses another peer. */
 typedef uint32_t kvb_segment_t;
 
 /* Engine configuration. Initialise with kvb_config_init() and change what you need; strings and
@@ -135,18 +137,22 @@ KVB_API int kvb_alloc(kvb_engine_t *engine, size_t len, unsigned flags, void **o
 KVB_API int kvb_free(kvb_engine_t *engine, void *ptr);
 
 /* Registers [addr, addr+len) so that peers may READ and/or WRITE it as `access` allows, and so
- * that local requests may use it. `location` names where the memory lives ("cpu:0"; NULL means
- * "cpu"). Returns KVB_ERR_OVERLAP if the range overlaps a registered one. The memory must stay
- * valid until kvb_unregister() returns. */
+ * that local requests may use it. `location` names where the memory lives: "cpu", "cpu:N" (NUMA
+ * node), NULL (same as "cpu") or "*" (detect; host memory while no device path is built in);
+ * "cuda:N" is recognised and refused with KVB_ERR_UNSUPPORTED until a data path serves device
+ * memory; anything else is KVB_ERR_INVALID_ARG. Returns KVB_ERR_OVERLAP if the range overlaps a
+ * registered one. The memory must stay valid until kvb_unregister() returns KVB_OK. */
 KVB_API int kvb_register(kvb_engine_t *engine, void *addr, size_t len, const char *location,
                          unsigned access);
 
 /* Unregisters the region that starts at `addr`. New requests for it fail at once
  * (KVB_ERR_LOCAL_NOT_REGISTERED here, KVB_ERR_REMOTE_NOT_REGISTERED at peers). Then blocks until
  * nothing uses the memory any more: neither a local request in flight (one not yet ended, or
- * cancelled with its bytes still queued) nor a peer's transfer being served. Gives up after the
- * engine's timeout with KVB_ERR_BUSY (the memory may still be read or written: keep it valid).
- * Returns KVB_ERR_NOT_FOUND if no region starts at `addr`. */
+ * cancelled with its bytes still queued) nor a peer's transfer being served. KVB_OK: the memory
+ * may be freed or reused. Gives up after the engine's timeout with KVB_ERR_BUSY: the memory may
+ * still be read or written, so keep it valid, and call kvb_unregister(addr) again (it waits
+ * again) until it returns KVB_OK; meanwhile nothing can be registered over it. Returns
+ * KVB_ERR_NOT_FOUND if no region (registered, or left BUSY) starts at `addr`. */
 KVB_API int kvb_unregister(kvb_engine_t *engine, void *addr);
 
 /* Opens the segment `name` ("host:port" in p2p mode; with a metadata store, the name its owner
@@ -178,7 +184,8 @@ KVB_API int kvb_segment_regions(kvb_engine_t *engine, kvb_segment_t seg, int ref
 
 /* Publishes a named attribute with this engine's segment (a KV layout descriptor, for example):
  * peers see it when they open or refresh the segment. `key`: 1..63 printable characters; `value`:
- * at most 4 MiB, copied; NULL removes the key. At most 64 attributes. */
+ * at most 4 MiB, copied; NULL removes the key. At most 64 attributes, and at most 16 MiB for all
+ * of them together (KVB_ERR_TOO_LARGE, nothing changed). */
 KVB_API int kvb_engine_set_attr(kvb_engine_t *engine, const char *key, const void *value,
                                 size_t len);
 

@@ -100,7 +100,7 @@ static int init_locks(kvb_engine_t *e)
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    int rc = pthread_mutex_init(&e->open_mu, NULL) || pthread_mutex_init(&e->seg_mu, NULL) ||
+    int rc = pthread_mutex_init(&e->seg_mu, NULL) || pthread_cond_init(&e->seg_cv, NULL) ||
              pthread_mutex_init(&e->attr_mu, NULL) || pthread_mutex_init(&e->notify_mu, NULL) ||
              pthread_cond_init(&e->notify_cv, &ca);
     pthread_condattr_destroy(&ca);
@@ -275,13 +275,15 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_mutex_lock(&e->notify_mu);
     e->stopping = true;
     pthread_cond_broadcast(&e->notify_cv);
+    /* Threads woken in kvb_notify_recv still need notify_mu: wait until they have left. */
+    while (e->notify_waiters > 0)
+        pthread_cond_wait(&e->notify_cv, &e->notify_mu);
     pthread_mutex_unlock(&e->notify_mu);
     if (atomic_load(&e->live_batches) > 0)
         KVB_WARN("engine destroyed with %ld batches not freed; free them before destroying",
                  atomic_load(&e->live_batches));
     kvb__segdesc_stop(e); /* first: withdraws our descriptor, stops revalidating segments */
 
-    pthread_mutex_lock(&e->open_mu);
     pthread_mutex_lock(&e->seg_mu);
     for (size_t i = 0; i < e->nsegs; i++) {
         kvb_peer_t *p = e->segs[i].peer;
@@ -292,13 +294,12 @@ void kvb_engine_destroy(kvb_engine_t *e)
         kvb__peer_release(p);
     }
     pthread_mutex_unlock(&e->seg_mu);
-    pthread_mutex_unlock(&e->open_mu);
     e->tp_ops->destroy(e->tp);
     kvb__shm_destroy(e->shm); /* after the transport: its connections hold same-host peers */
     free(e->segs);
     kvb__registry_fini(&e->registry);
-    pthread_mutex_destroy(&e->open_mu);
     pthread_mutex_destroy(&e->seg_mu);
+    pthread_cond_destroy(&e->seg_cv);
     pthread_mutex_destroy(&e->notify_mu);
     pthread_cond_destroy(&e->notify_cv);
     pthread_mutex_destroy(&e->attr_mu);
@@ -487,23 +488,43 @@ static int connect_named(kvb_engine_t *e, const char *name, kvb_peer_t **out)
     }
 }
 
+static kvb_segment_t handle_of(const kvb_engine_t *e, size_t idx)
+{
+    return ((kvb_segment_t)e->segs[idx].gen << 16) | (kvb_segment_t)(idx + 1);
+}
+
+/* The slot a handle names, if it is open and of the same generation. Caller holds seg_mu. */
+static kvb_segment_slot_t *slot_of(kvb_engine_t *e, kvb_segment_t seg)
+{
+    size_t i = (size_t)(seg & 0xFFFFu);
+    if (i == 0 || i > e->nsegs)
+        return NULL;
+    kvb_segment_slot_t *s = &e->segs[i - 1];
+    return s->peer && s->gen == (uint16_t)(seg >> 16) ? s : NULL;
+}
+
 static kvb_segment_slot_t *find_slot(kvb_engine_t *e, const char *name, size_t *idx)
 {
     for (size_t i = 0; i < e->nsegs; i++)
-        if (e->segs[i].peer && !strcmp(e->segs[i].peer->name, name)) {
+        if ((e->segs[i].peer || e->segs[i].opening) && !strcmp(e->segs[i].name, name)) {
             *idx = i;
             return &e->segs[i];
         }
     return NULL;
 }
 
-static int insert_slot(kvb_engine_t *e, kvb_peer_t *p, size_t *idx)
+/* Takes a free slot for `name`, marked opening. Caller holds seg_mu. */
+static int insert_slot(kvb_engine_t *e, const char *name, size_t *idx)
 {
     size_t i = 0;
-    while (i < e->nsegs && e->segs[i].peer)
+    while (i < e->nsegs && (e->segs[i].peer || e->segs[i].opening))
         i++;
     if (i == e->nsegs) {
+        if (e->nsegs >= KVB_SEG_SLOTS_MAX)
+            return KVB_ERR_TOO_LARGE;
         size_t ncap = e->nsegs ? e->nsegs * 2 : 8;
+        if (ncap > KVB_SEG_SLOTS_MAX)
+            ncap = KVB_SEG_SLOTS_MAX;
         kvb_segment_slot_t *n = realloc(e->segs, ncap * sizeof *n);
         if (!n)
             return KVB_ERR_NOMEM;
@@ -511,57 +532,70 @@ static int insert_slot(kvb_engine_t *e, kvb_peer_t *p, size_t *idx)
         e->segs = n;
         e->nsegs = ncap;
     }
-    e->segs[i].peer = p;
-    e->segs[i].opens = 1;
+    e->segs[i].opening = true;
+    e->segs[i].opens = 0;
+    strcpy(e->segs[i].name, name);
     *idx = i;
     return KVB_OK;
+}
+
+/* The slot's peer is gone for good: later handles to it must not match. Caller holds seg_mu. */
+static void free_slot(kvb_segment_slot_t *s)
+{
+    s->peer = NULL;
+    s->opens = 0;
+    s->gen++;
+    s->name[0] = '\0';
 }
 
 int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
 {
     if (!e || !name || !out || strlen(name) > KVB_NAME_MAX)
         return KVB_ERR_INVALID_ARG;
-    pthread_mutex_lock(&e->open_mu);
     size_t idx;
     pthread_mutex_lock(&e->seg_mu);
-    kvb_segment_slot_t *slot = find_slot(e, name, &idx);
+    kvb_segment_slot_t *slot;
+    /* One connect per name at a time; opens of other names never wait for it. */
+    while ((slot = find_slot(e, name, &idx)) && slot->opening)
+        pthread_cond_wait(&e->seg_cv, &e->seg_mu);
     kvb_peer_t *old = slot ? slot->peer : NULL;
     if (old && atomic_load(&old->lost) == 0) {
         slot->opens++;
+        *out = handle_of(e, idx);
         pthread_mutex_unlock(&e->seg_mu);
-        pthread_mutex_unlock(&e->open_mu);
-        *out = (kvb_segment_t)idx + 1;
         return KVB_OK;
     }
+    int rc = KVB_OK;
+    if (slot)
+        slot->opening = true; /* a lost peer: reconnect it in place, the handle stays */
+    else
+        rc = insert_slot(e, name, &idx);
     pthread_mutex_unlock(&e->seg_mu);
+    if (rc)
+        return rc;
 
-    kvb_peer_t *p;
-    int rc = e->meta ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
+    kvb_peer_t *p = NULL;
+    rc = e->meta ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
+
+    pthread_mutex_lock(&e->seg_mu);
+    slot = &e->segs[idx]; /* the table may have moved meanwhile */
+    slot->opening = false;
     if (rc == KVB_OK) {
-        pthread_mutex_lock(&e->seg_mu);
-        if (old) {
-            /* Reopen of a lost peer: the handle stays, the peer behind it is new. */
-            if (old->hello.incarnation != p->hello.incarnation)
-                KVB_INFO("segment %s restarted (incarnation %016llx -> %016llx); cached "
-                         "descriptor dropped",
-                         name, (unsigned long long)old->hello.incarnation,
-                         (unsigned long long)p->hello.incarnation);
-            e->segs[idx].peer = p;
-            e->segs[idx].opens++;
-        } else {
-            rc = insert_slot(e, p, &idx);
-        }
-        pthread_mutex_unlock(&e->seg_mu);
-        if (old)
-            kvb__peer_release(old);
-        if (rc) {
-            kvb__peer_fail(p, KVB_ERR_CANCELED);
-            kvb__peer_release(p);
-        }
+        if (old && old->hello.incarnation != p->hello.incarnation)
+            KVB_INFO("segment %s restarted (incarnation %016llx -> %016llx); cached "
+                     "descriptor dropped",
+                     name, (unsigned long long)old->hello.incarnation,
+                     (unsigned long long)p->hello.incarnation);
+        slot->peer = p;
+        slot->opens++;
+        *out = handle_of(e, idx);
+    } else if (!old) {
+        free_slot(slot);
     }
-    pthread_mutex_unlock(&e->open_mu);
-    if (rc == KVB_OK)
-        *out = (kvb_segment_t)idx + 1;
+    pthread_cond_broadcast(&e->seg_cv);
+    pthread_mutex_unlock(&e->seg_mu);
+    if (rc == KVB_OK && old)
+        kvb__peer_release(old);
     return rc;
 }
 
@@ -570,19 +604,17 @@ int kvb_segment_close(kvb_engine_t *e, kvb_segment_t seg)
     if (!e)
         return KVB_ERR_INVALID_ARG;
     kvb_peer_t *gone = NULL;
-    pthread_mutex_lock(&e->open_mu);
     pthread_mutex_lock(&e->seg_mu);
-    size_t i = (size_t)seg - 1;
+    kvb_segment_slot_t *s = slot_of(e, seg);
     int rc = KVB_ERR_BAD_SEGMENT;
-    if (seg != 0 && i < e->nsegs && e->segs[i].peer) {
+    if (s && !s->opening) {
         rc = KVB_OK;
-        if (--e->segs[i].opens == 0) {
-            gone = e->segs[i].peer;
-            e->segs[i].peer = NULL;
+        if (--s->opens == 0) {
+            gone = s->peer;
+            free_slot(s);
         }
     }
     pthread_mutex_unlock(&e->seg_mu);
-    pthread_mutex_unlock(&e->open_mu);
     if (gone) {
         kvb__peer_fail(gone, KVB_ERR_CANCELED);
         kvb__peer_release(gone);
@@ -593,10 +625,10 @@ int kvb_segment_close(kvb_engine_t *e, kvb_segment_t seg)
 kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg)
 {
     kvb_peer_t *p = NULL;
-    size_t i = (size_t)seg - 1;
     pthread_mutex_lock(&e->seg_mu);
-    if (seg != 0 && i < e->nsegs && e->segs[i].peer) {
-        p = e->segs[i].peer;
+    kvb_segment_slot_t *s = slot_of(e, seg);
+    if (s) {
+        p = s->peer;
         atomic_fetch_add(&p->refs, 1);
     }
     pthread_mutex_unlock(&e->seg_mu);
@@ -698,9 +730,20 @@ int kvb_engine_set_attr(kvb_engine_t *e, const char *key, const void *value, siz
         memcpy(copy, value, len);
     int rc = KVB_OK;
     pthread_mutex_lock(&e->attr_mu);
-    size_t i = 0;
+    size_t i = 0, total = 4 + (value ? 6 + strlen(key) + len : 0);
     while (i < e->nattrs && strcmp(e->attrs[i].key, key))
         i++;
+    for (size_t k = 0; k < e->nattrs; k++)
+        if (k != i)
+            total += 6 + strlen(e->attrs[k].key) + e->attrs[k].len;
+    if (total > KVB_WIRE_MAX_ATTRS) {
+        /* Peers receive all attributes in one frame: more would make every handshake fail. */
+        pthread_mutex_unlock(&e->attr_mu);
+        free(copy);
+        KVB_WARN("set_attr %s: attributes would take %zu bytes, over the %u-byte limit", key, total,
+                 KVB_WIRE_MAX_ATTRS);
+        return KVB_ERR_TOO_LARGE;
+    }
     if (!value) { /* remove */
         if (i < e->nattrs) {
             free(e->attrs[i].value);
@@ -795,6 +838,7 @@ int kvb_notify_recv(kvb_engine_t *e, kvb_notification_t *out, int timeout_ms)
     uint64_t deadline = kvb__deadline_ms(timeout_ms);
     int rc = KVB_OK;
     pthread_mutex_lock(&e->notify_mu);
+    e->notify_waiters++;
     while (e->notify_count == 0) {
         if (e->stopping) {
             rc = KVB_ERR_SHUTDOWN;
@@ -820,6 +864,8 @@ int kvb_notify_recv(kvb_engine_t *e, kvb_notification_t *out, int timeout_ms)
         e->notify_head = (e->notify_head + 1) % e->notify_cap;
         e->notify_count--;
     }
+    if (--e->notify_waiters == 0 && e->stopping)
+        pthread_cond_broadcast(&e->notify_cv); /* kvb_engine_destroy waits for this */
     pthread_mutex_unlock(&e->notify_mu);
     return rc;
 }

@@ -124,9 +124,15 @@ extern const kvb_transport_ops_t kvb__tcp_ops;
 
 enum { KVB_PROTO_AUTO = 0, KVB_PROTO_TCP, KVB_PROTO_SHM };
 
+/* A segment handle is (generation << 16) | (slot index + 1): a slot's generation moves on when
+ * it is freed, so a handle kept after its last close never reaches the slot's next peer. */
+#define KVB_SEG_SLOTS_MAX 0xFFFFu
 typedef struct kvb_segment_slot {
-    kvb_peer_t *peer; /* NULL: free slot */
+    kvb_peer_t *peer; /* NULL: free, or being opened */
     unsigned opens;
+    uint16_t gen;
+    bool opening; /* a thread is connecting it (without holding any lock); others wait */
+    char name[KVB_NAME_MAX + 1];
 } kvb_segment_slot_t;
 
 /* What a metadata store says of a segment (meta/segment.c). */
@@ -158,13 +164,14 @@ struct kvb_engine {
     struct kvb_shm *shm; /* kvb_alloc memory and the same-host data path */
     int protocol;        /* KVB_PROTO_* */
 
-    pthread_mutex_t open_mu; /* serialises open/close so two opens of one name agree */
-    pthread_mutex_t seg_mu;  /* the segment table; held only briefly */
+    pthread_mutex_t seg_mu; /* the segment table; held only briefly, never across a connect */
+    pthread_cond_t seg_cv;  /* a slot stopped `opening` */
     kvb_segment_slot_t *segs;
     size_t nsegs;
 
     pthread_mutex_t notify_mu; /* received notifications: a bounded ring */
     pthread_cond_t notify_cv;
+    unsigned notify_waiters; /* threads in kvb_notify_recv: destroy waits until they left */
     kvb_notification_t *notify_ring;
     size_t notify_head, notify_count, notify_cap;
     bool stopping;

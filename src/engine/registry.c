@@ -28,6 +28,9 @@ void kvb__registry_fini(kvb_registry_t *r)
     for (size_t i = 0; i < r->count; i++)
         free(r->regions[i]);
     free(r->regions);
+    for (size_t i = 0; i < r->ndraining; i++)
+        free(r->draining[i]);
+    free(r->draining);
     pthread_rwlock_destroy(&r->lock);
     pthread_mutex_destroy(&r->drain_mu);
     pthread_cond_destroy(&r->drain_cv);
@@ -47,6 +50,50 @@ static ptrdiff_t find_floor(const kvb_registry_t *r, uint64_t a)
     return (ptrdiff_t)lo - 1;
 }
 
+int kvb__mem_kind_parse(const char *location, kvb_mem_kind_t *kind, int *device)
+{
+    static const struct {
+        const char *prefix;
+        kvb_mem_kind_t kind;
+    } kinds[] = {{"cpu", KVB_MEM_CPU}, {"cuda", KVB_MEM_CUDA}};
+    if (!location || !strcmp(location, "*")) {
+        *kind = KVB_MEM_CPU;
+        *device = -1;
+        return KVB_OK;
+    }
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        size_t pl = strlen(kinds[k].prefix);
+        if (strncmp(location, kinds[k].prefix, pl))
+            continue;
+        const char *p = location + pl;
+        if (*p == '\0' && kinds[k].kind == KVB_MEM_CPU) {
+            *kind = KVB_MEM_CPU;
+            *device = -1;
+            return KVB_OK;
+        }
+        if (*p++ != ':' || *p < '0' || *p > '9')
+            return KVB_ERR_INVALID_ARG;
+        long n = 0;
+        for (; *p >= '0' && *p <= '9' && n <= 65535; p++)
+            n = n * 10 + (*p - '0');
+        if (*p || n > 65535)
+            return KVB_ERR_INVALID_ARG;
+        *kind = kinds[k].kind;
+        *device = (int)n;
+        return KVB_OK;
+    }
+    return KVB_ERR_INVALID_ARG;
+}
+
+/* True if [addr, end) overlaps a draining region. Caller holds the lock. */
+static bool overlaps_draining(const kvb_registry_t *r, uint64_t addr, uint64_t end)
+{
+    for (size_t i = 0; i < r->ndraining; i++)
+        if (r->draining[i]->addr < end && addr < r->draining[i]->addr + r->draining[i]->len)
+            return true;
+    return false;
+}
+
 int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char *location,
                       unsigned access)
 {
@@ -57,14 +104,20 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
         return KVB_ERR_OVERFLOW;
     if (!location)
         location = "cpu";
-    if (strlen(location) > KVB_LOCATION_MAX)
+    kvb_mem_kind_t kind;
+    int device;
+    if (strlen(location) > KVB_LOCATION_MAX || kvb__mem_kind_parse(location, &kind, &device))
         return KVB_ERR_INVALID_ARG;
+    if (kind != KVB_MEM_CPU)
+        return KVB_ERR_UNSUPPORTED; /* no data path serves device memory yet */
     kvb_region_t *reg = calloc(1, sizeof *reg);
     if (!reg)
         return KVB_ERR_NOMEM;
     reg->addr = addr;
     reg->len = len;
     reg->access = access;
+    reg->kind = kind;
+    reg->device = device;
     strcpy(reg->location, location);
     atomic_init(&reg->refs, 1);
     atomic_init(&reg->removed, false);
@@ -73,7 +126,8 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
     pthread_rwlock_wrlock(&r->lock);
     ptrdiff_t i = find_floor(r, addr);
     if ((i >= 0 && r->regions[i]->addr + r->regions[i]->len > addr) ||
-        ((size_t)(i + 1) < r->count && r->regions[i + 1]->addr < end)) {
+        ((size_t)(i + 1) < r->count && r->regions[i + 1]->addr < end) ||
+        overlaps_draining(r, addr, end)) {
         rc = KVB_ERR_OVERLAP;
     } else if (r->count == r->cap) {
         size_t ncap = r->cap ? r->cap * 2 : 16;
@@ -100,26 +154,53 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
 int kvb__registry_remove(kvb_registry_t *r, uint64_t addr, int timeout_ms)
 {
     kvb_region_t *reg = NULL;
+    int rc = KVB_OK;
     pthread_rwlock_wrlock(&r->lock);
-    ptrdiff_t i = find_floor(r, addr);
+    for (size_t k = 0; k < r->ndraining && !reg; k++)
+        if (r->draining[k]->addr == addr)
+            reg = r->draining[k]; /* a BUSY unregister before: wait for it again */
+    ptrdiff_t i = reg ? -1 : find_floor(r, addr);
     if (i >= 0 && r->regions[i]->addr == addr) {
-        reg = r->regions[i];
-        memmove(r->regions + i, r->regions + i + 1,
-                (r->count - (size_t)i - 1) * sizeof *r->regions);
-        r->count--;
+        if (r->ndraining == r->capdraining) {
+            size_t ncap = r->capdraining ? r->capdraining * 2 : 4;
+            kvb_region_t **n = realloc(r->draining, ncap * sizeof *n);
+            if (n) {
+                r->draining = n;
+                r->capdraining = ncap;
+            } else {
+                rc = KVB_ERR_NOMEM;
+            }
+        }
+        if (rc == KVB_OK) {
+            reg = r->regions[i];
+            memmove(r->regions + i, r->regions + i + 1,
+                    (r->count - (size_t)i - 1) * sizeof *r->regions);
+            r->count--;
+            r->draining[r->ndraining++] = reg;
+            atomic_store(&reg->removed, true);
+        }
+    }
+    if (reg) { /* each waiter holds a reference of its own, so the region outlives its wait */
+        reg->waiters++;
+        atomic_fetch_add(&reg->refs, 1);
     }
     pthread_rwlock_unlock(&r->lock);
+    if (rc)
+        return rc;
     if (!reg)
         return KVB_ERR_NOT_FOUND;
-    atomic_store(&reg->removed, true);
 
-    /* No new pins can start now. Wait for the ones in flight; if we give up first, the last
-     * unpin frees the region. Sleeps in slices of at most 10 ms: an unpin that read `removed`
-     * just before we set it does not signal, and must not cost us the whole timeout. */
+    /* No new pins can start now. Wait for the ones in flight: until only the registration's
+     * reference and the waiters' are left. Sleeps in slices of at most 10 ms: an unpin that read
+     * `removed` just before it was set does not signal, and must not cost us the whole timeout. */
     uint64_t deadline = kvb__deadline_ms(timeout_ms);
-    int rc = KVB_OK;
     pthread_mutex_lock(&r->drain_mu);
-    while (atomic_load(&reg->refs) > 1) {
+    for (;;) {
+        pthread_rwlock_rdlock(&r->lock);
+        bool drained = atomic_load(&reg->refs) <= 1 + reg->waiters;
+        pthread_rwlock_unlock(&r->lock);
+        if (drained)
+            break;
         uint64_t now = kvb__now_ns();
         if (now >= deadline) {
             rc = KVB_ERR_BUSY;
@@ -130,7 +211,20 @@ int kvb__registry_remove(kvb_registry_t *r, uint64_t addr, int timeout_ms)
         pthread_cond_timedwait(&r->drain_cv, &r->drain_mu, &ts);
     }
     pthread_mutex_unlock(&r->drain_mu);
-    kvb__region_unpin(r, reg); /* drops the registration's own reference */
+    /* Drained: the first waiter to get here takes it off the draining list and drops the
+     * registration's reference. BUSY: it stays draining for a later call. */
+    bool mine = false;
+    pthread_rwlock_wrlock(&r->lock);
+    reg->waiters--;
+    for (size_t k = 0; rc == KVB_OK && k < r->ndraining && !mine; k++)
+        if (r->draining[k] == reg) {
+            r->draining[k] = r->draining[--r->ndraining];
+            mine = true;
+        }
+    pthread_rwlock_unlock(&r->lock);
+    if (mine)
+        kvb__region_unpin(r, reg);
+    kvb__region_unpin(r, reg); /* this waiter's */
     return rc;
 }
 
@@ -165,8 +259,8 @@ void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
     unsigned prev = atomic_fetch_sub(&reg->refs, 1);
     if (prev == 1) {
         free(reg);
-    } else if (prev == 2 && removed) {
-        /* The last pin of a region being unregistered: wake its remover. */
+    } else if (removed) {
+        /* A pin of a region being unregistered: its removers check whether it was the last. */
         pthread_mutex_lock(&r->drain_mu);
         pthread_cond_broadcast(&r->drain_cv);
         pthread_mutex_unlock(&r->drain_mu);
@@ -179,6 +273,7 @@ bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len)
     pthread_rwlock_rdlock(&r->lock);
     for (size_t i = 0; i < r->count && !hit; i++)
         hit = r->regions[i]->addr < addr + len && addr < r->regions[i]->addr + r->regions[i]->len;
+    hit = hit || overlaps_draining(r, addr, addr + len);
     pthread_rwlock_unlock(&r->lock);
     return hit;
 }

@@ -1,12 +1,16 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Engine API semantics with engines in one process: configuration, ports, segments, batches with
  * several lanes and progress threads, notifications and their limits. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "helpers/peer.h"
@@ -228,4 +232,140 @@ Test(engine, destroyed_peer_fails_requests)
     kvb_engine_destroy(a);
     munmap(src, size);
     munmap(dst, size);
+}
+
+/* ---- lifetimes and concurrency -------------------------------------------------------------- */
+
+typedef struct {
+    kvb_engine_t *e;
+    int rc;
+} waiter_t;
+
+static void *recv_forever(void *arg)
+{
+    waiter_t *w = arg;
+    kvb_notification_t *n = malloc(sizeof *n);
+    w->rc = kvb_notify_recv(w->e, n, -1);
+    free(n);
+    return NULL;
+}
+
+/* Threads blocked in kvb_notify_recv still need the engine's mutex once destroy wakes them:
+ * destroy must wait for them to leave (ASan saw the use after free). */
+Test(engine, destroy_wakes_notify_waiters_before_freeing)
+{
+    for (int round = 0; round < 20; round++) {
+        kvb_engine_t *e = make(1, 1);
+        waiter_t w[4];
+        pthread_t t[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = (waiter_t){.e = e, .rc = 1};
+            cr_assert_eq(pthread_create(&t[i], NULL, recv_forever, &w[i]), 0);
+        }
+        usleep(round % 2 ? 20000 : 1000);
+        kvb_engine_destroy(e);
+        for (int i = 0; i < 4; i++) {
+            pthread_join(t[i], NULL);
+            cr_assert_eq(w[i].rc, KVB_ERR_SHUTDOWN);
+        }
+    }
+}
+
+/* A handle kept after its last close must not address whatever peer the slot holds next. */
+Test(engine, stale_segment_handles_do_not_reach_a_new_peer)
+{
+    kvb_engine_t *e = make(1, 1), *a = make(1, 1), *b = make(1, 1);
+    kvb_segment_t sa, sb;
+    cr_assert_eq(kvb_segment_open(e, kvb_engine_segment_name(a), &sa), KVB_OK);
+    cr_assert_eq(kvb_segment_close(e, sa), KVB_OK);
+    cr_assert_eq(kvb_segment_open(e, kvb_engine_segment_name(b), &sb), KVB_OK);
+    cr_assert_neq(sa, sb, "a freed slot's next handle differs");
+    uint64_t inc;
+    cr_assert_eq(kvb_segment_incarnation(e, sa, &inc), KVB_ERR_BAD_SEGMENT);
+    cr_assert_eq(kvb_segment_close(e, sa), KVB_ERR_BAD_SEGMENT);
+    cr_assert_eq(kvb_segment_incarnation(e, sb, &inc), KVB_OK);
+    cr_assert_eq(kvb_segment_close(e, sb), KVB_OK);
+    kvb_engine_destroy(e);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+}
+
+typedef struct {
+    kvb_engine_t *e;
+    const char *name;
+    int rc;
+    uint64_t ms;
+} opener_t;
+
+static void *open_it(void *arg)
+{
+    opener_t *o = arg;
+    uint64_t t0 = kvb__now_ns();
+    kvb_segment_t s;
+    o->rc = kvb_segment_open(o->e, o->name, &s);
+    o->ms = (kvb__now_ns() - t0) / 1000000;
+    return NULL;
+}
+
+/* A host that accepts and never answers stalls only the opens of its own name. */
+Test(engine, a_dead_host_does_not_stall_other_opens)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    socklen_t sl = sizeof sa;
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(listen(lfd, 8), 0);
+    getsockname(lfd, (struct sockaddr *)&sa, &sl);
+    char dead[64];
+    snprintf(dead, sizeof dead, "127.0.0.1:%u", ntohs(sa.sin_port));
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.connect_timeout_ms = 1500;
+    kvb_engine_t *e, *good = make(1, 1);
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    opener_t slow = {.e = e, .name = dead}, fast = {.e = e, .name = kvb_engine_segment_name(good)};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, open_it, &slow);
+    usleep(100000);
+    pthread_create(&t2, NULL, open_it, &fast);
+    pthread_join(t2, NULL);
+    pthread_join(t1, NULL);
+    cr_assert_eq(fast.rc, KVB_OK);
+    cr_assert_lt(fast.ms, 1000, "an open waited %llu ms for another host's handshake",
+                 (unsigned long long)fast.ms);
+    cr_assert_eq(slow.rc, KVB_ERR_TIMEOUT);
+    kvb_engine_destroy(e);
+    kvb_engine_destroy(good);
+    close(lfd);
+}
+
+/* Peers get every attribute in one frame: set_attr refuses what would not fit. */
+Test(engine, attributes_past_the_frame_limit_are_refused)
+{
+    kvb_engine_t *e = make(1, 1), *peer = make(1, 1);
+    size_t big = 4u << 20;
+    uint8_t *v = calloc(1, big);
+    char key[16];
+    int set = 0;
+    for (int i = 0; i < 8; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        int rc = kvb_engine_set_attr(e, key, v, big);
+        if (rc == KVB_OK) {
+            set++;
+            continue;
+        }
+        cr_assert_eq(rc, KVB_ERR_TOO_LARGE);
+    }
+    cr_assert_eq(set, 3, "three 4 MiB values fit in 16 MiB, a fourth does not");
+    /* Replacing one with something as large still fits; the segment still opens. */
+    cr_assert_eq(kvb_engine_set_attr(e, "k0", v, big), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(peer, kvb_engine_segment_name(e), &s), KVB_OK);
+    size_t len;
+    cr_assert_eq(kvb_segment_attr(peer, s, "k2", NULL, 0, &len), KVB_OK);
+    cr_assert_eq(len, big);
+    free(v);
+    kvb_engine_destroy(peer);
+    kvb_engine_destroy(e);
 }

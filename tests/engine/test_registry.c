@@ -81,8 +81,8 @@ Test(registry, fixture_initialised)
 Test(registry, add_list_remove)
 {
     cr_assert_eq(kvb__registry_add(&reg, 0x3000, 0x1000, "cpu", KVB_ACCESS_RW), KVB_OK);
-    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, "cuda:0", KVB_ACCESS_READ), KVB_OK);
-    cr_assert_eq(kvb__registry_add(&reg, 0x5000, 0x800, "cuda:1", KVB_ACCESS_WRITE), KVB_OK);
+    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, "cpu:0", KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb__registry_add(&reg, 0x5000, 0x800, "cpu:1", KVB_ACCESS_WRITE), KVB_OK);
     cr_assert_eq(count_regions(), 3);
     cr_assert_eq(check(0x1000, 0x1000, 0), KVB_OK);
     cr_assert_eq(check(0x3000, 0x1000, 0), KVB_OK);
@@ -218,11 +218,25 @@ Test(registry, location_rules)
     loc[KVB_LOCATION_MAX + 1] = '\0'; /* one over */
     cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, loc, KVB_ACCESS_RW), KVB_ERR_INVALID_ARG);
     cr_assert_eq(count_regions(), 0);
-    loc[KVB_LOCATION_MAX] = '\0'; /* at the limit */
+    loc[KVB_LOCATION_MAX] = '\0'; /* at the limit, but not a memory kind */
+    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, loc, KVB_ACCESS_RW), KVB_ERR_INVALID_ARG);
+    memcpy(loc, "cpu:", 4);
+    memset(loc + 4, '0', KVB_LOCATION_MAX - 5);
+    loc[KVB_LOCATION_MAX - 1] = '7'; /* "cpu:000...07", at the limit */
+    loc[KVB_LOCATION_MAX] = '\0';
     cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, loc, KVB_ACCESS_RW), KVB_OK);
     cr_assert_eq(kvb__registry_add(&reg, 0x2000, 0x1000, NULL, KVB_ACCESS_RW), KVB_OK);
-    cr_assert_eq(kvb__registry_add(&reg, 0x3000, 0x1000, "cuda:3", KVB_ACCESS_RW), KVB_OK);
-    cr_assert_eq(kvb__registry_add(&reg, 0x4000, 0x1000, "", KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb__registry_add(&reg, 0x3000, 0x1000, "cpu", KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb__registry_add(&reg, 0x4000, 0x1000, "*", KVB_ACCESS_RW), KVB_OK);
+    /* Device memory is recognised, and refused until a data path can serve it. */
+    cr_assert_eq(kvb__registry_add(&reg, 0x5000, 0x1000, "cuda:3", KVB_ACCESS_RW),
+                 KVB_ERR_UNSUPPORTED);
+    static const char *const bad[] = {"",      "gpu",    "cpu:",   "cpu:x",    "cuda",
+                                      "cuda:", "cpu:-1", "cpu:1a", "cuda:1:2", "cpu:99999999",
+                                      "CPU:0", " cpu:0", "cpux"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        cr_assert_eq(kvb__registry_add(&reg, 0x6000, 0x1000, bad[i], KVB_ACCESS_RW),
+                     KVB_ERR_INVALID_ARG, "location '%s'", bad[i]);
 
     kvb_region_info_t *v;
     size_t n;
@@ -230,9 +244,17 @@ Test(registry, location_rules)
     cr_assert_eq(n, 4);
     cr_assert_str_eq(v[0].location, loc);
     cr_assert_str_eq(v[1].location, "cpu", "NULL location defaults to cpu");
-    cr_assert_str_eq(v[2].location, "cuda:3");
-    cr_assert_str_eq(v[3].location, "");
+    cr_assert_str_eq(v[2].location, "cpu");
+    cr_assert_str_eq(v[3].location, "*");
     free(v);
+    kvb_mem_kind_t kind;
+    int dev;
+    cr_assert_eq(kvb__mem_kind_parse("cuda:12", &kind, &dev), KVB_OK);
+    cr_assert_eq(kind, KVB_MEM_CUDA);
+    cr_assert_eq(dev, 12);
+    cr_assert_eq(kvb__mem_kind_parse("cpu:1", &kind, &dev), KVB_OK);
+    cr_assert_eq(kind, KVB_MEM_CPU);
+    cr_assert_eq(dev, 1);
 }
 
 /* --- lookups ------------------------------------------------------------------------------ */
@@ -354,7 +376,7 @@ Test(registry, pin_and_unpin_counts)
 
 Test(registry, remove_while_pinned_is_busy_after_timeout)
 {
-    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, "cuda:0", KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x1000, "cpu:0", KVB_ACCESS_RW), KVB_OK);
     kvb_region_t *pin = NULL;
     cr_assert_eq(kvb__registry_check(&reg, 0x1000, 0x1000, KVB_ACCESS_RW, MISSING, &pin), KVB_OK);
 
@@ -365,16 +387,21 @@ Test(registry, remove_while_pinned_is_busy_after_timeout)
                   (unsigned long long)waited);
     cr_assert_lt(waited, 5000);
 
-    /* It is unregistered already: no new lookups find it, and the range is free again. */
+    /* Unregistered: no new lookups find it. But its memory may still be in use, so nothing may
+     * be registered over it, and asking again waits again (still BUSY while pinned). */
     cr_assert_eq(check(0x1000, 1, 0), MISSING);
-    cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_ERR_NOT_FOUND);
     cr_assert_eq(count_regions(), 0);
-    /* The pinned region stays valid for its user until the last unpin frees it (ASan checks
-     * both the use here and that the unpin does free it). */
+    cr_assert(kvb__registry_overlaps(&reg, 0x1800, 1), "a draining region still counts");
+    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x800, NULL, KVB_ACCESS_READ), KVB_ERR_OVERLAP);
+    cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_ERR_BUSY);
     cr_assert_eq(pin->addr, 0x1000);
-    cr_assert_str_eq(pin->location, "cuda:0");
-    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x800, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_str_eq(pin->location, "cpu:0");
     kvb__region_unpin(&reg, pin);
+    /* Now the caller learns that the memory is free, and the range may be registered again. */
+    cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_OK);
+    cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_ERR_NOT_FOUND);
+    cr_assert_not(kvb__registry_overlaps(&reg, 0x1800, 1));
+    cr_assert_eq(kvb__registry_add(&reg, 0x1000, 0x800, NULL, KVB_ACCESS_READ), KVB_OK);
     cr_assert_eq(check(0x1000, 0x800, KVB_ACCESS_READ), KVB_OK, "new region unaffected");
 }
 
@@ -387,10 +414,11 @@ Test(registry, remove_while_pinned_zero_timeout_is_busy_at_once)
     uint64_t t0 = now_ms();
     cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_ERR_BUSY);
     cr_assert_lt(now_ms() - t0, 1000);
-    /* Two pins outlive the registration; only the last unpin frees it. */
+    /* The registration's reference stays with the draining region until a remove succeeds. */
     kvb__region_unpin(&reg, p1);
-    cr_assert_eq(atomic_load(&p2->refs), 1);
+    cr_assert_eq(atomic_load(&p2->refs), 2);
     kvb__region_unpin(&reg, p2);
+    cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_OK);
 }
 
 typedef struct {
@@ -539,7 +567,7 @@ Test(registry, list_snapshot_sorted_and_independent)
 
     const uint64_t addrs[] = {0x9000, 0x1000, 0x5000, 0x3000, 0x7000};
     for (size_t i = 0; i < 5; i++)
-        cr_assert_eq(kvb__registry_add(&reg, addrs[i], 0x100 * (i + 1), i % 2 ? "gpu" : NULL,
+        cr_assert_eq(kvb__registry_add(&reg, addrs[i], 0x100 * (i + 1), i % 2 ? "cpu:1" : NULL,
                                        1 + (unsigned)(i % 3)),
                      KVB_OK);
     cr_assert_eq(kvb__registry_list(&reg, &v, &n), KVB_OK);
@@ -551,7 +579,7 @@ Test(registry, list_snapshot_sorted_and_independent)
             src++;
         cr_assert_eq(v[i].len, 0x100 * (src + 1));
         cr_assert_eq(v[i].access, 1 + (unsigned)(src % 3));
-        cr_assert_str_eq(v[i].location, src % 2 ? "gpu" : "cpu");
+        cr_assert_str_eq(v[i].location, src % 2 ? "cpu:1" : "cpu");
     }
     /* Later changes do not reach a snapshot already taken. */
     cr_assert_eq(kvb__registry_remove(&reg, 0x1000, 0), KVB_OK);

@@ -182,9 +182,12 @@ Test(shm_peer, unregister_waits_for_a_copy_in_flight)
     /* The stopped peer may still copy into buf: unregister must not pretend otherwise. */
     cr_assert_eq(kvb_unregister(eng, buf), KVB_ERR_BUSY);
     test_peer_signal(&peer, SIGCONT);
-    /* The region is already unregistered; its last pin goes once the peer answers. */
+    /* The region no longer takes requests; its last pin goes once the peer answers, and then
+     * asking again says the memory is free. */
     cr_assert_eq(kvb_notify_send(eng, seg, "ping", 4, 2000), KVB_OK);
     expect_reply("pong");
+    cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
+    cr_assert_eq(kvb_free(eng, buf), KVB_OK);
 }
 
 /* The peer runs as another user. The same-host path is for processes of one user only (another
