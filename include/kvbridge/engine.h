@@ -278,6 +278,7 @@ typedef struct {
     char from[KVB_NAME_MAX + 1]; /* the sender's segment name */
     size_t len;
     unsigned char data[KVB_NOTIFY_MAX];
+    uint64_t reply_to; /* the connection it came in on (kvb_notify_reply); 0: none */
 } kvb_notification_t;
 
 /* Sends a small message (at most KVB_NOTIFY_MAX bytes) to `seg` and waits until the peer has
@@ -290,6 +291,16 @@ KVB_API int kvb_notify_send(kvb_engine_t *engine, kvb_segment_t seg, const void 
  * -1: forever until the engine is destroyed). Returns KVB_OK, KVB_ERR_AGAIN (0 timeout, none) or
  * KVB_ERR_TIMEOUT. */
 KVB_API int kvb_notify_recv(kvb_engine_t *engine, kvb_notification_t *out, int timeout_ms);
+
+/* Answers a received notification over the connection it came in on, which the sender opened:
+ * no connection back to the sender is made, so the answer reaches a sender that cannot be dialled
+ * (behind NAT, or bound to another host's loopback). The sender receives it with
+ * kvb_notify_recv, `from` set to our segment name. Returns once the message is queued on that
+ * connection (there is no acknowledgement): KVB_ERR_PEER_LOST if the connection has closed,
+ * KVB_ERR_INVALID_ARG if `received` came with no connection to answer on (reply_to 0). Never
+ * blocks on the network. */
+KVB_API int kvb_notify_reply(kvb_engine_t *engine, const kvb_notification_t *received,
+                             const void *msg, size_t len);
 
 /* Log verbosity: 0 errors, 1 warnings (default), 2 info, 3 debug. Also set by env KVB_LOG_LEVEL. */
 KVB_API void kvb_log_set_level(int level);

@@ -810,7 +810,8 @@ int kvb_segment_incarnation(kvb_engine_t *e, kvb_segment_t seg, uint64_t *out)
 
 /* ---- notifications ------------------------------------------------------------------------ */
 
-int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len)
+int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len,
+                        uint64_t reply_to)
 {
     if (len > KVB_NOTIFY_MAX)
         return KVB_ERR_TOO_LARGE;
@@ -823,12 +824,23 @@ int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, siz
     kvb_notification_t *n = &e->notify_ring[(e->notify_head + e->notify_count) % e->notify_cap];
     snprintf(n->from, sizeof n->from, "%s", from);
     n->len = len;
+    n->reply_to = reply_to;
     if (len)
         memcpy(n->data, data, len);
     e->notify_count++;
     pthread_cond_signal(&e->notify_cv);
     pthread_mutex_unlock(&e->notify_mu);
     return KVB_OK;
+}
+
+int kvb_notify_reply(kvb_engine_t *e, const kvb_notification_t *received, const void *msg,
+                     size_t len)
+{
+    if (!e || !received || (len && !msg) || received->reply_to == 0)
+        return KVB_ERR_INVALID_ARG;
+    if (len > KVB_NOTIFY_MAX)
+        return KVB_ERR_TOO_LARGE;
+    return e->tp_ops->reply(e->tp, received->reply_to, msg, len);
 }
 
 int kvb_notify_recv(kvb_engine_t *e, kvb_notification_t *out, int timeout_ms)

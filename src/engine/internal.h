@@ -118,6 +118,9 @@ struct kvb_transport_ops {
     int (*drive)(kvb_batch_t *b, uint64_t deadline);
     /* The data path to the peer, for humans: "tcp" or "shm". */
     const char *(*peer_path)(const kvb_peer_t *peer);
+    /* Queues a notification to the initiator of the accepted connection `conn_id` (from a
+     * notification's reply_to). KVB_ERR_PEER_LOST if that connection is gone. */
+    int (*reply)(kvb_transport_t *tp, uint64_t conn_id, const void *msg, size_t len);
 };
 
 extern const kvb_transport_ops_t kvb__tcp_ops;
@@ -202,7 +205,8 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
 uint8_t *kvb__op_dst_lock(kvb_op_t *op);
 void kvb__op_dst_unlock(kvb_op_t *op);
 /* Queues a received notification; KVB_ERR_REMOTE_NO_SPACE if the queue is full. */
-int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len);
+int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len,
+                        uint64_t reply_to);
 
 void kvb__peer_release(kvb_peer_t *peer);
 /* Marks the peer lost (first error wins) and tells the transport to close it. */

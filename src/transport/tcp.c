@@ -95,6 +95,7 @@ struct tcp_conn {
      * (kvb_batch_wait); rx_mu is held while either reads. */
     pthread_mutex_t rx_mu;
     int auth;          /* ROLE_TARGET: AUTH_* */
+    uint64_t conn_id;  /* ROLE_TARGET: names it to kvb_notify_reply (never 0, never reused) */
     uint64_t born_ns;  /* ROLE_TARGET: accepted at; the handshake must end within the deadline */
     bool hello_done;   /* ROLE_TARGET: authenticated, HELLO_ACK queued */
     kvb_hello_t their; /* ROLE_TARGET: the initiator's hello, as sent */
@@ -139,9 +140,14 @@ struct tcp_thread {
 struct kvb_transport {
     kvb_engine_t *engine;
     int listen_fd;
-    int reserve_fd;     /* kept open to be given up when accept() hits EMFILE */
-    bool listen_paused; /* thread 0 only: EPOLLIN off after an EMFILE it could not shed */
-    atomic_uint nconns; /* accepted connections open now (cfg.max_connections) */
+    int reserve_fd; /* kept open to be given up when accept() hits EMFILE */
+    /* Accepted connections by id, for answers on the connection a notification came in on. */
+    pthread_mutex_t targets_mu;
+    tcp_conn_t **targets;
+    size_t ntargets, captargets;
+    uint64_t next_conn_id; /* guarded by targets_mu */
+    bool listen_paused;    /* thread 0 only: EPOLLIN off after an EMFILE it could not shed */
+    atomic_uint nconns;    /* accepted connections open now (cfg.max_connections) */
     uint16_t port;
     int nthreads;
     tcp_thread_t *threads;
@@ -333,8 +339,17 @@ static void conn_close(tcp_conn_t *c)
         close(c->fd);
         c->fd = -1;
     }
-    if (c->role == ROLE_TARGET && c->th)
-        atomic_fetch_sub(&c->th->tp->nconns, 1);
+    if (c->role == ROLE_TARGET && c->th) {
+        kvb_transport_t *tp = c->th->tp;
+        atomic_fetch_sub(&tp->nconns, 1);
+        pthread_mutex_lock(&tp->targets_mu);
+        for (size_t i = 0; i < tp->ntargets; i++)
+            if (tp->targets[i] == c) {
+                tp->targets[i] = tp->targets[--tp->ntargets];
+                break;
+            }
+        pthread_mutex_unlock(&tp->targets_mu);
+    }
     c->rx_op = NULL;
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
@@ -773,7 +788,7 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return queue_frame(c, &r, NULL, NULL, NULL);
     }
     case KVB_FRAME_NOTIFY: {
-        int st = kvb__notify_deliver(e, c->from, c->rx_dst, h->len);
+        int st = kvb__notify_deliver(e, c->from, c->rx_dst, h->len, c->conn_id);
         free(c->rx_dst);
         c->rx_dst = NULL;
         kvb_frame_hdr_t r = {.type = KVB_FRAME_NOTIFY_ACK, .status = st, .id = h->id};
@@ -792,6 +807,13 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
                                       KVB_FRAME_NOTIFY_ACK};
     if (h->type == KVB_FRAME_ERROR)
         return kvb__wire_error_status(h->status);
+    if (h->type == KVB_FRAME_NOTIFY) { /* a kvb_notify_reply from the target */
+        c->rx_dst = malloc(h->len ? h->len : 1);
+        if (!c->rx_dst)
+            return KVB_ERR_NOMEM;
+        c->rx_sink = SINK_BUF;
+        return KVB_OK;
+    }
     pthread_mutex_lock(&c->mu);
     kvb_op_t *op = c->inflight_head; /* stays valid: only this thread retires in-flight ops */
     pthread_mutex_unlock(&c->mu);
@@ -810,6 +832,16 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 
 static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
+    if (h->type == KVB_FRAME_NOTIFY) {
+        /* From the peer we authenticated: its proven name, and no connection to answer on. */
+        kvb_peer_t *p = c->peer;
+        if (p)
+            kvb__notify_deliver(p->engine, p->hello.name, c->rx_dst, h->len, 0);
+        free(c->rx_dst);
+        c->rx_dst = NULL;
+        c->rx_sink = SINK_DRAIN;
+        return;
+    }
     pthread_mutex_lock(&c->mu);
     kvb_op_t *op = c->inflight_head;
     c->inflight_head = op->next;
@@ -1127,6 +1159,26 @@ static void accept_all(kvb_transport_t *tp)
             close(fd);
             continue;
         }
+        pthread_mutex_lock(&tp->targets_mu);
+        bool listed = tp->ntargets < tp->captargets;
+        if (!listed) {
+            size_t ncap = tp->captargets ? tp->captargets * 2 : 16;
+            tcp_conn_t **n = realloc(tp->targets, ncap * sizeof *n);
+            if (n) {
+                tp->targets = n;
+                tp->captargets = ncap;
+                listed = true;
+            }
+        }
+        if (listed) {
+            c->conn_id = ++tp->next_conn_id;
+            tp->targets[tp->ntargets++] = c;
+        }
+        pthread_mutex_unlock(&tp->targets_mu);
+        if (!listed) {
+            conn_release(c); /* closes fd */
+            continue;
+        }
         atomic_fetch_add(&tp->nconns, 1);
         c->born_ns = kvb__now_ns();
         thread_adopt(tp, c);
@@ -1249,6 +1301,7 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
         return KVB_ERR_NOMEM;
     tp->engine = e;
     tp->listen_fd = -1;
+    pthread_mutex_init(&tp->targets_mu, NULL);
     tp->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     tp->threads = calloc((size_t)e->cfg.progress_threads, sizeof *tp->threads);
     if (!tp->threads) {
@@ -1334,6 +1387,8 @@ static void tcp_destroy(kvb_transport_t *tp)
         close(tp->listen_fd);
     if (tp->reserve_fd >= 0)
         close(tp->reserve_fd);
+    free(tp->targets);
+    pthread_mutex_destroy(&tp->targets_mu);
     free(tp->threads);
     free(tp);
 }
@@ -1772,6 +1827,40 @@ static void tcp_disconnect(kvb_transport_t *tp, kvb_peer_t *p, int err)
         conn_request_close(tpp->lanes[i], err);
 }
 
+static int tcp_reply(kvb_transport_t *tp, uint64_t conn_id, const void *msg, size_t len)
+{
+    tcp_conn_t *c = NULL;
+    pthread_mutex_lock(&tp->targets_mu);
+    for (size_t i = 0; i < tp->ntargets && !c; i++)
+        if (tp->targets[i]->conn_id == conn_id) {
+            c = tp->targets[i];
+            atomic_fetch_add(&c->refs, 1);
+        }
+    pthread_mutex_unlock(&tp->targets_mu);
+    if (!c)
+        return KVB_ERR_PEER_LOST;
+    uint8_t *copy = malloc(len ? len : 1);
+    int rc = copy ? KVB_OK : KVB_ERR_NOMEM;
+    if (copy && len)
+        memcpy(copy, msg, len);
+    pthread_mutex_lock(&c->mu);
+    if (rc == KVB_OK && (c->dead || c->close_req || c->auth != AUTH_DONE))
+        rc = KVB_ERR_PEER_LOST;
+    if (rc == KVB_OK) {
+        kvb_frame_hdr_t h = {.type = KVB_FRAME_NOTIFY, .len = len};
+        rc = queue_frame_locked(c, &h, copy, NULL, copy);
+        copy = NULL; /* the frame owns it now, whatever happened */
+    }
+    pthread_mutex_unlock(&c->mu);
+    /* A target connection's sends are its owner thread's (it also manages backpressure): its
+     * next scan flushes the queue. */
+    if (rc == KVB_OK && c->th)
+        thread_wake(c->th);
+    free(copy);
+    conn_release(c);
+    return rc;
+}
+
 const kvb_transport_ops_t kvb__tcp_ops = {
     .name = "tcp",
     .create = tcp_create,
@@ -1783,4 +1872,5 @@ const kvb_transport_ops_t kvb__tcp_ops = {
     .peer_free = tcp_peer_free,
     .peer_path = tcp_peer_path,
     .drive = tcp_drive,
+    .reply = tcp_reply,
 };

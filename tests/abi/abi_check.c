@@ -47,6 +47,7 @@
     X(kvb_batch_free)                                                                              \
     X(kvb_notify_send)                                                                             \
     X(kvb_notify_recv)                                                                             \
+    X(kvb_notify_reply)                                                                            \
     X(kvb_log_set_level)                                                                           \
     /* kv.h */                                                                                     \
     X(kvb_kv_slot_name)                                                                            \
@@ -256,6 +257,14 @@ static void check_engine(kvb_engine_t *a, kvb_engine_t *b)
     CHECK(strcmp(n->from, kvb_engine_segment_name(a)) == 0);
     CHECK(n->len == sizeof note && memcmp(n->data, note, sizeof note) == 0);
     CHECK_RC(kvb_notify_recv(b, n, 0), KVB_ERR_AGAIN);
+    /* b answers on the connection a opened; a receives it with b's name. */
+    kvb_notification_t *q = malloc(sizeof *q);
+    CHECK(q != NULL);
+    CHECK_OK(CALL(kvb_notify_reply, b, n, "ack", 3));
+    CHECK_OK(kvb_notify_recv(a, q, 5000));
+    CHECK(strcmp(q->from, kvb_engine_segment_name(b)) == 0);
+    CHECK(q->len == 3 && memcmp(q->data, "ack", 3) == 0);
+    free(q);
 
     kvb_stats_t stats;
     CHECK_OK(CALL(kvb_engine_stats, a, &stats));

@@ -369,3 +369,40 @@ Test(engine, attributes_past_the_frame_limit_are_refused)
     kvb_engine_destroy(peer);
     kvb_engine_destroy(e);
 }
+
+/* An initiator that cannot be dialled (it advertises an address nobody can reach) still gets
+ * answers: the target replies on the connection the initiator opened. */
+Test(engine, replies_need_no_connection_back)
+{
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.advertise_addr = "192.0.2.1"; /* TEST-NET-1: never reachable */
+    kvb_engine_t *init, *target = make(1, 1);
+    cr_assert_eq(kvb_engine_create(&c, &init), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(init, kvb_engine_segment_name(target), &s), KVB_OK);
+    cr_assert_eq(kvb_notify_send(init, s, "question", 8, 2000), KVB_OK);
+    kvb_notification_t *n = malloc(sizeof *n), *r = malloc(sizeof *r);
+    cr_assert_eq(kvb_notify_recv(target, n, 2000), KVB_OK);
+    cr_assert_str_eq(n->from, kvb_engine_segment_name(init));
+    cr_assert_neq(n->reply_to, 0);
+    cr_assert_eq(kvb_notify_reply(target, n, "answer", 6), KVB_OK);
+    cr_assert_eq(kvb_notify_recv(init, r, 2000), KVB_OK);
+    cr_assert_eq(r->len, 6);
+    cr_assert_eq(memcmp(r->data, "answer", 6), 0);
+    cr_assert_str_eq(r->from, kvb_engine_segment_name(target));
+    cr_assert_eq(r->reply_to, 0, "a reply is not itself answerable");
+    cr_assert_eq(kvb_notify_reply(init, r, "x", 1), KVB_ERR_INVALID_ARG);
+    /* Once the connection is gone, a late reply says so instead of dialling. */
+    cr_assert_eq(kvb_segment_close(init, s), KVB_OK);
+    uint64_t t0 = kvb__now_ns();
+    int rc;
+    while ((rc = kvb_notify_reply(target, n, "late", 4)) == KVB_OK &&
+           kvb__now_ns() - t0 < 2000000000ull)
+        usleep(10000);
+    cr_assert_eq(rc, KVB_ERR_PEER_LOST);
+    free(n);
+    free(r);
+    kvb_engine_destroy(init);
+    kvb_engine_destroy(target);
+}
