@@ -397,3 +397,47 @@ Test(tcp_peer, concurrent_small_batches_never_wait_for_their_deadline)
                      r[i].max_wait_s);
     }
 }
+
+/* A peer that stops answering without closing (a frozen host, a stopped process: its kernel still
+ * acknowledges, so TCP alone never notices) fails its in-flight requests after the peer timeout,
+ * long before their own deadline; a reopen after it wakes up works. */
+static double stall_until_lost(uint32_t peer_timeout_ms)
+{
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = "tcp";
+    cfg.timeout_ms = 30000;
+    if (peer_timeout_ms)
+        cfg.peer_timeout_ms = peer_timeout_ms;
+    kvb_engine_t *e;
+    cr_assert_eq(kvb_engine_create(&cfg, &e), KVB_OK);
+    static uint8_t local[1 << 20];
+    cr_assert_eq(kvb_register(e, local, sizeof local, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(e, peer.name, &s), KVB_OK);
+    test_peer_signal(&peer, SIGSTOP);
+    kvb_request_t r = {KVB_OP_READ, local, s, peer.rw_addr, sizeof local};
+    kvb_batch_t *b;
+    uint64_t t0 = kvb__now_ns();
+    cr_assert_eq(kvb_batch_submit(e, &r, 1, NULL, &b), KVB_OK);
+    int rc = kvb_batch_wait(b, -1);
+    double secs = (double)(kvb__now_ns() - t0) / 1e9;
+    cr_assert_eq(rc, KVB_ERR_PEER_LOST, "%s", kvb_strerror(rc));
+    kvb_batch_free(b);
+    test_peer_signal(&peer, SIGCONT);
+    cr_assert_eq(kvb_segment_open(e, peer.name, &s), KVB_OK, "reopen after the peer woke up");
+    cr_assert_eq(kvb_batch_submit(e, &r, 1, NULL, &b), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(b, 10000), KVB_OK);
+    kvb_batch_free(b);
+    cr_assert_eq(test_pattern_check(local, 0, sizeof local, SEED), -1);
+    kvb_engine_destroy(e);
+    return secs;
+}
+
+Test(tcp_peer, silent_peer_fails_requests_after_the_peer_timeout)
+{
+    double secs = stall_until_lost(1000);
+    cr_assert(secs >= 0.9 && secs < 2.5, "lost after %.2f s with a 1 s peer timeout", secs);
+    secs = stall_until_lost(0); /* the default */
+    cr_assert(secs >= 4.9 && secs < 6.0, "lost after %.2f s with the default (5 s)", secs);
+}
