@@ -3,6 +3,7 @@
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
@@ -11,7 +12,7 @@ BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server
 DEMO_PKGS  := $(BUILD_PKGS)
 
-.PHONY: all build deps-build deps-test deps-bench test test-asan demo bench clean format
+.PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan demo bench clean format
 
 all: build
 
@@ -28,15 +29,25 @@ deps-test:
 deps-bench:
 	@scripts/install-deps.sh $(BUILD_PKGS) gnuplot-nox
 
-# The whole suite, then once more under AddressSanitizer + UndefinedBehaviorSanitizer.
+# The whole suite, then once more under AddressSanitizer + UndefinedBehaviorSanitizer, then the
+# stress programs under ThreadSanitizer.
 test: deps-test build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) test-asan
+	$(MAKE) test-tsan
 
 test-asan: deps-test
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVB_SANITIZE=ON -DKVB_WERROR=$(WERROR) >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The engine, transport and lifecycle paths under ThreadSanitizer: stress programs (tests/tsan/)
+# with peers in real processes, any TSan report fails. Criterion aborts under TSan, hence no
+# Criterion suites in this build; the runs go one at a time (each keeps both cores busy).
+test-tsan: deps-test
+	cmake -S . -B $(TSAN_BUILD) -DKVB_TSAN=ON -DKVB_TESTS=OFF -DCMAKE_BUILD_TYPE=Debug -DKVB_WERROR=$(WERROR) >/dev/null
+	cmake --build $(TSAN_BUILD) -j $(JOBS)
+	cd $(TSAN_BUILD) && ctest --output-on-failure
 
 # The PD serving demo: proxy, prefill (TP 2), decode (TP 1) and a colocated reference instance on
 # loopback; prompts through both; fails on any difference.
@@ -48,7 +59,7 @@ bench: deps-bench build
 	bench/run.sh
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h')

@@ -21,10 +21,12 @@ static void batch_release(kvb_batch_t *b)
         b->hint_release(b->drive_hint);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
+    kvb_engine_t *e = b->engine;
     free(b->notify_buf);
     free(b->reqs);
     free(b->ops);
     free(b);
+    kvb__engine_put(e);
 }
 
 static bool batch_done(const kvb_batch_t *b)
@@ -203,6 +205,7 @@ static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch
     pthread_condattr_destroy(&ca);
     uint32_t tmo = o && o->timeout_ms ? o->timeout_ms : e->cfg.timeout_ms;
     b->engine = e;
+    atomic_fetch_add(&e->refs, 1); /* dropped by batch_release */
     b->deadline = kvb__deadline_ms(tmo);
     b->n = n;
     b->nops = (size_t)nops;

@@ -3,6 +3,8 @@
  * queue of received notifications. Data movement lives in batch.c and the transports. */
 #include "engine/internal.h"
 
+#include "engine/export.h"
+
 #include <errno.h>
 #include <stddef.h>
 #include <fcntl.h>
@@ -186,6 +188,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
         return KVB_ERR_NOMEM;
     }
     e->notify_cap = NOTIFY_QUEUE_CAP;
+    atomic_init(&e->refs, 1);
     e->cfg = cfg;
     if ((rc = copy_str(e->bind_addr, sizeof e->bind_addr,
                        cfg.bind_addr ? cfg.bind_addr : "127.0.0.1")))
@@ -248,7 +251,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     if (rc)
         goto fail_tp;
     strcpy(e->hello.name, e->segment_name);
-    if ((rc = kvb__segdesc_start(e)))
+    if ((rc = e->tp_ops->start(e->tp)) || (rc = kvb__segdesc_start(e)))
         goto fail_tp;
     KVB_INFO("engine %s up (incarnation %016llx)", e->segment_name,
              (unsigned long long)e->hello.incarnation);
@@ -305,8 +308,16 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_mutex_destroy(&e->attr_mu);
     kvb__attrs_free(e->attrs, e->nattrs);
     kvb__secret_free(e->secret, e->secret_len);
+    e->secret = NULL;
     free(e->notify_ring);
-    free(e);
+    e->notify_ring = NULL;
+    kvb__engine_put(e); /* batches not yet freed keep the struct itself */
+}
+
+void kvb__engine_put(kvb_engine_t *e)
+{
+    if (e && atomic_fetch_sub(&e->refs, 1) == 1)
+        free(e);
 }
 
 int kvb_engine_stats(kvb_engine_t *e, kvb_stats_t *out)
@@ -794,6 +805,31 @@ int kvb_segment_transport(kvb_engine_t *e, kvb_segment_t seg, const char **out)
     *out = e->tp_ops->peer_path(p);
     kvb__peer_release(p);
     return KVB_OK;
+}
+
+bool kvb__engine_registered(kvb_engine_t *e, uint64_t addr, uint64_t len)
+{
+    return kvb__registry_check(&e->registry, addr, len, 0, KVB_ERR_NOT_FOUND, NULL) == KVB_OK;
+}
+
+int kvb__segment_proven_name(kvb_engine_t *e, kvb_segment_t seg, char *buf, size_t cap)
+{
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    snprintf(buf, cap, "%s", p->hello.name);
+    kvb__peer_release(p);
+    return KVB_OK;
+}
+
+int kvb__segment_state(kvb_engine_t *e, kvb_segment_t seg)
+{
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (!p)
+        return KVB_ERR_BAD_SEGMENT;
+    int lost = atomic_load(&p->lost);
+    kvb__peer_release(p);
+    return lost;
 }
 
 int kvb_segment_incarnation(kvb_engine_t *e, kvb_segment_t seg, uint64_t *out)

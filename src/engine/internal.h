@@ -101,6 +101,8 @@ struct kvb_transport_ops {
     /* Stops threads and closes everything; ops still held end with KVB_ERR_SHUTDOWN. */
     void (*destroy)(kvb_transport_t *tp);
     uint16_t (*port)(const kvb_transport_t *tp);
+    /* Starts accepting connections, once the engine's identity is complete. */
+    int (*start)(kvb_transport_t *tp);
     /* Connects to peer->host:port with every lane and handshakes before `deadline`; fills
      * peer->hello, peer->regions and peer->tp. */
     int (*connect)(kvb_transport_t *tp, kvb_peer_t *peer, uint64_t deadline);
@@ -154,6 +156,10 @@ typedef struct {
 struct kvb_meta;
 
 struct kvb_engine {
+    /* The caller's reference, plus one per batch not yet released: batches stay valid after
+     * kvb_engine_destroy (engine.h) and still read a few fields, so the struct itself is freed
+     * by the last of them (kvb__engine_put). */
+    atomic_uint refs;
     kvb_config_t cfg;
     uint8_t *secret; /* the cluster secret (wiped when freed); NULL: none, loopback only */
     size_t secret_len;
@@ -192,6 +198,9 @@ struct kvb_engine {
 
 /* Our published attributes, encoded for the wire (malloc'd). */
 int kvb__engine_attrs_encode(kvb_engine_t *e, uint8_t **out, size_t *len);
+
+/* Drops a reference to the engine's struct (see refs); the last one frees it. */
+void kvb__engine_put(kvb_engine_t *e);
 
 /* Returns the peer behind `seg` with a reference taken, or NULL. */
 kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);

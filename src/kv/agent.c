@@ -10,7 +10,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "engine/internal.h"
+#include "engine/export.h"
 #include "kv/aggregate.h"
 #include "kv/internal.h"
 
@@ -103,8 +103,7 @@ static int register_buffers(kvb_kv_agent_t *a, char *reason, size_t cap)
         return KVB_ERR_NOMEM;
     for (size_t i = 0; i < a->layout.num_slots; i++) {
         const kvb_kv_slot_t *s = &a->slots[i];
-        if (kvb__registry_check(&a->engine->registry, s->base, s->len, 0, KVB_ERR_NOT_FOUND,
-                                NULL) == KVB_OK)
+        if (kvb__engine_registered(a->engine, s->base, s->len))
             continue;
         int rc = kvb_register(a->engine, (void *)(uintptr_t)s->base, s->len, "cpu", KVB_ACCESS_RW);
         if (rc)
@@ -293,11 +292,7 @@ int kvb_kv_link_open(kvb_kv_agent_t *a, const char *segment, kvb_kv_link_t **out
         free(l);
         return kvb__fail(reason, cap, rc, "cannot open segment %s: %s", segment, kvb_strerror(rc));
     }
-    kvb_peer_t *p = kvb__segment_peer(a->engine, l->seg);
-    if (p) {
-        snprintf(l->peer_name, sizeof l->peer_name, "%s", p->hello.name);
-        kvb__peer_release(p);
-    }
+    kvb__segment_proven_name(a->engine, l->seg, l->peer_name, sizeof l->peer_name);
     rc = fetch_layout(l, reason, cap);
     if (!rc)
         rc = check_pair(l, reason, cap);
@@ -608,9 +603,7 @@ static void check_senders(kvb_kv_agent_t *a, const char *id)
     expect_t *x = find_expect(a, id);
     for (size_t i = 0; x && i < x->n; i++) {
         kvb_kv_link_t *l = link_by_id(a, x->links[i]);
-        kvb_peer_t *p = l ? kvb__segment_peer(a->engine, l->seg) : NULL;
-        int lost = p ? atomic_load(&p->lost) : KVB_ERR_PEER_LOST;
-        kvb__peer_release(p);
+        int lost = l ? kvb__segment_state(a->engine, l->seg) : KVB_ERR_PEER_LOST;
         if (lost) /* a rank that already reported makes this a duplicate, ignored */
             kvb__agg_add(a->agg, id, x->links[i], KVB_ERR_PEER_LOST, kvb__now_ns());
     }

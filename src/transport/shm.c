@@ -591,9 +591,12 @@ static int on_share(kvb_shm_t *s, kvb_shm_peer_t *p, const shm_msg_t *m, int fd)
                  (unsigned long long)s->engine->cfg.shm_map_max);
         return KVB_ERR_TOO_LARGE;
     }
-    /* No MAP_POPULATE: the pages are the initiator's (kvb_alloc populated them); populating here
-     * would let a sparse descriptor charge us for memory it never used. */
-    void *ptr = mmap(NULL, m->c, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* Page tables are filled up front (no fault per page in the copies) only when the initiator
+     * already backed every page (kvb_alloc does): populating a sparse descriptor would allocate
+     * its memory here, charged to us. */
+    bool dense = (uint64_t)st.st_blocks * 512 >= m->c;
+    void *ptr =
+        mmap(NULL, m->c, PROT_READ | PROT_WRITE, MAP_SHARED | (dense ? MAP_POPULATE : 0), fd, 0);
     if (ptr == MAP_FAILED)
         return KVB_ERR_NOMEM;
     pthread_rwlock_wrlock(&p->lock); /* copies resolve() under the read lock */

@@ -80,7 +80,9 @@ struct tcp_conn {
     kvb_op_t *inflight_head, *inflight_tail;
     uint64_t next_id;
     tcp_frame_t *txq_head, *txq_tail;
-    size_t txq_count;
+    /* Written under mu; read without it by the owner's read loop (backpressure), which only needs
+     * a recent value. */
+    atomic_size_t txq_count;
     uint64_t tx_off; /* bytes of txq_head already sent */
     bool want_out;   /* EPOLLOUT armed */
     bool rx_paused;  /* EPOLLIN disarmed: too many answers queued */
@@ -149,7 +151,8 @@ struct kvb_transport {
     bool listen_paused;    /* thread 0 only: EPOLLIN off after an EMFILE it could not shed */
     atomic_uint nconns;    /* accepted connections open now (cfg.max_connections) */
     uint16_t port;
-    int nthreads;
+    int nthreads; /* set before any thread starts: thread_adopt spreads over all of them */
+    int nstarted; /* threads running (joined at destroy) */
     tcp_thread_t *threads;
     atomic_uint next_thread;
     atomic_bool stop;
@@ -1185,6 +1188,12 @@ static void accept_all(kvb_transport_t *tp)
     }
 }
 
+/* Only thread 0 listens, and only it reads or writes listen_paused. */
+static bool listen_paused_here(const tcp_thread_t *th)
+{
+    return th == &th->tp->threads[0] && th->tp->listen_paused;
+}
+
 static void *thread_main(void *arg)
 {
     tcp_thread_t *th = arg;
@@ -1194,9 +1203,9 @@ static void *thread_main(void *arg)
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
          * without sleeping. */
         int n = epoll_wait(th->epfd, evs, MAX_EVENTS,
-                           th->need_scan                                        ? 0
-                           : th->conns || th->incoming || th->tp->listen_paused ? TICK_MS
-                                                                                : -1);
+                           th->need_scan                         ? 0
+                           : th->conns || listen_paused_here(th) ? TICK_MS
+                                                                 : -1);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -1231,7 +1240,7 @@ static void *thread_main(void *arg)
         if (th->need_scan)
             thread_scan(th);
         uint64_t now = kvb__now_ns();
-        if ((th->conns || th->tp->listen_paused) && now >= th->next_tick) {
+        if ((th->conns || listen_paused_here(th)) && now >= th->next_tick) {
             thread_tick(th, now);
             if (th->need_scan)
                 thread_scan(th);
@@ -1308,6 +1317,9 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
         free(tp);
         return KVB_ERR_NOMEM;
     }
+    /* Every thread's state exists before any thread runs (a thread hands connections to the
+     * others); the listening socket joins thread 0's epoll only at tcp_start, once the engine's
+     * identity is complete. */
     int rc = listen_on(tp, &e->cfg);
     for (int i = 0; i < e->cfg.progress_threads && rc == KVB_OK; i++) {
         tcp_thread_t *th = &tp->threads[i];
@@ -1317,18 +1329,17 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
         th->scratch = malloc(RXBUF_SIZE);
         pthread_mutex_init(&th->mu, NULL);
         struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &wake_tag};
-        struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &listen_tag};
         if (th->epfd < 0 || th->evfd < 0 || !th->scratch ||
-            epoll_ctl(th->epfd, EPOLL_CTL_ADD, th->evfd, &wev) ||
-            (i == 0 && epoll_ctl(th->epfd, EPOLL_CTL_ADD, tp->listen_fd, &lev))) {
+            epoll_ctl(th->epfd, EPOLL_CTL_ADD, th->evfd, &wev))
             rc = KVB_ERR_SYSTEM;
-            break;
-        }
-        if (pthread_create(&th->tid, NULL, thread_main, th) != 0) {
+    }
+    if (rc == KVB_OK)
+        tp->nthreads = e->cfg.progress_threads;
+    for (int i = 0; i < tp->nthreads && rc == KVB_OK; i++) {
+        if (pthread_create(&tp->threads[i].tid, NULL, thread_main, &tp->threads[i]) != 0)
             rc = KVB_ERR_SYSTEM;
-            break;
-        }
-        tp->nthreads = i + 1;
+        else
+            tp->nstarted = i + 1;
     }
     if (rc) {
         tcp_destroy(tp);
@@ -1338,10 +1349,21 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
     return KVB_OK;
 }
 
+/* Starts accepting connections: the engine's identity (name, incarnation) is complete now. */
+static int tcp_start(kvb_transport_t *tp)
+{
+    struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &listen_tag};
+    if (epoll_ctl(tp->threads[0].epfd, EPOLL_CTL_ADD, tp->listen_fd, &lev) != 0) {
+        KVB_ERROR("epoll_ctl (listening socket): %s", strerror(errno));
+        return KVB_ERR_SYSTEM;
+    }
+    return KVB_OK;
+}
+
 static void tcp_destroy(kvb_transport_t *tp)
 {
     atomic_store(&tp->stop, true);
-    for (int i = 0; i < tp->nthreads; i++) {
+    for (int i = 0; i < tp->nstarted; i++) {
         uint64_t one = 1;
         if (write(tp->threads[i].evfd, &one, sizeof one) < 0)
             KVB_ERROR("eventfd write: %s", strerror(errno));
@@ -1866,6 +1888,7 @@ const kvb_transport_ops_t kvb__tcp_ops = {
     .create = tcp_create,
     .destroy = tcp_destroy,
     .port = tcp_port,
+    .start = tcp_start,
     .connect = tcp_connect,
     .submit = tcp_submit,
     .disconnect = tcp_disconnect,
