@@ -105,15 +105,24 @@ KVB_API int kvb_engine_create(const kvb_config_t *cfg, kvb_engine_t **out);
  * Blocks until the threads have exited. NULL is ignored. */
 KVB_API void kvb_engine_destroy(kvb_engine_t *engine);
 
-/* Counters of this engine's own requests (as initiator), since it was created. */
+/* Counters of this engine's own requests (as initiator), since it was created, with the bytes each
+ * data path moved. */
+#define KVB_STATS_PATHS_MAX 8
 typedef struct {
     uint64_t requests_completed;
     uint64_t requests_failed; /* FAILED or TIMEOUT; cancelled ones are not counted */
-    uint64_t bytes_tcp;       /* bytes of completed requests moved over TCP */
-    uint64_t bytes_shm;       /* ... and through shared memory */
+    size_t npaths;            /* entries of paths[] in use: every path this engine has */
+    struct {
+        char name[16];  /* "tcp" (data over the TCP lanes), "shm" (same-host copies) */
+        uint64_t ops;   /* operations (requests, or their chunks) completed on it */
+        uint64_t bytes; /* their bytes */
+    } paths[KVB_STATS_PATHS_MAX];
 } kvb_stats_t;
 
 KVB_API int kvb_engine_stats(kvb_engine_t *engine, kvb_stats_t *out);
+
+/* The bytes `stats` counts for the path named `path` ("tcp", "shm"); 0 if it has no such path. */
+KVB_API uint64_t kvb_stats_bytes(const kvb_stats_t *stats, const char *path);
 
 /* This engine's segment name (what peers pass to kvb_segment_open). Valid while the engine is. */
 KVB_API const char *kvb_engine_segment_name(const kvb_engine_t *engine);

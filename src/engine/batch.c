@@ -89,8 +89,9 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
                 atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
             } else {
                 r->bytes += bytes;
-                atomic_fetch_add_explicit(op->shm ? &e->st_bytes_shm : &e->st_bytes_tcp, bytes,
-                                          memory_order_relaxed);
+                int path = op->shm ? KVB_PATH_SHM : KVB_PATH_TCP;
+                atomic_fetch_add_explicit(&e->st_path_bytes[path], bytes, memory_order_relaxed);
+                atomic_fetch_add_explicit(&e->st_path_ops[path], 1, memory_order_relaxed);
                 if (--r->ops_left == 0) {
                     r->state = KVB_REQ_COMPLETED;
                     b->open--;

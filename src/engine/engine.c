@@ -322,13 +322,28 @@ void kvb__engine_put(kvb_engine_t *e)
 
 int kvb_engine_stats(kvb_engine_t *e, kvb_stats_t *out)
 {
+    static const char *const names[KVB_PATHS] = {[KVB_PATH_TCP] = "tcp", [KVB_PATH_SHM] = "shm"};
+    _Static_assert(KVB_PATHS <= KVB_STATS_PATHS_MAX, "kvb_stats_t has room for every path");
     if (!e || !out)
         return KVB_ERR_INVALID_ARG;
-    *out = (kvb_stats_t){.requests_completed = atomic_load(&e->st_completed),
-                         .requests_failed = atomic_load(&e->st_failed),
-                         .bytes_tcp = atomic_load(&e->st_bytes_tcp),
-                         .bytes_shm = atomic_load(&e->st_bytes_shm)};
+    memset(out, 0, sizeof *out);
+    out->requests_completed = atomic_load(&e->st_completed);
+    out->requests_failed = atomic_load(&e->st_failed);
+    for (int i = 0; i < KVB_PATHS; i++) {
+        snprintf(out->paths[i].name, sizeof out->paths[i].name, "%s", names[i]);
+        out->paths[i].ops = atomic_load(&e->st_path_ops[i]);
+        out->paths[i].bytes = atomic_load(&e->st_path_bytes[i]);
+    }
+    out->npaths = KVB_PATHS;
     return KVB_OK;
+}
+
+uint64_t kvb_stats_bytes(const kvb_stats_t *st, const char *path)
+{
+    for (size_t i = 0; st && path && i < st->npaths && i < KVB_STATS_PATHS_MAX; i++)
+        if (!strcmp(st->paths[i].name, path))
+            return st->paths[i].bytes;
+    return 0;
 }
 
 const char *kvb_engine_segment_name(const kvb_engine_t *e)

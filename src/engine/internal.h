@@ -22,6 +22,9 @@ typedef struct kvb_transport_ops kvb_transport_ops_t;
 
 typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_kind_t;
 
+/* The data paths an op can take, in kvb_engine_stats order (names in engine.c). */
+enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATHS = 2 };
+
 /* One unit of work on one lane: a whole request, a chunk of one, or a batch's notification. The
  * transport owns the op from submit until it calls kvb__op_done() exactly once. */
 typedef struct kvb_op {
@@ -193,7 +196,8 @@ struct kvb_engine {
     char cluster[KVB_CLUSTER_MAX + 1];
     char meta_key[KVB_SEG_KEY_MAX + 1];
     /* kvb_engine_stats counters, initiator side */
-    atomic_ullong st_completed, st_failed, st_bytes_tcp, st_bytes_shm;
+    atomic_ullong st_completed, st_failed;
+    atomic_ullong st_path_ops[KVB_PATHS], st_path_bytes[KVB_PATHS]; /* by KVB_PATH_* */
 };
 
 /* Our published attributes, encoded for the wire (malloc'd). */

@@ -25,6 +25,7 @@
     X(kvb_engine_create)                                                                           \
     X(kvb_engine_destroy)                                                                          \
     X(kvb_engine_stats)                                                                            \
+    X(kvb_stats_bytes)                                                                             \
     X(kvb_engine_segment_name)                                                                     \
     X(kvb_engine_port)                                                                             \
     X(kvb_alloc)                                                                                   \
@@ -269,7 +270,8 @@ static void check_engine(kvb_engine_t *a, kvb_engine_t *b)
     kvb_stats_t stats;
     CHECK_OK(CALL(kvb_engine_stats, a, &stats));
     CHECK(stats.requests_completed >= 2 && stats.requests_failed == 0);
-    CHECK(stats.bytes_tcp + stats.bytes_shm >= 2 * CHUNK);
+    CHECK(CALL(kvb_stats_bytes, &stats, "tcp") + kvb_stats_bytes(&stats, "shm") >= 2 * CHUNK);
+    CHECK(stats.npaths >= 2 && kvb_stats_bytes(&stats, "no-such-path") == 0);
 
     /* An attribute b publishes reaches a on refresh. */
     CHECK_OK(CALL(kvb_engine_set_attr, b, "abi.check", "hello", 5));

@@ -111,8 +111,8 @@ Test(shm_peer, kvb_alloc_memory_is_mapped_and_verified)
     exercise(buf);
     kvb_stats_t st;
     cr_assert_eq(kvb_engine_stats(eng, &st), KVB_OK);
-    cr_assert_gt(st.bytes_shm, 8u << 20);
-    cr_assert_eq(st.bytes_tcp, 0);
+    cr_assert_gt(kvb_stats_bytes(&st, "shm"), 8u << 20);
+    cr_assert_eq(kvb_stats_bytes(&st, "tcp"), 0);
     cr_assert_eq(kvb_free(eng, buf), KVB_ERR_BUSY, "still registered");
     cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
     cr_assert_eq(kvb_free(eng, buf), KVB_OK);
@@ -140,8 +140,8 @@ Test(shm_peer, plain_memory_goes_by_cross_memory_attach)
     exercise(buf);
     kvb_stats_t st;
     kvb_engine_stats(eng, &st);
-    cr_assert_gt(st.bytes_shm, 8u << 20);
-    cr_assert_eq(st.bytes_tcp, 0);
+    cr_assert_gt(kvb_stats_bytes(&st, "shm"), 8u << 20);
+    cr_assert_eq(kvb_stats_bytes(&st, "tcp"), 0);
     cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
     munmap(buf, BUF);
 }
@@ -221,8 +221,8 @@ Test(shm_nobody, another_uid_gets_no_same_host_link, .timeout = 120)
     cr_assert_eq(test_pattern_check(shared, off, 8 << 20, SEED), -1);
     kvb_stats_t st;
     kvb_engine_stats(eng, &st);
-    cr_assert_eq(st.bytes_shm, 0, "nothing may go through shared memory");
-    cr_assert_eq(st.bytes_tcp, 8u << 20);
+    cr_assert_eq(kvb_stats_bytes(&st, "shm"), 0, "nothing may go through shared memory");
+    cr_assert_eq(kvb_stats_bytes(&st, "tcp"), 8u << 20);
     cr_assert_eq(kvb_unregister(eng, shared), KVB_OK);
     cr_assert_eq(kvb_free(eng, shared), KVB_OK);
     stop();

@@ -281,8 +281,9 @@ static void *segmenter_main(void *arg)
         CHECK(inc == r->incarnation, "incarnation changed");
         kvb_stats_t st;
         CHECK_RC(kvb_engine_stats(r->e, &st), KVB_OK);
-        CHECK(st.requests_completed >= prev.requests_completed && st.bytes_tcp >= prev.bytes_tcp &&
-                  st.bytes_shm >= prev.bytes_shm,
+        CHECK(st.requests_completed >= prev.requests_completed &&
+                  kvb_stats_bytes(&st, "tcp") >= kvb_stats_bytes(&prev, "tcp") &&
+                  kvb_stats_bytes(&st, "shm") >= kvb_stats_bytes(&prev, "shm"),
               "stats went backwards");
         prev = st;
         CHECK_RC(kvb_segment_close(r->e, s), KVB_OK);
@@ -364,10 +365,12 @@ static void final_checks(run_t *r, unsigned long long batches)
     CHECK(st.requests_completed >= batches, "only %llu requests completed",
           (unsigned long long)st.requests_completed);
     if (!strcmp(r->protocol, "tcp"))
-        CHECK(st.bytes_shm == 0 && st.bytes_tcp > 0, "tcp run: %llu bytes over tcp, %llu shm",
-              (unsigned long long)st.bytes_tcp, (unsigned long long)st.bytes_shm);
+        CHECK(kvb_stats_bytes(&st, "shm") == 0 && kvb_stats_bytes(&st, "tcp") > 0,
+              "tcp run: %llu bytes over tcp, %llu shm",
+              (unsigned long long)kvb_stats_bytes(&st, "tcp"),
+              (unsigned long long)kvb_stats_bytes(&st, "shm"));
     else
-        CHECK(st.bytes_shm > 0, "auto run moved nothing through shared memory");
+        CHECK(kvb_stats_bytes(&st, "shm") > 0, "auto run moved nothing through shared memory");
 }
 
 static void run(const char *protocol, unsigned seconds)
