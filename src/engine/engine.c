@@ -17,7 +17,6 @@
 #include "common/auth.h"
 #include "common/clock.h"
 #include "common/log.h"
-#include "transport/shm.h"
 
 #define NOTIFY_QUEUE_CAP 1024
 
@@ -214,9 +213,11 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
         goto fail_free;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
         goto fail_free;
-    if ((rc = kvb__segdesc_open(e))) /* a malformed URI fails before anything listens */
+    /* A malformed URI fails before anything listens. */
+    if ((rc = kvb__segdesc_open(e, cfg.metadata, e->cluster, cfg.connect_timeout_ms,
+                                cfg.metadata_ttl_ms, &e->segbind)))
         goto fail_registry;
-    e->cfg.metadata = NULL; /* the caller's string; e->meta holds what it said */
+    e->cfg.metadata = NULL; /* the caller's string; the binding holds what it said */
     if (getrandom(&e->hello.incarnation, sizeof e->hello.incarnation, 0) !=
         sizeof e->hello.incarnation)
         e->hello.incarnation = kvb__now_ns() ^ ((uint64_t)getpid() << 32);
@@ -229,7 +230,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     e->cfg.protocol = NULL;
     if ((rc = kvb__shm_create(e, e->protocol != KVB_PROTO_TCP, cfg.copy_threads, &e->shm)))
         goto fail_registry;
-    e->tp_ops = &kvb__tcp_ops;
+    e->tp_ops = kvb__transport_find("tcp");
     if ((rc = e->tp_ops->create(e, &e->tp)))
         goto fail_shm;
     if (cfg.segment_name) {
@@ -239,7 +240,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
                          e->tp_ops->port(e->tp));
         rc = n > 0 && (size_t)n < sizeof e->segment_name ? KVB_OK : KVB_ERR_INVALID_ARG;
     }
-    if (rc == KVB_OK && e->meta)
+    if (rc == KVB_OK && e->segbind)
         for (const char *c = e->segment_name; *c; c++)
             if (*c <= 0x20 || *c == '/' || *c == 0x7f) {
                 KVB_ERROR("segment name '%s': with a metadata store, names may not hold spaces, "
@@ -251,7 +252,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     if (rc)
         goto fail_tp;
     strcpy(e->hello.name, e->segment_name);
-    if ((rc = e->tp_ops->start(e->tp)) || (rc = kvb__segdesc_start(e)))
+    if ((rc = e->tp_ops->start(e->tp)) || (rc = kvb__segdesc_start(e->segbind)))
         goto fail_tp;
     KVB_INFO("engine %s up (incarnation %016llx)", e->segment_name,
              (unsigned long long)e->hello.incarnation);
@@ -262,7 +263,7 @@ fail_tp:
 fail_shm:
     kvb__shm_destroy(e->shm);
 fail_registry:
-    kvb__segdesc_stop(e);
+    kvb__segdesc_stop(e->segbind);
     kvb__registry_fini(&e->registry);
 fail_free:
     kvb__secret_free(e->secret, e->secret_len);
@@ -285,7 +286,8 @@ void kvb_engine_destroy(kvb_engine_t *e)
     if (atomic_load(&e->live_batches) > 0)
         KVB_WARN("engine destroyed with %ld batches not freed; free them before destroying",
                  atomic_load(&e->live_batches));
-    kvb__segdesc_stop(e); /* first: withdraws our descriptor, stops revalidating segments */
+    kvb__segdesc_stop(e->segbind); /* first: withdraws our descriptor, stops revalidating */
+    e->segbind = NULL;
 
     pthread_mutex_lock(&e->seg_mu);
     for (size_t i = 0; i < e->nsegs; i++) {
@@ -364,7 +366,7 @@ int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, 
     if (rc)
         KVB_WARN("register %p+%zu failed: %s", addr, len, kvb_strerror(rc));
     else
-        kvb__segdesc_publish(e, false);
+        kvb__segdesc_publish(e->segbind, false);
     return rc;
 }
 
@@ -395,7 +397,7 @@ int kvb_unregister(kvb_engine_t *e, void *addr)
         return KVB_ERR_INVALID_ARG;
     int rc = kvb__registry_remove(&e->registry, (uint64_t)(uintptr_t)addr, (int)e->cfg.timeout_ms);
     if (rc != KVB_ERR_NOT_FOUND)
-        kvb__segdesc_publish(e, false);
+        kvb__segdesc_publish(e->segbind, false);
     return rc;
 }
 
@@ -489,7 +491,7 @@ static int connect_named(kvb_engine_t *e, const char *name, kvb_peer_t **out)
 {
     for (int attempt = 0;; attempt++) {
         kvb_segdesc_t d;
-        int rc = kvb__segdesc_lookup(e, name, &d);
+        int rc = kvb__segdesc_lookup(e->segbind, name, &d);
         if (rc)
             return rc;
         kvb_peer_t *p = NULL;
@@ -601,7 +603,7 @@ int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
         return rc;
 
     kvb_peer_t *p = NULL;
-    rc = e->meta ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
+    rc = e->segbind ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
 
     pthread_mutex_lock(&e->seg_mu);
     slot = &e->segs[idx]; /* the table may have moved meanwhile */
@@ -798,7 +800,7 @@ int kvb_engine_set_attr(kvb_engine_t *e, const char *key, const void *value, siz
     if (rc)
         free(copy);
     else
-        kvb__segdesc_publish(e, false);
+        kvb__segdesc_publish(e->segbind, false);
     return rc;
 }
 
@@ -820,6 +822,63 @@ int kvb_segment_transport(kvb_engine_t *e, kvb_segment_t seg, const char **out)
     *out = e->tp_ops->peer_path(p);
     kvb__peer_release(p);
     return KVB_OK;
+}
+
+void kvb__engine_identity(kvb_engine_t *e, kvb_engine_identity_t *out)
+{
+    *out = (kvb_engine_identity_t){.name = e->segment_name,
+                                   .advertise = e->advertise_addr,
+                                   .port = e->tp_ops->port(e->tp),
+                                   .incarnation = e->hello.incarnation,
+                                   .pid = e->hello.pid,
+                                   .same_host = e->protocol != KVB_PROTO_TCP,
+                                   .cluster = e->cluster};
+    _Static_assert(sizeof out->host_id == KVB_HOST_ID_LEN, "host id sizes agree");
+    memcpy(out->host_id, e->hello.host_id, sizeof out->host_id);
+}
+
+int kvb__engine_regions(kvb_engine_t *e, kvb_region_info_t **out, size_t *n)
+{
+    return kvb__registry_list(&e->registry, out, n);
+}
+
+void kvb__engine_each_attr(kvb_engine_t *e,
+                           void (*fn)(void *arg, const char *key, const uint8_t *value, size_t len),
+                           void *arg)
+{
+    pthread_mutex_lock(&e->attr_mu);
+    for (size_t i = 0; i < e->nattrs; i++)
+        fn(arg, e->attrs[i].key, e->attrs[i].value, e->attrs[i].len);
+    pthread_mutex_unlock(&e->attr_mu);
+}
+
+int kvb__engine_open_segments(kvb_engine_t *e, kvb_open_segment_t **out, size_t *n)
+{
+    pthread_mutex_lock(&e->seg_mu);
+    kvb_open_segment_t *v = e->nsegs ? calloc(e->nsegs, sizeof *v) : NULL;
+    size_t k = 0;
+    for (size_t i = 0; v && i < e->nsegs; i++) {
+        kvb_peer_t *p = e->segs[i].peer;
+        if (!p || atomic_load(&p->lost) != 0)
+            continue;
+        v[k].seg = handle_of(e, i);
+        snprintf(v[k].name, sizeof v[k].name, "%s", p->name);
+        v[k++].incarnation = p->hello.incarnation;
+    }
+    pthread_mutex_unlock(&e->seg_mu);
+    if (e->nsegs && !v)
+        return KVB_ERR_NOMEM;
+    *out = v;
+    *n = k;
+    return KVB_OK;
+}
+
+void kvb__segment_fail(kvb_engine_t *e, kvb_segment_t seg, uint64_t incarnation, int error)
+{
+    kvb_peer_t *p = kvb__segment_peer(e, seg);
+    if (p && p->hello.incarnation == incarnation)
+        kvb__peer_fail(p, error);
+    kvb__peer_release(p);
 }
 
 bool kvb__engine_registered(kvb_engine_t *e, uint64_t addr, uint64_t len)

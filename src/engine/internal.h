@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "engine/export.h"
 #include "engine/registry.h"
 #include "engine/wire.h"
 #include "kvbridge/engine.h"
@@ -17,6 +18,7 @@
 #define KVB_CHUNK_SIZE (4ull << 20)
 
 typedef struct kvb_peer kvb_peer_t;
+typedef struct kvb_shm kvb_shm_t;
 typedef struct kvb_transport kvb_transport_t;
 typedef struct kvb_transport_ops kvb_transport_ops_t;
 
@@ -128,7 +130,8 @@ struct kvb_transport_ops {
     int (*reply)(kvb_transport_t *tp, uint64_t conn_id, const void *msg, size_t len);
 };
 
-extern const kvb_transport_ops_t kvb__tcp_ops;
+/* The built-in transport named `name` (NULL: the default), from transport/transports.c. */
+const kvb_transport_ops_t *kvb__transport_find(const char *name);
 
 enum { KVB_PROTO_AUTO = 0, KVB_PROTO_TCP, KVB_PROTO_SHM };
 
@@ -142,21 +145,6 @@ typedef struct kvb_segment_slot {
     bool opening; /* a thread is connecting it (without holding any lock); others wait */
     char name[KVB_NAME_MAX + 1];
 } kvb_segment_slot_t;
-
-/* What a metadata store says of a segment (meta/segment.c). */
-#define KVB_SEGDESC_ADDRS 4
-#define KVB_SEG_KEY_MAX   1024
-#define KVB_CLUSTER_MAX   63
-typedef struct {
-    uint64_t incarnation;
-    size_t naddr;
-    struct {
-        char host[KVB_NAME_MAX + 1];
-        uint16_t port;
-    } addr[KVB_SEGDESC_ADDRS];
-} kvb_segdesc_t;
-
-struct kvb_meta;
 
 struct kvb_engine {
     /* The caller's reference, plus one per batch not yet released: batches stay valid after
@@ -173,8 +161,8 @@ struct kvb_engine {
     kvb_registry_t registry;
     const kvb_transport_ops_t *tp_ops;
     kvb_transport_t *tp;
-    struct kvb_shm *shm; /* kvb_alloc memory and the same-host data path */
-    int protocol;        /* KVB_PROTO_* */
+    kvb_shm_t *shm; /* kvb_alloc memory and the same-host data path */
+    int protocol;   /* KVB_PROTO_* */
 
     pthread_mutex_t seg_mu; /* the segment table; held only briefly, never across a connect */
     pthread_cond_t seg_cv;  /* a slot stopped `opening` */
@@ -191,10 +179,9 @@ struct kvb_engine {
     pthread_mutex_t attr_mu; /* our published attributes */
     kvb_attr_t *attrs;
     size_t nattrs;
-    /* the metadata store (NULL in p2p mode) and our key in it */
-    struct kvb_meta *meta;
+    /* the metadata store binding (NULL in p2p mode) */
+    kvb_segbind_t *segbind;
     char cluster[KVB_CLUSTER_MAX + 1];
-    char meta_key[KVB_SEG_KEY_MAX + 1];
     /* kvb_engine_stats counters, initiator side */
     atomic_ullong st_completed, st_failed;
     atomic_ullong st_path_ops[KVB_PATHS], st_path_bytes[KVB_PATHS]; /* by KVB_PATH_* */
@@ -225,20 +212,15 @@ void kvb__peer_release(kvb_peer_t *peer);
 /* Marks the peer lost (first error wins) and tells the transport to close it. */
 void kvb__peer_fail(kvb_peer_t *peer, int error);
 
-/* The engine's binding to a metadata store, implemented in meta/segment.c (as transports
- * implement their ops table). All are no-ops returning KVB_OK in p2p mode (e->meta NULL).
- * open: creates the store client from cfg.metadata (parses only, contacts nothing).
- * start: publishes our descriptor now (failing if the store cannot take it) and starts the
- *        revalidation of open segments. stop: withdraws the descriptor and closes the client.
- * publish: republishes after a change of regions or attributes (now, or by the keeper).
- * lookup: reads and checks the descriptor of segment `name`: KVB_ERR_SEGMENT_NOT_FOUND,
- *         KVB_ERR_META_UNREACHABLE, KVB_ERR_PROTOCOL/KVB_ERR_VERSION for a malformed one. */
-int kvb__segdesc_open(kvb_engine_t *e);
-int kvb__segdesc_start(kvb_engine_t *e);
-void kvb__segdesc_stop(kvb_engine_t *e);
-int kvb__segdesc_publish(kvb_engine_t *e, bool now);
-int kvb__segdesc_lookup(kvb_engine_t *e, const char *name, kvb_segdesc_t *out);
-int kvb__segdesc_parse(const char *text, size_t len, const char *name, kvb_segdesc_t *out);
+/* Same-host memory, implemented in transport/shm.c: engine-wide state (kvb_alloc allocations,
+ * the Unix listener for same-host links when `listen`, the copy pool) and the allocations. */
+int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **out);
+void kvb__shm_destroy(kvb_shm_t *s);
+int kvb__shm_alloc(kvb_shm_t *s, size_t len, unsigned flags, void **out);
+int kvb__shm_free(kvb_shm_t *s, void *ptr);
+/* The allocation holding [addr, addr+len), as (id, base, length); false if none. */
+bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, uint64_t *base,
+                       uint64_t *alloc_len);
 
 /* Fills buf with the 16-byte id of this host (boot id; hostname hash as a fallback). */
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN]);

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The engine's binding to a metadata store (declared in engine/internal.h, as transports are): its
- * segment descriptor (built, published, kept alive by the store client's keeper), the lookup
- * behind kvb_segment_open, and the revalidation of open segments that notices a name taken over by
- * a new incarnation. */
+/* The engine's binding to a metadata store (declared in engine/export.h): its segment descriptor
+ * (built, published, kept alive by the store client's keeper), the lookup behind kvb_segment_open,
+ * and the revalidation of open segments that notices a name taken over by a new incarnation. It
+ * sees the engine only through what engine/export.h offers. */
 #include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -12,10 +12,17 @@
 
 #include "common/base64.h"
 #include "common/log.h"
-#include "engine/internal.h"
+#include "engine/export.h"
 #include "meta/meta.h"
 
 #define DESC_SCHEMA 1 /* the descriptor's "kvbridge" field; readers refuse others */
+
+struct kvb_segbind {
+    kvb_engine_t *engine;
+    kvb_meta_t *meta;
+    char cluster[KVB_CLUSTER_MAX + 1];
+    char key[KVB_META_KEY_MAX + 1]; /* our descriptor's */
+};
 
 static const char *access_name(unsigned a)
 {
@@ -27,37 +34,44 @@ static const char *access_name(unsigned a)
 
 /* An attribute's value: its JSON text embedded as JSON when it is JSON (KV layouts), else base64.
  */
-static json_t *attr_json(const kvb_attr_t *a)
+static json_t *attr_json(const uint8_t *value, size_t len)
 {
     json_error_t err;
-    json_t *v = a->len ? json_loadb((const char *)a->value, a->len, JSON_DECODE_ANY, &err) : NULL;
+    json_t *v = len ? json_loadb((const char *)value, len, JSON_DECODE_ANY, &err) : NULL;
     if (v)
         return json_pack("{s:o}", "json", v);
-    char *b = kvb__b64_encode(a->value ? a->value : (const uint8_t *)"", a->len);
+    char *b = kvb__b64_encode(value ? value : (const uint8_t *)"", len);
     json_t *o = b ? json_pack("{s:s}", "base64", b) : NULL;
     free(b);
     return o;
+}
+
+static void add_attr(void *arg, const char *key, const uint8_t *value, size_t len)
+{
+    json_object_set_new((json_t *)arg, key, attr_json(value, len));
 }
 
 static json_t *build(kvb_engine_t *e)
 {
     kvb_region_info_t *regs = NULL;
     size_t nregs = 0;
-    if (kvb__registry_list(&e->registry, &regs, &nregs))
+    if (kvb__engine_regions(e, &regs, &nregs))
         return NULL;
-    char inc[17], host[2 * KVB_HOST_ID_LEN + 1];
-    snprintf(inc, sizeof inc, "%016" PRIx64, e->hello.incarnation);
-    for (size_t i = 0; i < KVB_HOST_ID_LEN; i++)
-        snprintf(host + 2 * i, 3, "%02x", e->hello.host_id[i]);
+    kvb_engine_identity_t id;
+    kvb__engine_identity(e, &id);
+    char inc[17], host[2 * sizeof id.host_id + 1];
+    snprintf(inc, sizeof inc, "%016" PRIx64, id.incarnation);
+    for (size_t i = 0; i < sizeof id.host_id; i++)
+        snprintf(host + 2 * i, 3, "%02x", id.host_id[i]);
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
-    json_t *d = json_pack(
-        "{s:i,s:s,s:s,s:I,s:s,s:[{s:s,s:i}],s:[s],s:I}", "kvbridge", DESC_SCHEMA, "name",
-        e->segment_name, "incarnation", inc, "pid", (json_int_t)e->hello.pid, "host_id", host,
-        "addresses", "host", e->advertise_addr, "port", (int)e->tp_ops->port(e->tp), "transports",
-        "tcp", "published_ms", (json_int_t)now.tv_sec * 1000 + now.tv_nsec / 1000000);
+    json_t *d =
+        json_pack("{s:i,s:s,s:s,s:I,s:s,s:[{s:s,s:i}],s:[s],s:I}", "kvbridge", DESC_SCHEMA, "name",
+                  id.name, "incarnation", inc, "pid", (json_int_t)id.pid, "host_id", host,
+                  "addresses", "host", id.advertise, "port", (int)id.port, "transports", "tcp",
+                  "published_ms", (json_int_t)now.tv_sec * 1000 + now.tv_nsec / 1000000);
     json_t *rl = json_array(), *al = json_object();
-    if (d && e->protocol != KVB_PROTO_TCP)
+    if (d && id.same_host)
         json_array_append_new(json_object_get(d, "transports"), json_string("shm"));
     for (size_t i = 0; d && rl && i < nregs; i++) {
         char addr[24];
@@ -67,10 +81,8 @@ static json_t *build(kvb_engine_t *e)
                           "access", access_name(regs[i].access), "location", regs[i].location));
     }
     free(regs);
-    pthread_mutex_lock(&e->attr_mu);
-    for (size_t i = 0; d && al && i < e->nattrs; i++)
-        json_object_set_new(al, e->attrs[i].key, attr_json(&e->attrs[i]));
-    pthread_mutex_unlock(&e->attr_mu);
+    if (al)
+        kvb__engine_each_attr(e, add_attr, al);
     if (!d || !rl || !al || json_object_set_new(d, "regions", rl) ||
         json_object_set_new(d, "attrs", al)) {
         json_decref(d);
@@ -79,17 +91,17 @@ static json_t *build(kvb_engine_t *e)
     return d;
 }
 
-int kvb__segdesc_publish(kvb_engine_t *e, bool now)
+int kvb__segdesc_publish(kvb_segbind_t *b, bool now)
 {
-    if (!e->meta)
+    if (!b)
         return KVB_OK;
-    json_t *d = build(e);
+    json_t *d = build(b->engine);
     char *text = d ? json_dumps(d, JSON_COMPACT) : NULL;
     json_decref(d);
     if (!text)
         return KVB_ERR_NOMEM;
-    int rc = now ? kvb__meta_own(e->meta, e->meta_key, text, strlen(text))
-                 : kvb__meta_own_async(e->meta, e->meta_key, text, strlen(text));
+    int rc = now ? kvb__meta_own(b->meta, b->key, text, strlen(text))
+                 : kvb__meta_own_async(b->meta, b->key, text, strlen(text));
     free(text);
     return rc;
 }
@@ -137,22 +149,22 @@ int kvb__segdesc_parse(const char *text, size_t len, const char *name, kvb_segde
     return rc;
 }
 
-int kvb__segdesc_lookup(kvb_engine_t *e, const char *name, kvb_segdesc_t *out)
+int kvb__segdesc_lookup(kvb_segbind_t *b, const char *name, kvb_segdesc_t *out)
 {
     char key[KVB_META_KEY_MAX + 1];
-    if (kvb__meta_key(key, sizeof key, e->cluster, "segments", name))
+    if (kvb__meta_key(key, sizeof key, b->cluster, "segments", name))
         return KVB_ERR_INVALID_ARG;
     char *text = NULL;
     size_t len = 0;
-    int rc = kvb__meta_get(e->meta, key, &text, &len);
+    int rc = kvb__meta_get(b->meta, key, &text, &len);
     if (rc == KVB_ERR_NOT_FOUND) {
         KVB_WARN("segment %s not found: no live descriptor at %s in %s", name, key,
-                 kvb__meta_uri(e->meta));
+                 kvb__meta_uri(b->meta));
         return KVB_ERR_SEGMENT_NOT_FOUND;
     }
     if (rc == KVB_ERR_META_UNREACHABLE) {
         KVB_WARN("cannot open segment %s: metadata store %s unreachable", name,
-                 kvb__meta_uri(e->meta));
+                 kvb__meta_uri(b->meta));
         return rc;
     }
     if (rc)
@@ -162,90 +174,94 @@ int kvb__segdesc_lookup(kvb_engine_t *e, const char *name, kvb_segdesc_t *out)
     return rc;
 }
 
-/* The keeper's tick: drop open segments whose name now belongs to another incarnation. */
+/* The keeper's tick: fail open segments whose name now belongs to another incarnation. */
 static void revalidate(void *user)
 {
-    kvb_engine_t *e = user;
-    pthread_mutex_lock(&e->seg_mu);
+    kvb_segbind_t *b = user;
+    kvb_open_segment_t *open = NULL;
     size_t n = 0;
-    kvb_peer_t **live = calloc(e->nsegs ? e->nsegs : 1, sizeof *live);
-    for (size_t i = 0; live && i < e->nsegs; i++) {
-        kvb_peer_t *p = e->segs[i].peer;
-        if (p && atomic_load(&p->lost) == 0) {
-            atomic_fetch_add(&p->refs, 1);
-            live[n++] = p;
-        }
-    }
-    pthread_mutex_unlock(&e->seg_mu);
+    if (kvb__engine_open_segments(b->engine, &open, &n))
+        return;
     for (size_t i = 0; i < n; i++) {
-        kvb_peer_t *p = live[i];
         char key[KVB_META_KEY_MAX + 1], *text = NULL;
         size_t len;
         kvb_segdesc_t d;
-        if (!kvb__meta_key(key, sizeof key, e->cluster, "segments", p->name) &&
-            kvb__meta_get(e->meta, key, &text, &len) == KVB_OK &&
-            kvb__segdesc_parse(text, len, p->name, &d) == KVB_OK &&
-            d.incarnation != p->hello.incarnation) {
+        if (!kvb__meta_key(key, sizeof key, b->cluster, "segments", open[i].name) &&
+            kvb__meta_get(b->meta, key, &text, &len) == KVB_OK &&
+            kvb__segdesc_parse(text, len, open[i].name, &d) == KVB_OK &&
+            d.incarnation != open[i].incarnation) {
             KVB_WARN("segment %s now belongs to incarnation %016" PRIx64 " (we hold %016" PRIx64
                      "): failing it so that a reopen reaches the new owner",
-                     p->name, d.incarnation, p->hello.incarnation);
-            kvb__peer_fail(p, KVB_ERR_PEER_RESTARTED);
+                     open[i].name, d.incarnation, open[i].incarnation);
+            kvb__segment_fail(b->engine, open[i].seg, open[i].incarnation, KVB_ERR_PEER_RESTARTED);
         }
         /* A missing descriptor alone proves nothing (the store may have restarted empty, or its
          * owner's refresh failed): the connection stays the judge of a linked peer's life. */
         free(text);
-        kvb__peer_release(p);
     }
-    free(live);
+    free(open);
 }
 
-_Static_assert(KVB_SEG_KEY_MAX == KVB_META_KEY_MAX, "engine key buffer matches the store's limit");
-
-int kvb__segdesc_open(kvb_engine_t *e)
+int kvb__segdesc_open(kvb_engine_t *e, const char *uri, const char *cluster,
+                      uint32_t connect_timeout_ms, uint32_t ttl_ms, kvb_segbind_t **out)
 {
-    if (!kvb__meta_cluster_valid(e->cluster)) {
-        KVB_ERROR("cluster name '%s' is not 1..%d characters of [A-Za-z0-9._-]", e->cluster,
+    *out = NULL;
+    if (!kvb__meta_cluster_valid(cluster)) {
+        KVB_ERROR("cluster name '%s' is not 1..%d characters of [A-Za-z0-9._-]", cluster,
                   KVB_CLUSTER_MAX);
         return KVB_ERR_INVALID_ARG;
     }
-    return kvb__meta_open(e->cfg.metadata, e->cfg.connect_timeout_ms, e->cfg.metadata_ttl_ms,
-                          &e->meta);
+    kvb_meta_t *meta = NULL;
+    int rc = kvb__meta_open(uri, connect_timeout_ms, ttl_ms, &meta);
+    if (rc || !meta)
+        return rc; /* p2p: no binding */
+    kvb_segbind_t *b = calloc(1, sizeof *b);
+    if (!b) {
+        kvb__meta_close(meta);
+        return KVB_ERR_NOMEM;
+    }
+    b->engine = e;
+    b->meta = meta;
+    snprintf(b->cluster, sizeof b->cluster, "%s", cluster);
+    *out = b;
+    return KVB_OK;
 }
 
-int kvb__segdesc_start(kvb_engine_t *e)
+int kvb__segdesc_start(kvb_segbind_t *b)
 {
-    if (!e->meta)
+    if (!b)
         return KVB_OK;
-    int rc =
-        kvb__meta_key(e->meta_key, sizeof e->meta_key, e->cluster, "segments", e->segment_name);
+    kvb_engine_identity_t id;
+    kvb__engine_identity(b->engine, &id);
+    int rc = kvb__meta_key(b->key, sizeof b->key, b->cluster, "segments", id.name);
     if (rc) {
-        KVB_ERROR("segment name %s does not fit in a metadata key", e->segment_name);
+        KVB_ERROR("segment name %s does not fit in a metadata key", id.name);
         return rc;
     }
     char *old = NULL;
     size_t len;
     kvb_segdesc_t prev;
-    if (kvb__meta_get(e->meta, e->meta_key, &old, &len) == KVB_OK &&
-        kvb__segdesc_parse(old, len, e->segment_name, &prev) == KVB_OK)
+    if (kvb__meta_get(b->meta, b->key, &old, &len) == KVB_OK &&
+        kvb__segdesc_parse(old, len, id.name, &prev) == KVB_OK)
         KVB_INFO("segment %s: replacing the descriptor of incarnation %016" PRIx64
                  " (a restart, or another process under this name)",
-                 e->segment_name, prev.incarnation);
+                 id.name, prev.incarnation);
     free(old);
-    rc = kvb__segdesc_publish(e, true);
+    rc = kvb__segdesc_publish(b, true);
     if (rc) {
-        KVB_ERROR("cannot publish segment %s to metadata store %s: %s", e->segment_name,
-                  kvb__meta_uri(e->meta), kvb_strerror(rc));
+        KVB_ERROR("cannot publish segment %s to metadata store %s: %s", id.name,
+                  kvb__meta_uri(b->meta), kvb_strerror(rc));
         return rc;
     }
-    kvb__meta_set_tick(e->meta, revalidate, e);
+    kvb__meta_set_tick(b->meta, revalidate, b);
     return KVB_OK;
 }
 
-void kvb__segdesc_stop(kvb_engine_t *e)
+void kvb__segdesc_stop(kvb_segbind_t *b)
 {
-    if (!e->meta)
+    if (!b)
         return;
-    kvb__meta_set_tick(e->meta, NULL, NULL);
-    kvb__meta_close(e->meta); /* deletes our descriptor */
-    e->meta = NULL;
+    kvb__meta_set_tick(b->meta, NULL, NULL);
+    kvb__meta_close(b->meta); /* deletes our descriptor */
+    free(b);
 }

@@ -13,21 +13,11 @@
 #include "common/auth.h"
 #include "engine/internal.h"
 
-typedef struct kvb_shm kvb_shm_t;
 typedef struct kvb_shm_link kvb_shm_link_t;
 typedef struct kvb_shm_peer kvb_shm_peer_t;
 
-/* Engine-wide state: allocations, the Unix listener and its control thread, the copy pool, and
- * (target side) the initiators that linked to us. `listen` false: allocations only. */
-int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **out);
-void kvb__shm_destroy(kvb_shm_t *s);
+/* The engine-facing part (create, destroy, kvb_alloc memory) is declared in engine/internal.h. */
 bool kvb__shm_listening(const kvb_shm_t *s);
-
-int kvb__shm_alloc(kvb_shm_t *s, size_t len, unsigned flags, void **out);
-int kvb__shm_free(kvb_shm_t *s, void *ptr);
-/* The allocation holding [addr, addr+len), as (id, base); false if none. */
-bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, uint64_t *base,
-                       uint64_t *alloc_len);
 
 /* Initiator side: links to a same-host target named by its (authenticated) hello, presenting the
  * one-time tokens its lanes received in their HELLO_ACKs: tokens[0] opens the link, the others
