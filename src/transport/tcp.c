@@ -1120,15 +1120,20 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
             conn_fail(c, KVB_ERR_AUTH, "no authenticated handshake within the connect timeout");
             continue;
         }
+        /* An initiator waits for answers; a target waits for its peer to read what it queued
+         * (a peer that never reads would otherwise hold its answers forever). */
         pthread_mutex_lock(&c->mu);
-        bool waiting = c->inflight_head != NULL;
+        bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : c->txq_head != NULL;
         pthread_mutex_unlock(&c->mu);
         uint64_t last = atomic_load_explicit(&c->last_io, memory_order_relaxed);
         if (waiting && now > last && now - last > cfg->peer_timeout_ms * 1000000ull) {
             char why[96];
-            snprintf(why, sizeof why, "no answer for %u ms with requests in flight",
+            snprintf(why, sizeof why,
+                     c->role == ROLE_INIT ? "no answer for %u ms with requests in flight"
+                                          : "peer read nothing for %u ms",
                      cfg->peer_timeout_ms);
-            KVB_WARN("connection to %s: %s", c->peer ? c->peer->name : "?", why);
+            KVB_WARN("connection %s %s: %s", c->role == ROLE_INIT ? "to" : "from",
+                     c->role == ROLE_INIT ? (c->peer ? c->peer->name : "?") : c->from, why);
             conn_fail(c, KVB_ERR_PEER_LOST, why);
         }
     }

@@ -792,3 +792,40 @@ Test(hostile, link_tokens_are_one_time_and_memfds_must_be_sealed)
     close(tfd);
     engine_serves_with_secret();
 }
+
+/* A peer that authenticates, floods requests and never reads: held off, then dropped after the
+ * peer timeout (its queued answers freed), while honest peers keep being served. */
+Test(hostile, a_peer_that_never_reads_is_dropped)
+{
+    kvb_engine_destroy(eng);
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.secret = SECRET;
+    c.secret_len = strlen(SECRET);
+    c.peer_timeout_ms = 1000;
+    cr_assert_eq(kvb_engine_create(&c, &eng), KVB_OK);
+    cr_assert_eq(kvb_register(eng, mem, sizeof mem, NULL, KVB_ACCESS_RW), KVB_OK);
+    int fd = raw_connect(kvb_engine_port(eng));
+    raw_login_as(fd, SECRET, 0, NULL, NULL);
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    uint8_t f[KVB_WIRE_HDR_SIZE];
+    for (uint64_t id = 1;; id++) {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        if (poll(&p, 1, 500) == 0)
+            break; /* held off */
+        put_hdr(f, KVB_FRAME_READ_REQ, 0, id, (uintptr_t)mem, sizeof mem);
+        if (send(fd, f, sizeof f, MSG_DONTWAIT | MSG_NOSIGNAL) <= 0)
+            break;
+    }
+    uint64_t t0 = kvb__now_ns();
+    engine_serves_with_secret();
+    /* Now its connection goes: reading shows the end of the stream within a few seconds. */
+    uint8_t sink[1 << 16];
+    ssize_t n;
+    while ((n = recv(fd, sink, sizeof sink, 0)) > 0)
+        cr_assert_lt(kvb__now_ns() - t0, 8000000000ull, "never dropped");
+    cr_assert_leq(n, 0);
+    close(fd);
+    engine_serves_with_secret();
+}
