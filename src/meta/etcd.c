@@ -168,6 +168,67 @@ static int e_put_owned(kvb_meta_t *m, const char *key, const char *val, size_t l
     return KVB_ERR_NOT_FOUND;
 }
 
+/* One transaction: key = val on our lease if `cmp` (consumed; a comparison on the key) holds.
+ * KVB_OK if it put, KVB_ERR_BUSY if the comparison failed. */
+static int put_if(kvb_meta_t *m, const char *key, const char *val, size_t len, json_t *cmp)
+{
+    etcd_be_t *b = m->be;
+    json_t *put = key_req(key, false), *ans = NULL;
+    char *v = kvb__b64_encode(val, len);
+    json_t *req =
+        put && v && cmp && !json_object_set_new(put, "value", json_string(v)) &&
+                !json_object_set_new(put, "lease", json_string(b->lease))
+            ? json_pack("{s:[O],s:[{s:O}]}", "compare", cmp, "success", "request_put", put)
+            : NULL;
+    free(v);
+    json_decref(put);
+    json_decref(cmp);
+    if (!req)
+        return KVB_ERR_NOMEM;
+    int rc = post(m, "/v3/kv/txn", req, &ans);
+    if (rc == KVB_OK) /* "succeeded" is left out when false */
+        rc = json_is_true(json_object_get(ans, "succeeded")) ? KVB_OK : KVB_ERR_BUSY;
+    json_decref(ans);
+    return rc;
+}
+
+/* A comparison on `key`: its value equals val (a key that is absent fails it), or, with val NULL,
+ * it does not exist (create revision 0). */
+static json_t *compare(const char *key, const char *val, size_t len)
+{
+    json_t *c = key_req(key, false);
+    char *v = val ? kvb__b64_encode(val, len) : NULL;
+    if (!c || (val && !v) || json_object_set_new(c, "result", json_string("EQUAL")) ||
+        (val ? json_object_set_new(c, "target", json_string("VALUE")) ||
+                   json_object_set_new(c, "value", json_string(v))
+             : json_object_set_new(c, "target", json_string("CREATE")) ||
+                   json_object_set_new(c, "create_revision", json_string("0")))) {
+        json_decref(c);
+        c = NULL;
+    }
+    free(v);
+    return c;
+}
+
+/* Renews an owned key when its lease was lost or could not be kept alive (and, every round, one
+ * that another process took over): puts it on our lease only while it holds our value or nothing
+ * (each a compare-and-put), never over another process's value. */
+static int e_renew(kvb_meta_t *m, const char *key, const char *val, size_t len)
+{
+    etcd_be_t *b = m->be;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int rc = b->lease[0] ? KVB_OK : grant(m, m->ttl_ms, b->lease, sizeof b->lease);
+        if (rc == KVB_OK)
+            rc = put_if(m, key, val, len, compare(key, val, len));
+        if (rc == KVB_ERR_BUSY)
+            rc = put_if(m, key, val, len, compare(key, NULL, 0));
+        if (rc != KVB_ERR_NOT_FOUND)
+            return rc;
+        b->lease[0] = '\0'; /* the lease expired: take a new one, once */
+    }
+    return KVB_ERR_NOT_FOUND;
+}
+
 static int e_refresh(kvb_meta_t *m)
 {
     etcd_be_t *b = m->be;
@@ -288,6 +349,7 @@ const kvb_meta_ops_t kvb__meta_etcd_ops = {
     .del = e_del,
     .list = e_list,
     .put_owned = e_put_owned,
+    .renew = e_renew,
     .refresh = e_refresh,
     .release = e_release,
     .free = e_free,

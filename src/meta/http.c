@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "http://host:port[/prefix]" backend: the client of `kvbridge metadata-server`
- * (GET/PUT/DELETE <prefix>/v1/kv/<key>, PUT with ?ttl_ms=N; GET <prefix>/v1/list?prefix=P). */
+ * (GET/PUT/DELETE <prefix>/v1/kv/<key>, PUT with ?ttl_ms=N and, to renew an owned key, &renew=1;
+ * GET <prefix>/v1/list?prefix=P). */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,6 +68,8 @@ static int call(kvb_meta_t *m, const char *method, char *url, const char *body, 
     if (rc == KVB_OK && (status < 200 || status > 299)) {
         if (status == 404) {
             rc = KVB_ERR_NOT_FOUND;
+        } else if (status == 412) {
+            rc = KVB_ERR_BUSY; /* a renewal refused: the key holds another writer's value */
         } else {
             KVB_WARN("metadata server %s: %s answered %ld: %.200s", m->uri, method, status, r);
             rc = status == 413                    ? KVB_ERR_TOO_LARGE
@@ -94,6 +97,13 @@ static int h_put(kvb_meta_t *m, const char *key, const char *val, size_t len, ui
 static int h_put_owned(kvb_meta_t *m, const char *key, const char *val, size_t len)
 {
     return h_put(m, key, val, len, m->ttl_ms);
+}
+
+static int h_renew(kvb_meta_t *m, const char *key, const char *val, size_t len)
+{
+    char tail[48];
+    snprintf(tail, sizeof tail, "?ttl_ms=%u&renew=1", m->ttl_ms);
+    return call(m, "PUT", make_url(m->be, "/v1/kv/", key, tail), val, len, NULL, NULL, 4096);
 }
 
 static int h_get(kvb_meta_t *m, const char *key, char **val, size_t *len)
@@ -174,6 +184,7 @@ const kvb_meta_ops_t kvb__meta_http_ops = {
     .del = h_del,
     .list = h_list,
     .put_owned = h_put_owned,
+    .renew = h_renew,
     .free = h_free,
 };
 

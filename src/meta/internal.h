@@ -19,10 +19,15 @@ typedef struct {
     int (*list)(kvb_meta_t *m, const char *prefix, kvb_meta_kv_t **out, size_t *n);
     /* Publishes an owned key so that it lives as long as refresh keeps it alive. */
     int (*put_owned)(kvb_meta_t *m, const char *key, const char *val, size_t len);
+    /* put_owned only if the store holds nothing or this same value under the key, decided by the
+     * store in one step; KVB_ERR_BUSY (nothing written) when it holds another value: another
+     * process took the key over, and the keeper must not write it back. */
+    int (*renew)(kvb_meta_t *m, const char *key, const char *val, size_t len);
     /* Keeps owned keys alive without re-sending them (etcd: the lease keepalive). NULL: the core
      * re-puts every owned key each round. KVB_ERR_NOT_FOUND: they are gone, re-put them all. */
     int (*refresh)(kvb_meta_t *m);
-    /* Releases what put_owned holds (etcd: revokes the lease) at close; may be NULL. */
+    /* Releases what put_owned holds at close (etcd: revokes the lease, which deletes the owned
+     * keys still on it); NULL: close deletes the owned keys one by one. */
     void (*release)(kvb_meta_t *m);
     void (*free)(kvb_meta_t *m);
 } kvb_meta_ops_t;
@@ -31,7 +36,9 @@ typedef struct {
     char *key;
     char *val;
     size_t len;
-    uint64_t version, published; /* published == version: the store has this value */
+    uint64_t version, published; /* published == version: nothing to send until the next round */
+    bool renewal; /* the pending send is a keeper round's renewal (ops->renew), not a new value */
+    bool yielded; /* the store held another writer's value at the last renewal: left to it */
 } kvb_meta_owned_t;
 
 struct kvb_meta {

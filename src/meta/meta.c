@@ -230,7 +230,29 @@ static kvb_meta_owned_t *find_owned(kvb_meta_t *m, const char *key)
     return NULL;
 }
 
-/* Publishes every owned key whose value the store may lack. Called with io_mu held. */
+/* Records the outcome of sending owned key `key` at `version`: sent (KVB_OK), or left to another
+ * writer (KVB_ERR_BUSY). Called with mu held. */
+static void mark_sent(kvb_meta_t *m, const char *key, uint64_t version, int rc)
+{
+    kvb_meta_owned_t *o = find_owned(m, key);
+    if (!o || o->version != version)
+        return; /* replaced meanwhile: the new value is still due */
+    bool taken = rc == KVB_ERR_BUSY;
+    if (taken && !o->yielded)
+        KVB_WARN("metadata store %s: key %s now holds another writer's value (taken over); "
+                 "leaving it to them, and publishing ours again only if it disappears",
+                 m->uri, key);
+    else if (!taken && o->yielded)
+        KVB_INFO("metadata store %s: key %s was free again; published ours", m->uri, key);
+    o->published = version;
+    o->renewal = false;
+    o->yielded = taken;
+}
+
+/* Sends every owned key that is due. A new value replaces whatever the store holds (put_owned);
+ * a keeper round's renewal, and anything for a key another writer holds, only renews (renew), so
+ * that a process whose key was taken over never writes it back. Returns the first failure,
+ * KVB_ERR_BUSY if a key was left to another writer, else KVB_OK. Called with io_mu held. */
 static int publish_pending(kvb_meta_t *m)
 {
     int first_err = KVB_OK;
@@ -246,25 +268,28 @@ static int publish_pending(kvb_meta_t *m)
         }
         /* Copy out, so that own_async may replace the value while the call runs. */
         uint64_t version = o->version;
+        bool renew = o->renewal || o->yielded;
         char *key = strdup(o->key), *val = malloc(o->len + 1);
         size_t len = o->len;
         if (val)
             memcpy(val, o->val, len + 1);
         pthread_mutex_unlock(&m->mu);
-        int rc = key && val ? m->ops->put_owned(m, key, val, len) : KVB_ERR_NOMEM;
+        int rc = !key || !val ? KVB_ERR_NOMEM
+                 : renew      ? m->ops->renew(m, key, val, len)
+                              : m->ops->put_owned(m, key, val, len);
         kvb__meta_note(m, rc, "publish");
-        if (rc == KVB_OK) {
+        if (rc == KVB_OK || rc == KVB_ERR_BUSY) {
             pthread_mutex_lock(&m->mu);
-            kvb_meta_owned_t *again = find_owned(m, key);
-            if (again && again->version == version)
-                again->published = version;
+            mark_sent(m, key, version, rc);
             pthread_mutex_unlock(&m->mu);
         } else if (rc != KVB_ERR_META_UNREACHABLE) {
             KVB_WARN("metadata store %s refused key %s: %s", m->uri, key, kvb_strerror(rc));
         }
         free(key);
         free(val);
-        if (rc != KVB_OK)
+        if (rc != KVB_OK && first_err == KVB_OK)
+            first_err = rc;
+        if (rc != KVB_OK && rc != KVB_ERR_BUSY)
             return rc; /* the next round retries */
     }
 }
@@ -280,16 +305,23 @@ static void keep_round(kvb_meta_t *m)
     int rc = m->ops->refresh ? m->ops->refresh(m) : KVB_ERR_NOT_FOUND;
     if (m->ops->refresh)
         kvb__meta_note(m, rc, "keepalive");
-    if (rc == KVB_ERR_NOT_FOUND || rc == KVB_ERR_META_UNREACHABLE) {
-        /* Lost (or, without a lease, due for its TTL refresh): publish everything again. */
-        if (m->ops->refresh && rc == KVB_ERR_NOT_FOUND)
-            KVB_INFO("metadata store %s lost our keys (lease expired); publishing them again",
-                     m->uri);
-        pthread_mutex_lock(&m->mu);
-        for (size_t i = 0; i < m->nowned; i++)
-            m->owned[i].published = m->owned[i].version - 1;
-        pthread_mutex_unlock(&m->mu);
+    if (m->ops->refresh && rc == KVB_ERR_NOT_FOUND)
+        KVB_INFO("metadata store %s lost our keys (lease expired); publishing them again", m->uri);
+    /* Lost (or, without a lease, due for its TTL refresh): renew every key. Only renew: another
+     * process that took a key over (a restart of ours whose old self still runs) now owns it, and
+     * a blind re-put every TTL/3 would flip the key between the two of us - readers would see
+     * either at random. Keys left to another writer are tried every round, so that ours comes
+     * back if theirs disappears. A key with a new value still unsent stays a new value. */
+    bool lost = rc == KVB_ERR_NOT_FOUND || rc == KVB_ERR_META_UNREACHABLE;
+    pthread_mutex_lock(&m->mu);
+    for (size_t i = 0; i < m->nowned; i++) {
+        kvb_meta_owned_t *o = &m->owned[i];
+        if ((lost || o->yielded) && o->published == o->version) {
+            o->published = o->version - 1;
+            o->renewal = true;
+        }
     }
+    pthread_mutex_unlock(&m->mu);
     publish_pending(m);
 }
 
@@ -375,6 +407,7 @@ static int set_owned(kvb_meta_t *m, const char *key, const char *val, size_t len
     o->val = copy;
     o->len = len;
     o->version++;
+    o->renewal = false;
     return ensure_keeper(m);
 }
 
@@ -419,13 +452,14 @@ int kvb__meta_disown(kvb_meta_t *m, const char *key)
     pthread_mutex_lock(&m->mu);
     kvb_meta_owned_t *o = find_owned(m, key);
     int rc = o ? KVB_OK : KVB_ERR_NOT_FOUND;
+    bool theirs = o && o->yielded; /* another writer's key: not ours to delete */
     if (o) {
         free(o->key);
         free(o->val);
         *o = m->owned[--m->nowned];
     }
     pthread_mutex_unlock(&m->mu);
-    if (rc == KVB_OK) {
+    if (rc == KVB_OK && !theirs) {
         rc = m->ops->del(m, key);
         kvb__meta_note(m, rc, "delete");
         if (rc == KVB_ERR_NOT_FOUND)
@@ -460,10 +494,14 @@ void kvb__meta_close(kvb_meta_t *m)
     pthread_mutex_unlock(&m->mu);
     if (started)
         pthread_join(m->keeper, NULL);
-    /* Withdraw what we published, so that peers see us gone now rather than after the TTL. */
+    /* Withdraw what we published, so that peers see us gone now rather than after the TTL - but
+     * not a key another writer took over: that one is theirs. A backend with a lease withdraws by
+     * releasing it, which deletes exactly the keys still on it (a key taken over hangs off the
+     * new owner's lease, even if we never noticed the takeover). */
     pthread_mutex_lock(&m->io_mu);
     for (size_t i = 0; i < m->nowned; i++) {
-        if (atomic_load(&m->reachable) && m->owned[i].published)
+        if (atomic_load(&m->reachable) && m->owned[i].published && !m->owned[i].yielded &&
+            !m->ops->release)
             kvb__meta_note(m, m->ops->del(m, m->owned[i].key), "delete");
         free(m->owned[i].key);
         free(m->owned[i].val);

@@ -65,7 +65,12 @@ void kvb__meta_kvs_free(kvb_meta_kv_t *kvs, size_t n);
  * the client closes; re-created if the store lost them (restart, expiry during an outage).
  * kvb__meta_own sets or replaces the value and publishes it now (blocking, bounded by the
  * timeout); if that fails the key is still owned, the keeper retries, and the error is returned.
- * kvb__meta_own_async only records it and wakes the keeper. kvb__meta_disown deletes it. */
+ * kvb__meta_own_async only records it and wakes the keeper. kvb__meta_disown deletes it.
+ * The keeper only renews: a key that another process has set to another value (a restarted
+ * owner under the same name while the old one still runs) is left to it - never written back,
+ * nor deleted by disown or close - and published again only once it is gone (Redis and HTTP:
+ * checked every round; etcd: when our lease has to be renewed). kvb__meta_own then returns
+ * KVB_ERR_BUSY. */
 int kvb__meta_own(kvb_meta_t *m, const char *key, const char *val, size_t len);
 int kvb__meta_own_async(kvb_meta_t *m, const char *key, const char *val, size_t len);
 int kvb__meta_disown(kvb_meta_t *m, const char *key);

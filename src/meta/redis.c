@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "redis://[[user]:password@]host:port[/db]" backend over hiredis. Owned keys carry a TTL
- * (SET ... PX) that the keeper refreshes by setting them again, which also re-creates them after
- * a restart of a Redis that does not persist. A broken connection is dropped and redialled on the
- * next call. */
+ * (SET ... PX) that the keeper refreshes by setting them again - in a script that leaves a key
+ * another process took over alone - which also re-creates them after a restart of a Redis that
+ * does not persist. A broken connection is dropped and redialled on the next call. */
 #include <hiredis/hiredis.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +17,7 @@ typedef struct {
     char user[128], password[256];
     unsigned db;
     redisContext *c;
+    bool no_script; /* EVAL was refused: renew by plain SET */
 } redis_be_t;
 
 static void drop(redis_be_t *r)
@@ -103,6 +104,40 @@ static int r_put(kvb_meta_t *m, const char *key, const char *val, size_t len, ui
 static int r_put_owned(kvb_meta_t *m, const char *key, const char *val, size_t len)
 {
     return r_put(m, key, val, len, m->ttl_ms);
+}
+
+/* A renewal decided by the server in one step: SET ... PX only while the key is absent or holds
+ * our value. Returns 1 if it set the key, 0 if another value is there. */
+static const char renew_script[] = "local v = redis.call('GET', KEYS[1]) "
+                                   "if v and v ~= ARGV[1] then return 0 end "
+                                   "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
+                                   "return 1";
+
+static int r_renew(kvb_meta_t *m, const char *key, const char *val, size_t len)
+{
+    redis_be_t *r = m->be;
+    if (r->no_script)
+        return r_put_owned(m, key, val, len);
+    char ttl[16];
+    snprintf(ttl, sizeof ttl, "%u", m->ttl_ms);
+    const char *a[6] = {"EVAL", renew_script, "1", key, val, ttl};
+    size_t l[6] = {4, sizeof renew_script - 1, 1, strlen(key), len, strlen(ttl)};
+    redisReply *rep = NULL;
+    int rc = command(m, 6, a, l, &rep);
+    if (rc == KVB_ERR_PROTOCOL) {
+        /* A server without scripting, or an ACL that forbids EVAL (command() logged its words). */
+        KVB_WARN("redis %s: renewing owned keys by plain SET from now on, which overwrites a key "
+                 "that another process took over",
+                 m->uri);
+        r->no_script = true;
+        return r_put_owned(m, key, val, len);
+    }
+    if (rc == KVB_OK)
+        rc = rep->type != REDIS_REPLY_INTEGER ? KVB_ERR_PROTOCOL
+             : rep->integer                   ? KVB_OK
+                                              : KVB_ERR_BUSY;
+    freeReplyObject(rep);
+    return rc;
 }
 
 static int r_get(kvb_meta_t *m, const char *key, char **val, size_t *len)
@@ -241,6 +276,7 @@ const kvb_meta_ops_t kvb__meta_redis_ops = {
     .del = r_del,
     .list = r_list,
     .put_owned = r_put_owned,
+    .renew = r_renew,
     .free = r_free,
 };
 

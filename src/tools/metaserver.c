@@ -45,7 +45,7 @@ typedef struct {
     uint64_t next_sweep; /* when the next request purges every expired key */
 } store_t;
 
-typedef enum { PUT_OK, PUT_FULL_KEYS, PUT_FULL_BYTES, PUT_NOMEM } put_rc_t;
+typedef enum { PUT_OK, PUT_FULL_KEYS, PUT_FULL_BYTES, PUT_NOMEM, PUT_TAKEN } put_rc_t;
 
 static const char *ekey(const entry_t *e)
 {
@@ -139,8 +139,19 @@ static put_rc_t room_for(const store_t *st, bool found, size_t old_len, size_t l
     return st->bytes - old_len + len > MS_BYTES_MAX ? PUT_FULL_BYTES : PUT_OK;
 }
 
-/* Sets `key` to `val` (the reference is stolen, also on error) until `expires`. */
-static put_rc_t store_put(store_t *st, const char *key, json_t *val, uint64_t expires, uint64_t now)
+/* True if a live entry at i holds a value other than `val`. */
+static bool holds_other(const store_t *st, size_t i, bool found, const json_t *val, uint64_t now)
+{
+    const json_t *old = found && st->v[i].expires > now ? st->v[i].val : NULL;
+    return old && (json_string_length(old) != json_string_length(val) ||
+                   memcmp(json_string_value(old), json_string_value(val), json_string_length(val)));
+}
+
+/* Sets `key` to `val` (the reference is stolen, also on error) until `expires`. With `renew`,
+ * only if the key is absent or already holds this very value (else PUT_TAKEN): checked under the
+ * same lock as the write, so that an owner renewing its key never overwrites another's. */
+static put_rc_t store_put(store_t *st, const char *key, json_t *val, uint64_t expires, bool renew,
+                          uint64_t now)
 {
     size_t len = json_string_length(val);
     bool found;
@@ -148,8 +159,9 @@ static put_rc_t store_put(store_t *st, const char *key, json_t *val, uint64_t ex
     sweep_due(st, now);
     size_t i = find(st, key, &found);
     size_t old_len = found ? json_string_length(st->v[i].val) : 0;
-    put_rc_t rc = room_for(st, found, old_len, len);
-    if (rc != PUT_OK) { /* full: expired keys still count until purged, so purge them first */
+    put_rc_t rc = renew && holds_other(st, i, found, val, now) ? PUT_TAKEN
+                                                               : room_for(st, found, old_len, len);
+    if (rc != PUT_OK && rc != PUT_TAKEN) { /* full: expired keys count until purged: purge */
         sweep(st, now);
         i = find(st, key, &found);
         old_len = found ? json_string_length(st->v[i].val) : 0;
@@ -258,6 +270,7 @@ typedef struct {
     op_t op;
     const char *key; /* inside the URL, which libmicrohttpd keeps until the request completes */
     uint64_t ttl_ms;
+    bool renew;      /* PUT ...&renew=1 */
     unsigned status; /* an error found in the headers, answered once the body is in */
     const char *allow;
     char err[192];
@@ -368,13 +381,15 @@ static enum MHD_Result fail(struct MHD_Connection *conn, unsigned status, const 
 }
 
 /* The protocol (paths after --prefix; keys percent-decoded by libmicrohttpd):
- *   PUT    /v1/kv/<key>[?ttl_ms=N]  body = value (UTF-8, <= 16 MiB)  -> 204
+ *   PUT    /v1/kv/<key>[?ttl_ms=N][&renew=1]  body = value (UTF-8, <= 16 MiB)  -> 204
  *   GET    /v1/kv/<key>             -> 200 raw value, or 404
  *   DELETE /v1/kv/<key>             -> 204, or 404
  *   GET    /v1/list[?prefix=P]      -> 200 {"items":[{"key","value","ttl_ms"}...]} sorted by key
  *   GET    /health                  -> 200 {"status":"ok","keys":N}
  * ttl_ms 0 or absent: never expires; else the key expires N ms after the PUT (N <= a day).
- * Errors are {"error": "..."}: 400 bad key/TTL/value, 404, 405, 413, 507 store full. */
+ * renew=1 (an owner keeping its key alive): stored only if the key is absent or holds this same
+ * value, else 412 and the key stays as it is - another process took it over. renew=0: a plain PUT.
+ * Errors are {"error": "..."}: 400 bad key/TTL/value, 404, 405, 412, 413, 507 store full. */
 static void route(const msrv_t *ms, struct MHD_Connection *conn, const char *url,
                   const char *method, req_t *rq)
 {
@@ -407,6 +422,13 @@ static void route(const msrv_t *ms, struct MHD_Connection *conn, const char *url
                                                  NULL) == MHD_YES;
     if (rq->op == OP_PUT && has_ttl && parse_dec(ttl, MS_TTL_MAX_MS, &rq->ttl_ms))
         reject(rq, 400, NULL, "ttl_ms must be a decimal integer from 0 to 86400000");
+    const char *renew = NULL;
+    uint64_t r = 0;
+    bool has_renew = MHD_lookup_connection_value_n(conn, MHD_GET_ARGUMENT_KIND, "renew", 5, &renew,
+                                                   NULL) == MHD_YES;
+    if (rq->op == OP_PUT && has_renew && parse_dec(renew, 1, &r))
+        reject(rq, 400, NULL, "renew must be 0 or 1");
+    rq->renew = r == 1;
 }
 
 static void free_value(void *val)
@@ -454,9 +476,11 @@ static enum MHD_Result do_put(msrv_t *ms, struct MHD_Connection *conn, req_t *rq
         return fail(conn, 500, NULL, "out of memory");
     uint64_t now = kvb__now_ns();
     uint64_t expires = rq->ttl_ms ? now + rq->ttl_ms * 1000000ull : UINT64_MAX;
-    switch (store_put(&ms->st, rq->key, v, expires, now)) {
+    switch (store_put(&ms->st, rq->key, v, expires, rq->renew, now)) {
     case PUT_OK:
         return no_content(conn);
+    case PUT_TAKEN:
+        return fail(conn, 412, NULL, "renew=1: the key holds another value");
     case PUT_FULL_KEYS:
         return fail(conn, 507, NULL, "store full: %zu keys already", ms->st.max_keys);
     case PUT_FULL_BYTES:
@@ -606,8 +630,8 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvbridge metadata-server --port P [--bind ADDR] [--prefix /PATH]\n\n"
                "Serves the key-value store of \"http://ADDR:P[/PATH]\" metadata URIs:\n"
-               "  PUT|GET|DELETE /PATH/v1/kv/<key>[?ttl_ms=N], GET /PATH/v1/list?prefix=P,\n"
-               "  GET /PATH/health.\n"
+               "  PUT|GET|DELETE /PATH/v1/kv/<key>[?ttl_ms=N][&renew=1],\n"
+               "  GET /PATH/v1/list?prefix=P, GET /PATH/health.\n"
                "--bind defaults to 127.0.0.1; --port 0 takes any free port; --prefix (default\n"
                "none) starts with '/' and does not end with one. Keys live in memory only.\n");
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "engine/internal.h"
 #include "helpers/peer.h"
 #include "kvbridge/engine.h"
 
@@ -262,7 +263,16 @@ Test(engine, destroy_wakes_notify_waiters_before_freeing)
             w[i] = (waiter_t){.e = e, .rc = 1};
             cr_assert_eq(pthread_create(&t[i], NULL, recv_forever, &w[i]), 0);
         }
-        usleep(round % 2 ? 20000 : 1000);
+        /* Destroy only once all four are inside kvb_notify_recv (calling into a destroyed engine
+         * would be the caller's bug); then sometimes at once, sometimes a little later. */
+        for (unsigned in = 0; in < 4;) {
+            pthread_mutex_lock(&e->notify_mu);
+            in = e->notify_waiters;
+            pthread_mutex_unlock(&e->notify_mu);
+            usleep(1000);
+        }
+        if (round % 2)
+            usleep(20000);
         kvb_engine_destroy(e);
         for (int i = 0; i < 4; i++) {
             pthread_join(t[i], NULL);

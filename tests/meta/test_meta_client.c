@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The metadata store clients against real servers (redis-server, etcd, kvbridge metadata-server)
- * started on free loopback ports: plain put/get/delete/list, TTLs, owned keys kept alive and
- * re-created after an outage, and the URI parser. */
+ * started on free loopback ports: plain put/get/delete/list, TTLs, owned keys kept alive,
+ * left to a process that took them over, and re-created after an outage, and the URI parser. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <string.h>
@@ -116,6 +116,38 @@ ParameterizedTest(test_store_kind_t *kind, meta_client, ttl_and_owned, .timeout 
     kvb__meta_close(m);
     cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_ERR_NOT_FOUND,
                  "close did not withdraw the owned key");
+    kvb__meta_close(reader);
+    test_store_stop(&s);
+}
+
+TEST_STORE_EACH(meta_client, taken_over)
+
+/* Another process sets an owned key to its own value (a restarted owner while the old one still
+ * runs): the old owner's keeper must leave it alone - a re-put every TTL/3 would flip the key
+ * between the two, and readers would see either - and its close must not delete it. */
+ParameterizedTest(test_store_kind_t *kind, meta_client, taken_over, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, *kind), 0);
+    kvb_meta_t *old = client(&s, 1500), *new = client(&s, 1500), *reader = client(&s, 0);
+    cr_assert_eq(kvb__meta_own(old, "kvbridge/t/owned", "old", 3), KVB_OK);
+    usleep(200000); /* the two keepers out of phase */
+    cr_assert_eq(kvb__meta_own(new, "kvbridge/t/owned", "new", 3), KVB_OK);
+    char buf[64];
+    uint64_t end = kvb__deadline_ms(4 * 1500); /* 12 rounds of each keeper */
+    int reads = 0;
+    while (kvb__now_ns() < end) {
+        cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_OK);
+        cr_assert_str_eq(buf, "new", "the old owner wrote its value back (read %d)", reads);
+        reads++;
+        usleep(50000);
+    }
+    kvb__meta_close(old);
+    cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_OK,
+                 "the old owner's close deleted the new owner's key");
+    cr_assert_str_eq(buf, "new");
+    kvb__meta_close(new);
+    cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_ERR_NOT_FOUND);
     kvb__meta_close(reader);
     test_store_stop(&s);
 }
