@@ -30,10 +30,10 @@ typedef struct {
     uint32_t tp;       /* ranks, 1..KVB_PD_SERVER_TP_MAX */
     const char *bind;
     bool insecure;
-        /* engines may bind a non-loopback address without a cluster secret */ /* address for HTTP
-                                                                                  and the engines;
-                                                                                  NULL: "127.0.0.1"
-                                                                                */
+    /* engines may bind a non-loopback address without a cluster secret */ /* address for HTTP
+                                                                              and the engines;
+                                                                              NULL: "127.0.0.1"
+                                                                            */
     uint16_t port;     /* HTTP port; 0: any free one (see kvb_pd_server_port) */
     uint64_t blocks;   /* blocks per rank; 0: KVB_PD_SERVER_BLOCKS */
     uint32_t lease_ms; /* pull lease; 0: KVB_PD_SERVER_LEASE_MS */
