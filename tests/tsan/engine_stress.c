@@ -55,32 +55,6 @@ static uint64_t pick_len(uint64_t *rs, uint64_t cap)
     return len < cap ? len : cap;
 }
 
-/* Waits for a batch in one of three ways: blocking, short timed waits, or polling the status. */
-static int wait_somehow(kvb_batch_t *b, uint64_t *rs)
-{
-    int rc;
-    switch (stress_rand_below(rs, 3)) {
-    case 0:
-        return kvb_batch_wait(b, -1);
-    case 1:
-        while ((rc = kvb_batch_wait(b, 1)) == KVB_ERR_AGAIN)
-            ;
-        return rc;
-    default:
-        for (;;) {
-            bool pending = false;
-            for (size_t i = 0; i < kvb_batch_size(b) && !pending; i++) {
-                kvb_req_status_t st;
-                CHECK_RC(kvb_batch_status(b, i, &st), KVB_OK);
-                pending = st.state == KVB_REQ_PENDING;
-            }
-            if (!pending && (rc = kvb_batch_wait(b, 0)) != KVB_ERR_AGAIN)
-                return rc;
-            stress_sleep_us(200);
-        }
-    }
-}
-
 static void one_batch(worker_t *w)
 {
     run_t *r = w->r;
@@ -106,7 +80,7 @@ static void one_batch(worker_t *w)
     CHECK(rc == KVB_OK, "worker %d: submit: %s", w->id, kvb_status_name(rc));
     if (rc)
         return;
-    rc = wait_somehow(b, &w->rs);
+    rc = stress_wait(b, (int)stress_rand_below(&w->rs, 3), 200);
     CHECK(rc == KVB_OK, "worker %d: wait: %s", w->id, kvb_status_name(rc));
     for (size_t i = 0; i < n && rc == KVB_OK; i++) {
         kvb_req_status_t st;

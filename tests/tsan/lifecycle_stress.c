@@ -632,28 +632,7 @@ struct group {
 
 static int group_wait(group_t *g, int k)
 {
-    kvb_batch_t *b = g->batch;
-    int rc;
-    switch ((k + g->round) % 3) {
-    case 0:
-        return kvb_batch_wait(b, -1);
-    case 1:
-        while ((rc = kvb_batch_wait(b, 2)) == KVB_ERR_AGAIN)
-            ;
-        return rc;
-    default:
-        for (;;) {
-            bool pending = false;
-            for (size_t i = 0; i < kvb_batch_size(b) && !pending; i++) {
-                kvb_req_status_t st;
-                CHECK_RC(kvb_batch_status(b, i, &st), KVB_OK);
-                pending = st.state == KVB_REQ_PENDING;
-            }
-            if (!pending && (rc = kvb_batch_wait(b, 0)) != KVB_ERR_AGAIN)
-                return rc;
-            stress_sleep_us(300);
-        }
-    }
+    return stress_wait(g->batch, (k + g->round) % 3, 300);
 }
 
 static void *follower_main(void *arg)

@@ -56,6 +56,31 @@ void stress_sleep_us(uint64_t us)
         ;
 }
 
+int stress_wait(kvb_batch_t *b, int mode, uint64_t poll_us)
+{
+    int rc;
+    switch (mode) {
+    case 0:
+        return kvb_batch_wait(b, -1);
+    case 1:
+        while ((rc = kvb_batch_wait(b, 1)) == KVB_ERR_AGAIN)
+            ;
+        return rc;
+    default:
+        for (;;) {
+            bool pending = false;
+            for (size_t i = 0; i < kvb_batch_size(b) && !pending; i++) {
+                kvb_req_status_t st;
+                CHECK_RC(kvb_batch_status(b, i, &st), KVB_OK);
+                pending = st.state == KVB_REQ_PENDING;
+            }
+            if (!pending && (rc = kvb_batch_wait(b, 0)) != KVB_ERR_AGAIN)
+                return rc;
+            stress_sleep_us(poll_us);
+        }
+    }
+}
+
 uint64_t stress_rand(uint64_t *s)
 {
     uint64_t x = *s ? *s : 0x2545F4914F6CDD1Dull;

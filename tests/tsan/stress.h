@@ -44,6 +44,9 @@ int stress_exit_status(const char *what);
 
 uint64_t stress_now_ms(void);
 void stress_sleep_us(uint64_t us);
+/* Waits for a batch in one of three ways (mode 0: blocking; 1: short timed waits; 2: polling each
+ * request's status every poll_us), so that every waiting path meets the progress threads. */
+int stress_wait(kvb_batch_t *b, int mode, uint64_t poll_us);
 uint64_t stress_rand(uint64_t *state); /* xorshift; a zero state is seeded first */
 uint64_t stress_rand_below(uint64_t *state, uint64_t n);
 
