@@ -89,9 +89,8 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
                 atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
             } else {
                 r->bytes += bytes;
-                int path = op->shm ? KVB_PATH_SHM : KVB_PATH_TCP;
-                atomic_fetch_add_explicit(&e->st_path_bytes[path], bytes, memory_order_relaxed);
-                atomic_fetch_add_explicit(&e->st_path_ops[path], 1, memory_order_relaxed);
+                atomic_fetch_add_explicit(&e->st_path_bytes[op->path], bytes, memory_order_relaxed);
+                atomic_fetch_add_explicit(&e->st_path_ops[op->path], 1, memory_order_relaxed);
                 if (--r->ops_left == 0) {
                     r->state = KVB_REQ_COMPLETED;
                     b->open--;
@@ -208,6 +207,7 @@ static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch
     b->engine = e;
     atomic_fetch_add(&e->refs, 1); /* dropped by batch_release */
     b->deadline = kvb__deadline_ms(tmo);
+    b->drive_path = -2; /* no op routed yet */
     b->n = n;
     b->nops = (size_t)nops;
     b->open = n;
@@ -246,6 +246,57 @@ static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, kv
         *tail = &op->next;
         off += len;
     }
+}
+
+/* Gives each op of `ops` (all to peer p) to the first path in the engine's order that reaches it,
+ * and starts them, one list per path in their original order. An op no path reaches (device
+ * memory that no path to this peer can serve) ends at once with KVB_ERR_UNSUPPORTED. */
+static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
+{
+    kvb_region_list_t *rl = kvb__peer_regions(p); /* held across the submits (op->rregion) */
+    kvb_op_t *head[KVB_PATHS] = {0}, **tail[KVB_PATHS];
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        tail[id] = &head[id];
+    kvb_batch_t *b = ops ? ops->batch : NULL;
+    kvb_op_t *unreached = NULL;
+    int drive = b ? b->drive_path : -1;
+    while (ops) {
+        kvb_op_t *op = ops;
+        ops = ops->next;
+        op->next = NULL;
+        op->rregion = rl ? kvb__region_find(rl->d, rl->n, op->remote, op->len) : NULL;
+        int path = -1;
+        for (size_t i = 0; i < e->norder && path < 0; i++) {
+            unsigned id = e->order[i];
+            const kvb_provider_ops_t *pv = kvb__provider(id);
+            if ((p->paths & (1u << id)) && pv->reaches(e->path_state[id], p, op))
+                path = (int)id;
+        }
+        if (path < 0) {
+            op->next = unreached;
+            unreached = op;
+            continue;
+        }
+        op->path = (uint8_t)path;
+        *tail[path] = op;
+        tail[path] = &op->next;
+        drive = drive == -2 || drive == path ? path : -1;
+    }
+    if (b) /* before any submit: the batch reaches no waiter until submit() returns it */
+        b->drive_path = drive;
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if (head[id])
+            kvb__provider(id)->submit(e->path_state[id], p, head[id]);
+    for (bool first = true; unreached; first = false) {
+        kvb_op_t *op = unreached;
+        unreached = op->next;
+        if (first)
+            KVB_WARN("segment %s: no data path reaches %s memory at 0x%llx from local %s memory",
+                 p->name, op->rregion ? op->rregion->info.location : "its",
+                 (unsigned long long)op->remote, op->pin ? op->pin->location : "host");
+        kvb__op_done(op, KVB_ERR_UNSUPPORTED, 0);
+    }
+    kvb__region_list_put(rl);
 }
 
 static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kvb_batch_opts_t *o,
@@ -294,7 +345,7 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
                 split_request(b, &reqs[j], (uint32_t)j, pins[j], &next_op, &tail);
                 pins[j] = NULL; /* owned by the ops now */
             }
-            e->tp_ops->submit(e->tp, peers[i], head);
+            route(e, peers[i], head);
             i = j;
         }
         if (n == 0) { /* a notification alone: nothing to wait for before sending it */
@@ -362,7 +413,6 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
     if (!b)
         return KVB_ERR_INVALID_ARG;
     uint64_t user = kvb__deadline_ms(timeout_ms);
-    const kvb_transport_ops_t *tp = b->engine->tp_ops;
     int rc;
     pthread_mutex_lock(&b->mu);
     for (;;) {
@@ -378,9 +428,11 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
         }
         /* One connection carries the whole batch: sleep on its socket and read the answers
          * here. A wakeup from the socket is much cheaper than a hand-off between threads. */
-        if (b->drive_hint && tp->drive) {
+        const kvb_provider_ops_t *pv = b->drive_path >= 0 ? kvb__provider((unsigned)b->drive_path)
+                                                          : NULL;
+        if (b->drive_hint && pv && pv->progress) {
             pthread_mutex_unlock(&b->mu);
-            int drc = tp->drive(b, until);
+            int drc = pv->progress(b, until);
             pthread_mutex_lock(&b->mu);
             /* Another thread drives the connection: sleep on the condition - but only after
              * looking again, since answers may have landed while we held no lock. */

@@ -74,15 +74,90 @@ static int copy_str(char *dst, size_t cap, const char *src)
     return KVB_OK;
 }
 
+/* Parses `protocol` into the engine's path order: "auto" (or NULL) is every path that runs here
+ * in the built-in order; otherwise a comma-separated list of path names, tried in that order, each
+ * required to reach every peer. The TCP lanes are the last resort either way: they carry the
+ * control plane, so a request no listed path reaches goes there. */
+static int parse_paths(kvb_engine_t *e, const char *protocol)
+{
+    static const uint8_t builtin[] = {KVB_PATH_SHM, KVB_PATH_TCP};
+    _Static_assert(sizeof builtin == KVB_PATHS, "every path has a place in the default order");
+    e->norder = 0;
+    e->required = 0;
+    unsigned seen = 0;
+    if (!protocol || !strcmp(protocol, "auto")) {
+        for (size_t i = 0; i < sizeof builtin; i++)
+            e->order[e->norder++] = builtin[i];
+        return KVB_OK;
+    }
+    for (const char *p = protocol;;) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        char name[16];
+        int id = -1;
+        if (n > 0 && n < sizeof name) {
+            memcpy(name, p, n);
+            name[n] = '\0';
+            id = kvb__provider_id(name);
+        }
+        if (id < 0 || (seen & (1u << id))) {
+            KVB_ERROR("protocol '%s': '%.*s' is %s (paths: auto, or a list of tcp, shm)", protocol,
+                      (int)n, p, id < 0 ? "not a data path" : "named twice");
+            return KVB_ERR_INVALID_ARG;
+        }
+        seen |= 1u << id;
+        e->order[e->norder++] = (uint8_t)id;
+        e->required |= 1u << id;
+        if (!end)
+            break;
+        p = end + 1;
+    }
+    if (!(seen & (1u << KVB_PATH_TCP)))
+        e->order[e->norder++] = KVB_PATH_TCP;
+    return KVB_OK;
+}
+
+/* Creates the providers of the paths in the order; one that cannot run here is left out, unless
+ * the order names it. */
+static int paths_create(kvb_engine_t *e)
+{
+    for (size_t i = 0; i < e->norder; i++) {
+        unsigned id = e->order[i];
+        const kvb_provider_ops_t *ops = kvb__provider(id);
+        int rc = ops->create ? ops->create(e, &e->path_state[id]) : KVB_OK;
+        if (rc == KVB_OK) {
+            e->paths |= 1u << id;
+        } else if (rc != KVB_ERR_UNSUPPORTED || (e->required & (1u << id))) {
+            KVB_ERROR("data path %s: %s", ops->name, kvb_strerror(rc));
+            return rc;
+        } else {
+            KVB_DEBUG("data path %s does not run here", ops->name);
+        }
+    }
+    return KVB_OK;
+}
+
+static void paths_destroy(kvb_engine_t *e)
+{
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((e->paths & (1u << id)) && kvb__provider(id)->destroy)
+            kvb__provider(id)->destroy(e->path_state[id]);
+    e->paths = 0;
+}
+
+/* The registry's release hook: each path that served the region lets go of it. */
+static void region_release(void *ctx, kvb_region_t *reg)
+{
+    kvb_engine_t *e = ctx;
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((e->paths & (1u << id)) && kvb__provider(id)->dereg)
+            kvb__provider(id)->dereg(e->path_state[id], reg);
+}
+
 static int check_config(const kvb_config_t *c)
 {
     if (c->metadata_ttl_ms && c->metadata_ttl_ms < 1000) {
         KVB_ERROR("metadata TTL %u ms is under the minimum of 1000 ms", c->metadata_ttl_ms);
-        return KVB_ERR_INVALID_ARG;
-    }
-    if (c->protocol && strcmp(c->protocol, "auto") && strcmp(c->protocol, "tcp") &&
-        strcmp(c->protocol, "shm")) {
-        KVB_ERROR("protocol '%s' is not one of auto, tcp, shm", c->protocol);
         return KVB_ERR_INVALID_ARG;
     }
     if (c->copy_threads < 0 || c->copy_threads > 16 || c->progress_threads < 1 ||
@@ -224,15 +299,23 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     e->hello.pid = (uint32_t)getpid();
     kvb__host_id(e->hello.host_id);
 
-    e->protocol = !cfg.protocol || !strcmp(cfg.protocol, "auto") ? KVB_PROTO_AUTO
-                  : !strcmp(cfg.protocol, "tcp")                 ? KVB_PROTO_TCP
-                                                                 : KVB_PROTO_SHM;
-    e->cfg.protocol = NULL;
-    if ((rc = kvb__shm_create(e, e->protocol != KVB_PROTO_TCP, cfg.copy_threads, &e->shm)))
+    if ((rc = parse_paths(e, cfg.protocol)))
         goto fail_registry;
+    e->cfg.protocol = NULL;
+    /* kvb_alloc memory is the engine's, whichever paths run; its Unix listener (the target side
+     * of same-host links) only where the shm path may be used. */
+    bool shm_path = false;
+    for (size_t i = 0; i < e->norder; i++)
+        shm_path = shm_path || e->order[i] == KVB_PATH_SHM;
+    if ((rc = kvb__shm_create(e, shm_path, cfg.copy_threads, &e->shm)))
+        goto fail_registry;
+    if ((rc = paths_create(e)))
+        goto fail_paths;
+    e->registry.release = region_release;
+    e->registry.release_ctx = e;
     e->tp_ops = kvb__transport_find("tcp");
     if ((rc = e->tp_ops->create(e, &e->tp)))
-        goto fail_shm;
+        goto fail_paths;
     if (cfg.segment_name) {
         rc = copy_str(e->segment_name, sizeof e->segment_name, cfg.segment_name);
     } else {
@@ -260,8 +343,12 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     return KVB_OK;
 fail_tp:
     e->tp_ops->destroy(e->tp);
-fail_shm:
+fail_paths:
+    kvb__registry_fini(&e->registry); /* nothing registered yet, but releases go to the paths */
+    paths_destroy(e);
     kvb__shm_destroy(e->shm);
+    kvb__segdesc_stop(e->segbind);
+    goto fail_free;
 fail_registry:
     kvb__segdesc_stop(e->segbind);
     kvb__registry_fini(&e->registry);
@@ -300,9 +387,10 @@ void kvb_engine_destroy(kvb_engine_t *e)
     }
     pthread_mutex_unlock(&e->seg_mu);
     e->tp_ops->destroy(e->tp);
-    kvb__shm_destroy(e->shm); /* after the transport: its connections hold same-host peers */
     free(e->segs);
-    kvb__registry_fini(&e->registry);
+    kvb__registry_fini(&e->registry); /* before the paths: regions release their state there */
+    paths_destroy(e);
+    kvb__shm_destroy(e->shm); /* after the transport: its connections hold same-host peers */
     pthread_mutex_destroy(&e->seg_mu);
     pthread_cond_destroy(&e->seg_cv);
     pthread_mutex_destroy(&e->notify_mu);
@@ -324,19 +412,18 @@ void kvb__engine_put(kvb_engine_t *e)
 
 int kvb_engine_stats(kvb_engine_t *e, kvb_stats_t *out)
 {
-    static const char *const names[KVB_PATHS] = {[KVB_PATH_TCP] = "tcp", [KVB_PATH_SHM] = "shm"};
     _Static_assert(KVB_PATHS <= KVB_STATS_PATHS_MAX, "kvb_stats_t has room for every path");
     if (!e || !out)
         return KVB_ERR_INVALID_ARG;
     memset(out, 0, sizeof *out);
     out->requests_completed = atomic_load(&e->st_completed);
     out->requests_failed = atomic_load(&e->st_failed);
-    for (int i = 0; i < KVB_PATHS; i++) {
-        snprintf(out->paths[i].name, sizeof out->paths[i].name, "%s", names[i]);
-        out->paths[i].ops = atomic_load(&e->st_path_ops[i]);
-        out->paths[i].bytes = atomic_load(&e->st_path_bytes[i]);
+    for (unsigned id = 0; id < KVB_PATHS; id++) { /* every built-in path, running here or not */
+        __typeof__(out->paths[0]) *ps = &out->paths[out->npaths++];
+        snprintf(ps->name, sizeof ps->name, "%s", kvb__provider(id)->name);
+        ps->ops = atomic_load(&e->st_path_ops[id]);
+        ps->bytes = atomic_load(&e->st_path_bytes[id]);
     }
-    out->npaths = KVB_PATHS;
     return KVB_OK;
 }
 
@@ -358,11 +445,47 @@ uint16_t kvb_engine_port(const kvb_engine_t *e)
     return e ? e->tp_ops->port(e->tp) : 0;
 }
 
+/* Lets every running path prepare the region and make its key blob. Memory that only some paths
+ * serve (device memory) needs at least one; host memory is served by the control plane's lanes
+ * whatever the others say. */
+static int region_prepare(kvb_engine_t *e, kvb_region_t *reg)
+{
+    unsigned served = 0;
+    for (unsigned id = 0; id < KVB_PATHS; id++) {
+        const kvb_provider_ops_t *ops = kvb__provider(id);
+        if (!(e->paths & (1u << id)) || !ops->reg)
+            continue;
+        uint8_t key[KVB_KEY_MAX];
+        size_t key_len = 0;
+        int rc = ops->reg(e->path_state[id], reg, key, &key_len);
+        if (rc == KVB_OK && key_len)
+            rc = kvb__region_add_key(reg, id, key, key_len);
+        if (rc == KVB_OK) {
+            served |= 1u << id;
+        } else if (rc != KVB_ERR_UNSUPPORTED) { /* the caller releases what others took */
+            KVB_WARN("register %s memory at 0x%llx: data path %s: %s", reg->location,
+                     (unsigned long long)reg->addr, ops->name, kvb_strerror(rc));
+            return rc;
+        }
+    }
+    if (reg->kind != KVB_MEM_CPU && !served) {
+        KVB_WARN("register %s memory at 0x%llx: no data path here serves it", reg->location,
+                 (unsigned long long)reg->addr);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    return KVB_OK;
+}
+
 int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, unsigned access)
 {
     if (!e || !addr)
         return KVB_ERR_INVALID_ARG;
-    int rc = kvb__registry_add(&e->registry, (uint64_t)(uintptr_t)addr, len, location, access);
+    kvb_region_t *reg = NULL;
+    int rc = kvb__region_new((uint64_t)(uintptr_t)addr, len, location, access, &reg);
+    if (rc == KVB_OK && ((rc = region_prepare(e, reg)) || (rc = kvb__registry_insert(&e->registry, reg)))) {
+        region_release(e, reg);
+        free(reg);
+    }
     if (rc)
         KVB_WARN("register %p+%zu failed: %s", addr, len, kvb_strerror(rc));
     else
@@ -409,7 +532,10 @@ void kvb__peer_release(kvb_peer_t *p)
         return;
     if (p->tp_ops && p->tp_ops->peer_free)
         p->tp_ops->peer_free(p);
-    free(p->regions);
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((p->paths & (1u << id)) && kvb__provider(id)->detach)
+            kvb__provider(id)->detach(p);
+    kvb__region_list_put(p->rlist);
     kvb__attrs_free(p->attrs, p->nattrs);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -423,6 +549,60 @@ void kvb__peer_fail(kvb_peer_t *p, int error)
     if (error != KVB_ERR_SHUTDOWN && error != KVB_ERR_CANCELED)
         KVB_WARN("peer %s lost: %s", p->name, kvb_strerror(error));
     p->engine->tp_ops->disconnect(p->engine->tp, p, error);
+}
+
+kvb_region_list_t *kvb__region_list_new(kvb_region_desc_t *d, size_t n)
+{
+    kvb_region_list_t *l = malloc(sizeof *l);
+    if (!l) {
+        free(d);
+        return NULL;
+    }
+    atomic_init(&l->refs, 1);
+    l->n = n;
+    l->d = d;
+    return l;
+}
+
+void kvb__region_list_put(kvb_region_list_t *l)
+{
+    if (l && atomic_fetch_sub(&l->refs, 1) == 1) {
+        free(l->d);
+        free(l);
+    }
+}
+
+kvb_region_list_t *kvb__peer_regions(kvb_peer_t *p)
+{
+    pthread_mutex_lock(&p->mu);
+    kvb_region_list_t *l = p->rlist;
+    if (l)
+        atomic_fetch_add(&l->refs, 1);
+    pthread_mutex_unlock(&p->mu);
+    return l;
+}
+
+/* Attaches the running paths to a peer whose control connection is up. A path the protocol
+ * names must reach it; the others may not (elsewhere, another user) and are left out. */
+static int attach_paths(kvb_engine_t *e, kvb_peer_t *p, uint64_t deadline)
+{
+    for (size_t i = 0; i < e->norder; i++) {
+        unsigned id = e->order[i];
+        const kvb_provider_ops_t *ops = kvb__provider(id);
+        if (!(e->paths & (1u << id)))
+            continue;
+        int rc = ops->attach ? ops->attach(e->path_state[id], p, deadline) : KVB_OK;
+        if (rc == KVB_OK) {
+            p->paths |= 1u << id;
+        } else if (e->required & (1u << id)) {
+            KVB_ERROR("segment %s: data path %s required but unavailable: %s", p->name, ops->name,
+                      rc == KVB_ERR_UNSUPPORTED ? "it does not reach this peer" : kvb_strerror(rc));
+            return KVB_ERR_UNSUPPORTED;
+        } else {
+            KVB_DEBUG("segment %s: no %s path (%s)", p->name, ops->name, kvb_strerror(rc));
+        }
+    }
+    return KVB_OK;
 }
 
 /* Splits "host:port" (host may be "[v6]"). */
@@ -452,7 +632,7 @@ static int parse_name(const char *name, char *host, size_t cap, uint16_t *port)
 
 /* Connects to segment `name` at host:port (NULL host: the name is "host:port"). */
 static int connect_peer(kvb_engine_t *e, const char *name, const char *host, uint16_t port,
-                        kvb_peer_t **out)
+                        bool probe, kvb_peer_t **out)
 {
     kvb_peer_t *p = calloc(1, sizeof *p);
     if (!p)
@@ -472,8 +652,11 @@ static int connect_peer(kvb_engine_t *e, const char *name, const char *host, uin
     if (rc) {
         KVB_ERROR("segment name '%s' is not host:port (p2p metadata)", name);
     } else {
-        rc = e->tp_ops->connect(e->tp, p, kvb__deadline_ms(e->cfg.connect_timeout_ms));
+        uint64_t deadline = kvb__deadline_ms(e->cfg.connect_timeout_ms);
+        rc = e->tp_ops->connect(e->tp, p, deadline);
         p->tp_ops = e->tp_ops; /* from here on, releasing it frees the transport's part too */
+        if (rc == KVB_OK && !probe && (rc = attach_paths(e, p, deadline)))
+            e->tp_ops->disconnect(e->tp, p, KVB_ERR_CANCELED);
     }
     if (rc) {
         kvb__peer_release(p);
@@ -496,7 +679,7 @@ static int connect_named(kvb_engine_t *e, const char *name, kvb_peer_t **out)
             return rc;
         kvb_peer_t *p = NULL;
         for (size_t i = 0; i < d.naddr; i++)
-            if ((rc = connect_peer(e, name, d.addr[i].host, d.addr[i].port, &p)) == KVB_OK ||
+            if ((rc = connect_peer(e, name, d.addr[i].host, d.addr[i].port, false, &p)) == KVB_OK ||
                 !KVB_IS_PEER_ERROR(rc))
                 break;
         if (rc)
@@ -603,7 +786,7 @@ int kvb_segment_open(kvb_engine_t *e, const char *name, kvb_segment_t *out)
         return rc;
 
     kvb_peer_t *p = NULL;
-    rc = e->segbind ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, &p);
+    rc = e->segbind ? connect_named(e, name, &p) : connect_peer(e, name, NULL, 0, false, &p);
 
     pthread_mutex_lock(&e->seg_mu);
     slot = &e->segs[idx]; /* the table may have moved meanwhile */
@@ -672,23 +855,20 @@ int kvb_segment_refresh(kvb_engine_t *e, kvb_segment_t seg)
         return KVB_ERR_BAD_SEGMENT;
     /* A fresh handshake on connections of its own returns the current lists. */
     kvb_peer_t *probe;
-    int rc = connect_peer(e, p->name, p->host, p->port, &probe);
+    int rc = connect_peer(e, p->name, p->host, p->port, true, &probe);
     if (rc == KVB_OK) {
         if (probe->hello.incarnation != p->hello.incarnation) {
             rc = KVB_ERR_PEER_RESTARTED;
             kvb__peer_fail(p, rc);
         } else {
             pthread_mutex_lock(&p->mu);
-            kvb_region_info_t *r = p->regions;
-            size_t nr = p->nregions;
+            kvb_region_list_t *r = p->rlist;
             kvb_attr_t *a = p->attrs;
             size_t na = p->nattrs;
-            p->regions = probe->regions;
-            p->nregions = probe->nregions;
+            p->rlist = probe->rlist;
             p->attrs = probe->attrs;
             p->nattrs = probe->nattrs;
-            probe->regions = r;
-            probe->nregions = nr;
+            probe->rlist = r;
             probe->attrs = a;
             probe->nattrs = na;
             pthread_mutex_unlock(&p->mu);
@@ -709,12 +889,12 @@ int kvb_segment_regions(kvb_engine_t *e, kvb_segment_t seg, int refresh, kvb_reg
     kvb_peer_t *p = rc ? NULL : kvb__segment_peer(e, seg);
     if (!p)
         return rc ? rc : KVB_ERR_BAD_SEGMENT;
-    pthread_mutex_lock(&p->mu);
-    size_t n = p->nregions < cap ? p->nregions : cap;
-    if (n)
-        memcpy(out, p->regions, n * sizeof *out);
-    *count = p->nregions;
-    pthread_mutex_unlock(&p->mu);
+    kvb_region_list_t *l = kvb__peer_regions(p);
+    size_t total = l ? l->n : 0, n = total < cap ? total : cap;
+    for (size_t i = 0; i < n; i++)
+        out[i] = l->d[i].info;
+    *count = total;
+    kvb__region_list_put(l);
     kvb__peer_release(p);
     return KVB_OK;
 }
@@ -819,7 +999,13 @@ int kvb_segment_transport(kvb_engine_t *e, kvb_segment_t seg, const char **out)
     kvb_peer_t *p = kvb__segment_peer(e, seg);
     if (!p)
         return KVB_ERR_BAD_SEGMENT;
-    *out = e->tp_ops->peer_path(p);
+    /* The first path in the order that reaches it (what host memory takes). */
+    *out = kvb__provider(KVB_PATH_TCP)->name;
+    for (size_t i = 0; i < e->norder; i++)
+        if (p->paths & (1u << e->order[i])) {
+            *out = kvb__provider(e->order[i])->name;
+            break;
+        }
     kvb__peer_release(p);
     return KVB_OK;
 }
@@ -831,7 +1017,7 @@ void kvb__engine_identity(kvb_engine_t *e, kvb_engine_identity_t *out)
                                    .port = e->tp_ops->port(e->tp),
                                    .incarnation = e->hello.incarnation,
                                    .pid = e->hello.pid,
-                                   .same_host = e->protocol != KVB_PROTO_TCP,
+                                   .same_host = (e->paths & (1u << KVB_PATH_SHM)) != 0,
                                    .cluster = e->cluster};
     _Static_assert(sizeof out->host_id == KVB_HOST_ID_LEN, "host id sizes agree");
     memcpy(out->host_id, e->hello.host_id, sizeof out->host_id);
@@ -839,7 +1025,16 @@ void kvb__engine_identity(kvb_engine_t *e, kvb_engine_identity_t *out)
 
 int kvb__engine_regions(kvb_engine_t *e, kvb_region_info_t **out, size_t *n)
 {
-    return kvb__registry_list(&e->registry, out, n);
+    kvb_region_desc_t *d;
+    int rc = kvb__registry_list(&e->registry, &d, n);
+    kvb_region_info_t *v = rc || !*n ? NULL : malloc(*n * sizeof *v);
+    if (rc == KVB_OK && *n && !v)
+        rc = KVB_ERR_NOMEM;
+    for (size_t i = 0; rc == KVB_OK && i < *n; i++)
+        v[i] = d[i].info;
+    free(d);
+    *out = v;
+    return rc;
 }
 
 void kvb__engine_each_attr(kvb_engine_t *e,

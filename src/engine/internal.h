@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/auth.h"
 #include "engine/export.h"
 #include "engine/registry.h"
 #include "engine/wire.h"
@@ -21,11 +22,15 @@ typedef struct kvb_peer kvb_peer_t;
 typedef struct kvb_shm kvb_shm_t;
 typedef struct kvb_transport kvb_transport_t;
 typedef struct kvb_transport_ops kvb_transport_ops_t;
+typedef struct kvb_provider kvb_provider_t;
+typedef struct kvb_provider_ops kvb_provider_ops_t;
 
 typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_kind_t;
 
-/* The data paths an op can take, in kvb_engine_stats order (names in engine.c). */
+/* The data paths built in, by id: an op's path, a key blob's tag on the wire, the order of
+ * kvb_engine_stats' list. Each is a provider (kvb_provider_ops_t) named in transports.c. */
 enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATHS = 2 };
+_Static_assert(KVB_PATHS <= KVB_PATHS_MAX, "path ids fit the registry's per-path slots");
 
 /* One unit of work on one lane: a whole request, a chunk of one, or a batch's notification. The
  * transport owns the op from submit until it calls kvb__op_done() exactly once. */
@@ -39,7 +44,10 @@ typedef struct kvb_op {
     uint64_t len;
     uint64_t wire_id;  /* assigned by the transport */
     kvb_region_t *pin; /* the local region, pinned until the op ends (kvb_unregister waits) */
-    bool shm;          /* the transport moves its bytes through shared memory */
+    const kvb_region_desc_t *rregion; /* the peer's region holding it, if its list names one;
+                                       * valid only until the provider's submit returns */
+    uint8_t path;                     /* KVB_PATH_*: the provider carrying it */
+    bool shm; /* a two-sided request whose bytes the target copies through shared memory */
 } kvb_op_t;
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
@@ -68,14 +76,30 @@ struct kvb_batch {
     kvb_op_t notify_op;
     int notify_state; /* KVB_NOTIFY_* below */
     /* Set by the transport when every op went to one connection: a waiter may then receive the
-     * answers itself (no thread hop). Released with the batch through hint_release. */
+     * answers itself (no thread hop) through the provider's progress, if every op took the same
+     * provider (drive_path). Released with the batch through hint_release. */
     void *drive_hint;
     void (*hint_release)(void *hint);
+    int drive_path; /* KVB_PATH_*, or -1: ops took several paths */
     int notify_error;
     unsigned char *notify_buf;
 };
 
 enum { KVB_NOTIFY_NONE = 0, KVB_NOTIFY_WAITING, KVB_NOTIFY_SENT, KVB_NOTIFY_DONE };
+
+/* A peer's region list (kvb_region_desc_t, sorted by address, keys included), shared by
+ * reference: a refresh replaces the peer's list while submits may still be reading the old one. */
+typedef struct kvb_region_list {
+    atomic_uint refs;
+    size_t n;
+    kvb_region_desc_t *d; /* one allocation, keys included (as the wire decoder makes it) */
+} kvb_region_list_t;
+
+/* Wraps d (taken over, freed with the list) in a list with one reference. */
+kvb_region_list_t *kvb__region_list_new(kvb_region_desc_t *d, size_t n);
+void kvb__region_list_put(kvb_region_list_t *l);
+/* The peer's current list, with a reference taken. */
+kvb_region_list_t *kvb__peer_regions(kvb_peer_t *p);
 
 /* A remote engine as seen from here: its identity, its regions and the transport's connections
  * to it. Reference counted: the segment table, batches notifying it, and its lanes hold it. */
@@ -87,18 +111,24 @@ struct kvb_peer {
     uint16_t port;
     kvb_hello_t hello;  /* the peer's stated identity */
     atomic_int lost;    /* 0 while usable, else the error that ended it */
-    pthread_mutex_t mu; /* guards regions */
-    kvb_region_info_t *regions;
-    size_t nregions;
+    pthread_mutex_t mu;        /* guards rlist and attrs */
+    kvb_region_list_t *rlist;  /* its regions and their keys, as the last handshake listed them */
     kvb_attr_t *attrs; /* published by the peer; guarded by mu */
     size_t nattrs;
-    void *tp; /* transport state */
+    void *tp; /* the control plane's state */
     const kvb_transport_ops_t *tp_ops;
+    /* Same-host link tokens the control plane received (one per lane), for the shm path. */
+    uint8_t link_tokens[16][KVB_LINK_TOKEN_LEN];
+    size_t nlink_tokens;
+    /* Data paths attached to this peer, and each one's state for it. */
+    unsigned paths;                /* bit i: path i attached */
+    void *path_state[KVB_PATHS_MAX];
 };
 
-/* The transport interface. A transport moves ops to peers and serves peers' requests against the
- * engine's registry; it reports completions with kvb__op_done and notifications with
- * kvb__notify_deliver. */
+/* The control plane: connections, the authenticated handshake (identities, region lists with
+ * their keys, attributes, same-host tokens), notifications and answers, liveness, and the
+ * request frames of the two-sided data paths. It serves peers' requests against the engine's
+ * registry, reports completions with kvb__op_done and notifications with kvb__notify_deliver. */
 struct kvb_transport_ops {
     const char *name;
     /* Starts listening and progress threads; fills *tp. */
@@ -108,11 +138,12 @@ struct kvb_transport_ops {
     uint16_t (*port)(const kvb_transport_t *tp);
     /* Starts accepting connections, once the engine's identity is complete. */
     int (*start)(kvb_transport_t *tp);
-    /* Connects to peer->host:port with every lane and handshakes before `deadline`; fills
-     * peer->hello, peer->regions and peer->tp. */
+    /* Connects to peer->host:port and handshakes before `deadline`; fills peer->hello,
+     * peer->rlist, peer->attrs, peer->link_tokens and peer->tp. */
     int (*connect)(kvb_transport_t *tp, kvb_peer_t *peer, uint64_t deadline);
-    /* Queues ops (linked through op->next) to the peer. Never blocks on the network; ops that
-     * cannot be sent end at once through kvb__op_done. */
+    /* Sends ops (linked through op->next) to the peer as request frames: with their payload, or
+     * for op->shm just the address. Never blocks on the network; ops that cannot be sent end at
+     * once through kvb__op_done. */
     void (*submit)(kvb_transport_t *tp, kvb_peer_t *peer, kvb_op_t *ops);
     /* Closes the peer's connections; ops still held end with `error`. Frees peer->tp later. */
     void (*disconnect)(kvb_transport_t *tp, kvb_peer_t *peer, int error);
@@ -123,17 +154,57 @@ struct kvb_transport_ops {
      * the batch is done, something arrived, or `deadline` (monotonic ns); KVB_ERR_BUSY if another
      * thread already drives that connection. */
     int (*drive)(kvb_batch_t *b, uint64_t deadline);
-    /* The data path to the peer, for humans: "tcp" or "shm". */
-    const char *(*peer_path)(const kvb_peer_t *peer);
     /* Queues a notification to the initiator of the accepted connection `conn_id` (from a
      * notification's reply_to). KVB_ERR_PEER_LOST if that connection is gone. */
     int (*reply)(kvb_transport_t *tp, uint64_t conn_id, const void *msg, size_t len);
 };
 
+/* A data path: one way for bytes to reach a peer's registered memory. The engine creates every
+ * built-in provider that works here, lets each make key blobs for the regions it registers
+ * (they travel in the handshake), attaches those that reach a peer once its control connection
+ * is up, and gives every op to the first provider in the engine's path order that reaches it. */
+struct kvb_provider_ops {
+    const char *name; /* in stats, logs and `protocol` lists */
+    uint8_t id;       /* KVB_PATH_* */
+    /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
+     * without it). NULL: the path needs none. */
+    int (*create)(kvb_engine_t *e, kvb_provider_t **out);
+    void (*destroy)(kvb_provider_t *pv);
+    /* A region is being registered: prepare to serve it (reg->path_state[id] is the provider's)
+     * and write the key blob peers need to reach it this way into key (KVB_KEY_MAX bytes;
+     * *key_len 0: none needed). KVB_ERR_UNSUPPORTED: this path cannot serve that memory. */
+    int (*reg)(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *key_len);
+    /* A region goes (unregistered and no op uses it any more, or its registration failed):
+     * called for every region, also ones this path refused; look at reg->path_state[id]. */
+    void (*dereg)(kvb_provider_t *pv, kvb_region_t *reg);
+    /* Sets this path up to a peer whose control connection is authenticated, storing its state
+     * in peer->path_state[id]. KVB_ERR_UNSUPPORTED: it does not reach this peer (elsewhere). */
+    int (*attach)(kvb_provider_t *pv, kvb_peer_t *peer, uint64_t deadline);
+    /* Frees peer->path_state[id] as the peer's last reference goes (its control connection is
+     * closed); must not touch the provider's engine-wide state, which may be gone already. */
+    void (*detach)(kvb_peer_t *peer);
+    /* True if this path can carry `op` to the attached peer: its local memory (op->pin) and its
+     * remote range (op->rregion, NULL if the peer's list names no region holding it, which only a
+     * two-sided path may leave to the target to check). May block once per local allocation. */
+    bool (*reaches)(kvb_provider_t *pv, kvb_peer_t *peer, const kvb_op_t *op);
+    /* Starts ops (linked through op->next, all of this path). Never blocks on the network; each
+     * op ends exactly once through kvb__op_done, with its data placed or an error. */
+    void (*submit)(kvb_provider_t *pv, kvb_peer_t *peer, kvb_op_t *ops);
+    /* Optional: makes progress on the batch's ops from its waiting thread until something
+     * completed or `deadline`; KVB_ERR_BUSY when another thread does that now. */
+    int (*progress)(kvb_batch_t *b, uint64_t deadline);
+    /* Optional: ends the batch's ops to `peer` that have not started with KVB_ERR_CANCELED. */
+    void (*cancel)(kvb_provider_t *pv, kvb_peer_t *peer, kvb_batch_t *b);
+};
+
+/* The built-in providers by id (NULL where none), from transport/transports.c. */
+const kvb_provider_ops_t *kvb__provider(unsigned id);
+/* The id of the provider called `name`, or -1. */
+int kvb__provider_id(const char *name);
+
 /* The built-in transport named `name` (NULL: the default), from transport/transports.c. */
 const kvb_transport_ops_t *kvb__transport_find(const char *name);
 
-enum { KVB_PROTO_AUTO = 0, KVB_PROTO_TCP, KVB_PROTO_SHM };
 
 /* A segment handle is (generation << 16) | (slot index + 1): a slot's generation moves on when
  * it is freed, so a handle kept after its last close never reaches the slot's next peer. */
@@ -161,8 +232,14 @@ struct kvb_engine {
     kvb_registry_t registry;
     const kvb_transport_ops_t *tp_ops;
     kvb_transport_t *tp;
-    kvb_shm_t *shm; /* kvb_alloc memory and the same-host data path */
-    int protocol;   /* KVB_PROTO_* */
+    kvb_shm_t *shm; /* kvb_alloc memory and the same-host data path's engine-wide state */
+    /* Data paths: the providers running here, the order ops try them in (`protocol`), and the
+     * ones that must reach every peer (named explicitly there). */
+    kvb_provider_t *path_state[KVB_PATHS];
+    unsigned paths; /* bit i: provider i runs here */
+    uint8_t order[KVB_PATHS];
+    size_t norder;
+    unsigned required;
 
     pthread_mutex_t seg_mu; /* the segment table; held only briefly, never across a connect */
     pthread_cond_t seg_cv;  /* a slot stopped `opening` */

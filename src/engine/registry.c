@@ -23,13 +23,20 @@ int kvb__registry_init(kvb_registry_t *r)
     return rc ? KVB_ERR_SYSTEM : KVB_OK;
 }
 
+static void region_free(kvb_registry_t *r, kvb_region_t *reg)
+{
+    if (r->release)
+        r->release(r->release_ctx, reg);
+    free(reg);
+}
+
 void kvb__registry_fini(kvb_registry_t *r)
 {
     for (size_t i = 0; i < r->count; i++)
-        free(r->regions[i]);
+        region_free(r, r->regions[i]);
     free(r->regions);
     for (size_t i = 0; i < r->ndraining; i++)
-        free(r->draining[i]);
+        region_free(r, r->draining[i]);
     free(r->draining);
     pthread_rwlock_destroy(&r->lock);
     pthread_mutex_destroy(&r->drain_mu);
@@ -94,8 +101,8 @@ static bool overlaps_draining(const kvb_registry_t *r, uint64_t addr, uint64_t e
     return false;
 }
 
-int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char *location,
-                      unsigned access)
+int kvb__region_new(uint64_t addr, uint64_t len, const char *location, unsigned access,
+                    kvb_region_t **out)
 {
     uint64_t end;
     if (len == 0 || access == 0 || (access & ~(unsigned)KVB_ACCESS_RW))
@@ -108,8 +115,6 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
     int device;
     if (strlen(location) > KVB_LOCATION_MAX || kvb__mem_kind_parse(location, &kind, &device))
         return KVB_ERR_INVALID_ARG;
-    if (kind != KVB_MEM_CPU)
-        return KVB_ERR_UNSUPPORTED; /* no data path serves device memory yet */
     kvb_region_t *reg = calloc(1, sizeof *reg);
     if (!reg)
         return KVB_ERR_NOMEM;
@@ -121,7 +126,55 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
     strcpy(reg->location, location);
     atomic_init(&reg->refs, 1);
     atomic_init(&reg->removed, false);
+    *out = reg;
+    return KVB_OK;
+}
 
+int kvb__region_add_key(kvb_region_t *reg, unsigned path, const uint8_t *key, size_t len)
+{
+    if (path >= KVB_PATHS_MAX || len > KVB_KEY_MAX)
+        return KVB_ERR_INVALID_ARG;
+    if (len + 2 > sizeof reg->keys - reg->keys_len)
+        return KVB_ERR_TOO_LARGE;
+    uint8_t *p = reg->keys + reg->keys_len;
+    p[0] = (uint8_t)path;
+    p[1] = (uint8_t)len;
+    memcpy(p + 2, key, len);
+    reg->keys_len = (uint16_t)(reg->keys_len + 2 + len);
+    return KVB_OK;
+}
+
+const uint8_t *kvb__region_key(const kvb_region_desc_t *d, unsigned path, size_t *len)
+{
+    /* Well formed by construction (local) or by kvb__wire_hello_ack_decode (a peer's). */
+    for (size_t off = 0; d && off + 2 <= d->keys_len; off += 2u + d->keys[off + 1])
+        if (d->keys[off] == path) {
+            *len = d->keys[off + 1];
+            return d->keys + off + 2;
+        }
+    return NULL;
+}
+
+const kvb_region_desc_t *kvb__region_find(const kvb_region_desc_t *descs, size_t n, uint64_t addr,
+                                          uint64_t len)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) { /* first region starting above addr */
+        size_t mid = lo + (hi - lo) / 2;
+        if (descs[mid].info.addr <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return NULL;
+    const kvb_region_desc_t *d = &descs[lo - 1];
+    return kvb__range_within(addr, len, d->info.addr, d->info.len) ? d : NULL;
+}
+
+int kvb__registry_insert(kvb_registry_t *r, kvb_region_t *reg)
+{
+    uint64_t addr = reg->addr, end = reg->addr + reg->len; /* checked by kvb__region_new */
     int rc = KVB_OK;
     pthread_rwlock_wrlock(&r->lock);
     ptrdiff_t i = find_floor(r, addr);
@@ -146,7 +199,15 @@ int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char
         r->count++;
     }
     pthread_rwlock_unlock(&r->lock);
-    if (rc != KVB_OK)
+    return rc;
+}
+
+int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char *location,
+                      unsigned access)
+{
+    kvb_region_t *reg;
+    int rc = kvb__region_new(addr, len, location, access, &reg);
+    if (rc == KVB_OK && (rc = kvb__registry_insert(r, reg)))
         free(reg);
     return rc;
 }
@@ -258,6 +319,8 @@ void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
     bool removed = atomic_load(&reg->removed);
     unsigned prev = atomic_fetch_sub(&reg->refs, 1);
     if (prev == 1) {
+        if (r->release)
+            r->release(r->release_ctx, reg);
         free(reg);
     } else if (removed) {
         /* A pin of a region being unregistered: its removers check whether it was the last. */
@@ -278,19 +341,31 @@ bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len)
     return hit;
 }
 
-int kvb__registry_list(kvb_registry_t *r, kvb_region_info_t **out, size_t *n)
+int kvb__registry_list(kvb_registry_t *r, kvb_region_desc_t **out, size_t *n)
 {
     pthread_rwlock_rdlock(&r->lock);
-    kvb_region_info_t *v = r->count ? calloc(r->count, sizeof *v) : NULL;
+    size_t keys = 0;
+    for (size_t i = 0; i < r->count; i++)
+        keys += r->regions[i]->keys_len;
+    /* One block: the descriptors, then their keys. */
+    kvb_region_desc_t *v = r->count ? calloc(1, r->count * sizeof *v + keys) : NULL;
     if (r->count && !v) {
         pthread_rwlock_unlock(&r->lock);
         return KVB_ERR_NOMEM;
     }
+    uint8_t *kp = (uint8_t *)(v + r->count);
     for (size_t i = 0; i < r->count; i++) {
-        v[i].addr = r->regions[i]->addr;
-        v[i].len = r->regions[i]->len;
-        v[i].access = r->regions[i]->access;
-        strcpy(v[i].location, r->regions[i]->location);
+        const kvb_region_t *g = r->regions[i];
+        v[i].info.addr = g->addr;
+        v[i].info.len = g->len;
+        v[i].info.access = g->access;
+        strcpy(v[i].info.location, g->location);
+        v[i].kind = g->kind;
+        v[i].device = g->device;
+        v[i].keys_len = g->keys_len;
+        v[i].keys = kp;
+        memcpy(kp, g->keys, g->keys_len);
+        kp += g->keys_len;
     }
     *n = r->count;
     pthread_rwlock_unlock(&r->lock);

@@ -20,6 +20,32 @@ typedef enum { KVB_MEM_CPU = 0, KVB_MEM_CUDA = 1 } kvb_mem_kind_t;
  * tell otherwise); NULL means "cpu". KVB_ERR_INVALID_ARG for anything else. */
 int kvb__mem_kind_parse(const char *location, kvb_mem_kind_t *kind, int *device);
 
+/* Key blobs: what a peer needs, besides the address, to reach a region through one data path (a
+ * remote key, an IPC handle). A region's keys are a run of (path id u8 | length u8 | blob)
+ * entries, at most KVB_REGION_KEYS_MAX bytes together; most paths need none. */
+#define KVB_KEY_MAX         160
+#define KVB_REGION_KEYS_MAX 512
+/* Data paths are numbered 0..KVB_PATHS_MAX-1 (their ids, engine/internal.h). */
+#define KVB_PATHS_MAX 8
+
+/* A region as the handshake carries it: what the owner declared, the memory kind parsed from its
+ * location, and its key blobs. `keys` points into the same allocation as the array holding it. */
+typedef struct {
+    kvb_region_info_t info;
+    kvb_mem_kind_t kind;
+    int device;
+    uint16_t keys_len;
+    const uint8_t *keys;
+} kvb_region_desc_t;
+
+/* The key blob that region `d` carries for data path `path`, and its length; NULL if none. */
+const uint8_t *kvb__region_key(const kvb_region_desc_t *d, unsigned path, size_t *len);
+
+/* The region of descs[0..n) (sorted by address, as registries and handshakes list them) that
+ * holds [addr, addr+len), or NULL. */
+const kvb_region_desc_t *kvb__region_find(const kvb_region_desc_t *descs, size_t n, uint64_t addr,
+                                          uint64_t len);
+
 typedef struct kvb_region {
     uint64_t addr;
     uint64_t len;
@@ -30,7 +56,13 @@ typedef struct kvb_region {
     atomic_uint refs;    /* 1 while registered, +1 per pin, +1 per waiting remover */
     unsigned waiters;    /* kvb_unregister calls waiting for it (guarded by the registry lock) */
     atomic_bool removed; /* unregistered: a remover may be waiting for the pins to drop */
+    uint16_t keys_len;   /* the key blobs data paths made for it (see kvb_region_desc_t) */
+    uint8_t keys[KVB_REGION_KEYS_MAX];
+    void *path_state[KVB_PATHS_MAX]; /* per data path (by id), what it keeps for the region (an MR, a map) */
 } kvb_region_t;
+
+/* Called once for each region as its last reference goes, before it is freed. */
+typedef void (*kvb_region_release_fn)(void *ctx, kvb_region_t *region);
 
 typedef struct kvb_registry {
     pthread_rwlock_t lock;
@@ -43,12 +75,25 @@ typedef struct kvb_registry {
     size_t ndraining, capdraining;
     pthread_mutex_t drain_mu; /* unregister sleeps here until pins drop */
     pthread_cond_t drain_cv;
+    kvb_region_release_fn release; /* may be NULL */
+    void *release_ctx;
 } kvb_registry_t;
 
 int kvb__registry_init(kvb_registry_t *r);
 /* Frees every region; callers guarantee no pins remain. */
 void kvb__registry_fini(kvb_registry_t *r);
 
+/* Makes a region (not yet visible) after checking its arguments: KVB_ERR_INVALID_ARG (empty,
+ * bad rights or location), KVB_ERR_OVERFLOW. Data paths then add their keys to it, outside any
+ * lock, before kvb__registry_insert publishes it. */
+int kvb__region_new(uint64_t addr, uint64_t len, const char *location, unsigned access,
+                    kvb_region_t **out);
+/* Appends data path `path`'s key blob to the region's keys. KVB_ERR_TOO_LARGE if they are full. */
+int kvb__region_add_key(kvb_region_t *reg, unsigned path, const uint8_t *key, size_t len);
+/* Publishes a region made by kvb__region_new; KVB_ERR_OVERLAP (or KVB_ERR_NOMEM) leaves it to
+ * the caller. */
+int kvb__registry_insert(kvb_registry_t *r, kvb_region_t *reg);
+/* kvb__region_new and kvb__registry_insert in one, for regions that need no keys. */
 int kvb__registry_add(kvb_registry_t *r, uint64_t addr, uint64_t len, const char *location,
                       unsigned access);
 /* Removes the region starting at addr (or finds it among the draining ones) and waits up to
@@ -66,7 +111,7 @@ void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *region);
 /* True if any registered or draining region overlaps [addr, addr+len). */
 bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len);
 
-/* Snapshot of all regions (malloc'd; caller frees). */
-int kvb__registry_list(kvb_registry_t *r, kvb_region_info_t **out, size_t *n);
+/* Snapshot of all regions, keys included, in one allocation (caller frees). */
+int kvb__registry_list(kvb_registry_t *r, kvb_region_desc_t **out, size_t *n);
 
 #endif

@@ -262,15 +262,23 @@ int kvb__wire_challenge_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
     return KVB_OK;
 }
 
-/* hello_ack: hello | count u32 | count x (addr u64 | len u64 | access u32 | loc_len u16 | loc) */
-int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_info_t *regions, size_t n,
+/* hello_ack: hello | count u32 | count x region, where region is
+ *   addr u64 | len u64 | access u32 | loc_len u16 | loc | keys_len u16 | keys
+ * and keys is a run of (path u8 | key_len u8 | key) entries. */
+#define REGION_MIN 24u
+
+int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_desc_t *regions, size_t n,
                                uint8_t **out, size_t *out_len)
 {
     if (n > KVB_WIRE_MAX_REGIONS)
         return KVB_ERR_TOO_LARGE;
     size_t size = kvb__wire_hello_size(h) + 4;
-    for (size_t i = 0; i < n; i++)
-        size += 22 + strnlen(regions[i].location, KVB_LOCATION_MAX);
+    for (size_t i = 0; i < n; i++) {
+        if (regions[i].keys_len > KVB_REGION_KEYS_MAX)
+            return KVB_ERR_TOO_LARGE;
+        size += REGION_MIN + strnlen(regions[i].info.location, KVB_LOCATION_MAX) +
+                regions[i].keys_len;
+    }
     if (size > KVB_WIRE_MAX_HELLO_ACK)
         return KVB_ERR_TOO_LARGE;
     uint8_t *buf = malloc(size);
@@ -280,21 +288,75 @@ int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_info_t *re
     put_u32(p, (uint32_t)n);
     p += 4;
     for (size_t i = 0; i < n; i++) {
-        size_t ll = strnlen(regions[i].location, KVB_LOCATION_MAX);
-        put_u64(p, regions[i].addr);
-        put_u64(p + 8, regions[i].len);
-        put_u32(p + 16, regions[i].access);
+        const kvb_region_info_t *r = &regions[i].info;
+        size_t ll = strnlen(r->location, KVB_LOCATION_MAX);
+        put_u64(p, r->addr);
+        put_u64(p + 8, r->len);
+        put_u32(p + 16, r->access);
         put_u16(p + 20, (uint16_t)ll);
-        memcpy(p + 22, regions[i].location, ll);
+        memcpy(p + 22, r->location, ll);
         p += 22 + ll;
+        put_u16(p, regions[i].keys_len);
+        if (regions[i].keys_len)
+            memcpy(p + 2, regions[i].keys, regions[i].keys_len);
+        p += 2 + regions[i].keys_len;
     }
     *out = buf;
     *out_len = size;
     return KVB_OK;
 }
 
+/* A key run: entries that fill it exactly, each for a known path, none twice. */
+static bool keys_ok(const uint8_t *k, size_t n)
+{
+    unsigned seen = 0;
+    size_t off = 0;
+    while (off < n) {
+        if (n - off < 2 || k[off] >= KVB_PATHS_MAX || (seen & (1u << k[off])) ||
+            k[off + 1] > KVB_KEY_MAX || k[off + 1] > n - off - 2)
+            return false;
+        seen |= 1u << k[off];
+        off += 2u + k[off + 1];
+    }
+    return true;
+}
+
+/* Decodes one region at in[*off..len) into r (location, kind) and returns its keys' offset and
+ * length; KVB_ERR_PROTOCOL if it is malformed. */
+static int region_decode(const uint8_t *in, size_t len, size_t *off, kvb_region_desc_t *r,
+                         size_t *keys_off)
+{
+    size_t o = *off;
+    if (len - o < REGION_MIN)
+        return KVB_ERR_PROTOCOL;
+    size_t ll = get_u16(in + o + 20);
+    if (ll > KVB_LOCATION_MAX || ll > len - o - REGION_MIN)
+        return KVB_ERR_PROTOCOL;
+    r->info.addr = get_u64(in + o);
+    r->info.len = get_u64(in + o + 8);
+    r->info.access = get_u32(in + o + 16);
+    if (r->info.access == 0 || (r->info.access & ~(unsigned)KVB_ACCESS_RW) || r->info.len == 0 ||
+        r->info.addr + r->info.len < r->info.addr)
+        return KVB_ERR_PROTOCOL;
+    for (size_t k = 0; k < ll; k++)
+        if (in[o + 22 + k] < 0x20 || in[o + 22 + k] > 0x7e)
+            return KVB_ERR_PROTOCOL;
+    memcpy(r->info.location, in + o + 22, ll);
+    r->info.location[ll] = '\0';
+    if (kvb__mem_kind_parse(r->info.location, &r->kind, &r->device))
+        return KVB_ERR_PROTOCOL;
+    o += 22 + ll;
+    size_t kl = get_u16(in + o);
+    if (kl > KVB_REGION_KEYS_MAX || kl > len - o - 2 || !keys_ok(in + o + 2, kl))
+        return KVB_ERR_PROTOCOL;
+    r->keys_len = (uint16_t)kl;
+    *keys_off = o + 2;
+    *off = o + 2 + kl;
+    return KVB_OK;
+}
+
 int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
-                               kvb_region_info_t **regions, size_t *n)
+                               kvb_region_desc_t **regions, size_t *n)
 {
     size_t off;
     kvb_hello_t h;
@@ -302,30 +364,25 @@ int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
         return KVB_ERR_PROTOCOL;
     uint32_t count = get_u32(in + off);
     off += 4;
-    /* Each region needs at least 22 bytes: bound the count by what is actually there before
-     * allocating anything for it. */
-    if (count > KVB_WIRE_MAX_REGIONS || count > (len - off) / 22)
+    /* Bound the count by what is actually there before allocating anything for it; keys take
+     * no more room here than on the wire. */
+    if (count > KVB_WIRE_MAX_REGIONS || count > (len - off) / REGION_MIN)
         return KVB_ERR_PROTOCOL;
-    kvb_region_info_t *r = count ? calloc(count, sizeof *r) : NULL;
+    size_t keys_room = len - off - (size_t)count * REGION_MIN;
+    kvb_region_desc_t *r = count ? calloc(1, count * sizeof *r + keys_room) : NULL;
     if (count && !r)
         return KVB_ERR_NOMEM;
+    uint8_t *kp = (uint8_t *)(r + count);
     for (uint32_t i = 0; i < count; i++) {
-        if (len - off < 22)
+        size_t keys_off;
+        if (region_decode(in, len, &off, &r[i], &keys_off))
             goto bad;
-        size_t ll = get_u16(in + off + 20);
-        if (ll > KVB_LOCATION_MAX || ll > len - off - 22)
+        /* Sorted and disjoint, as a registry lists them: lookups rely on it. */
+        if (i > 0 && r[i].info.addr < r[i - 1].info.addr + r[i - 1].info.len)
             goto bad;
-        r[i].addr = get_u64(in + off);
-        r[i].len = get_u64(in + off + 8);
-        r[i].access = get_u32(in + off + 16);
-        if (r[i].access == 0 || (r[i].access & ~(unsigned)KVB_ACCESS_RW))
-            goto bad;
-        for (size_t k = 0; k < ll; k++)
-            if (in[off + 22 + k] < 0x20 || in[off + 22 + k] > 0x7e)
-                goto bad;
-        memcpy(r[i].location, in + off + 22, ll);
-        r[i].location[ll] = '\0';
-        off += 22 + ll;
+        memcpy(kp, in + keys_off, r[i].keys_len);
+        r[i].keys = kp;
+        kp += r[i].keys_len;
     }
     if (off != len)
         goto bad;

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/registry.h"
 #include "kvbridge/engine.h"
 
 #define KVB_WIRE_MAGIC    0x3142564Bu /* "KVB1" read as little-endian */
@@ -119,11 +120,13 @@ int kvb__wire_attrs_encode(const kvb_attr_t *attrs, size_t n, uint8_t **out, siz
 int kvb__wire_attrs_decode(const uint8_t *in, size_t len, kvb_attr_t **attrs, size_t *n);
 void kvb__attrs_free(kvb_attr_t *attrs, size_t n);
 
-/* HELLO_ACK = hello + region list. Encode allocates *out (caller frees). Decode allocates
- * *regions (caller frees; NULL when there are none). */
-int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_info_t *regions, size_t n,
+/* HELLO_ACK = hello + region list, each region with its key blobs. Encode allocates *out (caller
+ * frees). Decode allocates *regions as one block, keys included (caller frees; NULL when there
+ * are none), and refuses regions out of address order or overlapping, locations that are not a
+ * memory kind, and key runs that are not well formed. */
+int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_desc_t *regions, size_t n,
                                uint8_t **out, size_t *out_len);
 int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello,
-                               kvb_region_info_t **regions, size_t *n);
+                               kvb_region_desc_t **regions, size_t *n);
 
 #endif

@@ -1030,3 +1030,68 @@ void kvb__shm_destroy(kvb_shm_t *s)
     pthread_cond_destroy(&s->done_cv);
     free(s);
 }
+
+/* ---- the shm data path ---------------------------------------------------------------------- */
+
+/* Its requests are two-sided frames on the control plane's lanes (so the target checks bounds
+ * and rights as for TCP); only the bytes take the shortcut. The engine-wide state is e->shm. */
+static int path_create(kvb_engine_t *e, kvb_provider_t **out)
+{
+    *out = (kvb_provider_t *)e->shm;
+    return KVB_OK;
+}
+
+/* Links to a same-host peer with the one-time tokens its lanes' HELLO_ACKs carried. */
+static int path_attach(kvb_provider_t *pv, kvb_peer_t *p, uint64_t deadline)
+{
+    kvb_shm_link_t *l = NULL;
+    int rc = kvb__shm_link_open((kvb_shm_t *)pv, &p->hello,
+                                (const uint8_t(*)[KVB_LINK_TOKEN_LEN])p->link_tokens,
+                                p->nlink_tokens, deadline, &l);
+    if (rc == KVB_OK) {
+        p->path_state[KVB_PATH_SHM] = l;
+        KVB_INFO("segment %s: same host, data through shared memory%s", p->name,
+                 kvb__shm_link_cma(l) ? "" : " (kvb_alloc memory only)");
+    }
+    return rc;
+}
+
+static void path_detach(kvb_peer_t *p)
+{
+    kvb__shm_link_close(p->path_state[KVB_PATH_SHM]);
+    p->path_state[KVB_PATH_SHM] = NULL;
+}
+
+/* Host memory on both sides, and ours where the target can reach it (may block once per
+ * kvb_alloc allocation, to share it). */
+static bool path_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+{
+    (void)pv;
+    return (!op->pin || op->pin->kind == KVB_MEM_CPU) &&
+           (!op->rregion || op->rregion->kind == KVB_MEM_CPU) &&
+           kvb__shm_link_reaches(p->path_state[KVB_PATH_SHM], (uintptr_t)op->local, op->len);
+}
+
+static void path_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
+{
+    (void)pv;
+    for (kvb_op_t *op = ops; op; op = op->next)
+        op->shm = true;
+    p->engine->tp_ops->submit(p->engine->tp, p, ops);
+}
+
+static int path_progress(kvb_batch_t *b, uint64_t deadline)
+{
+    return b->engine->tp_ops->drive(b, deadline);
+}
+
+const kvb_provider_ops_t kvb__shm_provider = {
+    .name = "shm",
+    .id = KVB_PATH_SHM,
+    .create = path_create,
+    .attach = path_attach,
+    .detach = path_detach,
+    .reaches = path_reaches,
+    .submit = path_submit,
+    .progress = path_progress,
+};

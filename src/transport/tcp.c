@@ -162,8 +162,6 @@ typedef struct {
     int nlanes;
     atomic_uint rr;
     tcp_conn_t *lanes[16];
-    kvb_shm_link_t *link;                   /* same-host data path; NULL: bytes go over the lanes */
-    uint8_t tokens[16][KVB_LINK_TOKEN_LEN]; /* per lane, from its HELLO_ACK */
 } tcp_peer_t;
 
 static char listen_tag, wake_tag;       /* epoll data.ptr markers */
@@ -569,6 +567,20 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
 static void flush_jobs(tcp_conn_t *c);
 
 /* Target side: a request header arrived; decide where its payload goes and what to answer. */
+/* Target side: checks a requested range against the registry and pins its region. The lanes and
+ * the same-host copies reach host memory only: a region of another kind is refused here. */
+static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigned access,
+                       kvb_region_t **pin)
+{
+    int st = kvb__registry_check(reg, addr, len, access, KVB_ERR_REMOTE_NOT_REGISTERED, pin);
+    if (st == KVB_OK && (*pin)->kind != KVB_MEM_CPU) {
+        kvb__region_unpin(reg, *pin);
+        *pin = NULL;
+        st = KVB_ERR_UNSUPPORTED;
+    }
+    return st;
+}
+
 static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_registry_t *reg = &c->th->tp->engine->registry;
@@ -599,8 +611,7 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     case KVB_FRAME_READ_REQ:
         if (!shm) { /* answered right away, straight from the region */
             kvb_region_t *pin = NULL;
-            int st = kvb__registry_check(reg, h->addr, h->len, access,
-                                         KVB_ERR_REMOTE_NOT_REGISTERED, &pin);
+            int st = check_range(reg, h->addr, h->len, access, &pin);
             kvb_frame_hdr_t r = {
                 .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
             return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
@@ -608,8 +619,7 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         /* a same-host READ is answered once its address payload is in */
         __attribute__((fallthrough));
     case KVB_FRAME_WRITE_REQ:
-        c->rx_status = kvb__registry_check(reg, h->addr, h->len, access,
-                                           KVB_ERR_REMOTE_NOT_REGISTERED, &c->rx_pin);
+        c->rx_status = check_range(reg, h->addr, h->len, access, &c->rx_pin);
         if (shm)
             c->rx_sink = SINK_INLINE;
         else
@@ -671,7 +681,7 @@ static int send_hello_ack(tcp_conn_t *c)
 {
     kvb_engine_t *e = c->th->tp->engine;
     const kvb_hello_t *their = &c->their;
-    kvb_region_info_t *regions;
+    kvb_region_desc_t *regions;
     size_t n, len, alen;
     uint8_t *buf, *attrs;
     kvb_hello_t me = e->hello;
@@ -1592,7 +1602,7 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t
     uint8_t *body = NULL;
     size_t len = 0, n = 0;
     kvb_hello_t their, ack;
-    kvb_region_info_t *regions = NULL;
+    kvb_region_desc_t *regions = NULL;
     rc = authenticate(tp->engine, fd, lane, deadline, &their, why, sizeof why);
     if (!rc)
         rc = recv_frame(fd, KVB_FRAME_HELLO_ACK, deadline, &body, &len, why, sizeof why);
@@ -1603,15 +1613,20 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, uint64_t
     if (!rc && ack.incarnation != their.incarnation)
         rc = KVB_ERR_PROTOCOL;
     if (!rc) {
-        memcpy(((tcp_peer_t *)p->tp)->tokens[lane], ack.nonce, KVB_LINK_TOKEN_LEN);
+        _Static_assert(sizeof p->link_tokens / sizeof p->link_tokens[0] >= 16, "a token a lane");
+        memcpy(p->link_tokens[lane], ack.nonce, KVB_LINK_TOKEN_LEN);
+        p->nlink_tokens = lane + 1;
         kvb__wipe(ack.nonce, sizeof ack.nonce);
         memset(their.nonce, 0, sizeof their.nonce);
     }
     if (!rc && lane == 0) {
         p->hello = their;
-        p->regions = regions;
-        p->nregions = n;
+        p->rlist = kvb__region_list_new(regions, n);
         regions = NULL;
+        if (!p->rlist)
+            rc = KVB_ERR_NOMEM;
+    }
+    if (!rc && lane == 0) {
         rc = recv_frame(fd, KVB_FRAME_ATTRS, deadline, &body, &len, why, sizeof why);
         if (!rc)
             rc = kvb__wire_attrs_decode(body, len, &p->attrs, &p->nattrs);
@@ -1641,40 +1656,8 @@ static void tcp_peer_free(kvb_peer_t *p)
         return;
     for (int i = 0; i < tpp->nlanes; i++)
         conn_release(tpp->lanes[i]);
-    kvb__shm_link_close(tpp->link);
     free(tpp);
     p->tp = NULL;
-}
-
-static const char *tcp_peer_path(const kvb_peer_t *p)
-{
-    const tcp_peer_t *tpp = p->tp;
-    return tpp && tpp->link ? "shm" : "tcp";
-}
-
-/* Sets up the same-host data path to a peer whose lanes are connected, as the engine's protocol
- * asks: "auto" falls back to TCP quietly, "shm" makes it an error. */
-static int link_same_host(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
-{
-    kvb_engine_t *e = tp->engine;
-    tcp_peer_t *tpp = p->tp;
-    if (e->protocol == KVB_PROTO_TCP)
-        return KVB_OK;
-    int rc =
-        kvb__shm_link_open(e->shm, &p->hello, (const uint8_t(*)[KVB_LINK_TOKEN_LEN])tpp->tokens,
-                           (size_t)e->cfg.lanes, deadline, &tpp->link);
-    if (rc == KVB_OK) {
-        KVB_INFO("segment %s: same host, data through shared memory%s", p->name,
-                 kvb__shm_link_cma(tpp->link) ? "" : " (kvb_alloc memory only)");
-        return KVB_OK;
-    }
-    if (e->protocol == KVB_PROTO_SHM) {
-        KVB_ERROR("segment %s: shared memory required but unavailable: %s", p->name,
-                  rc == KVB_ERR_UNSUPPORTED ? "the peer is on another host" : kvb_strerror(rc));
-        return KVB_ERR_UNSUPPORTED;
-    }
-    KVB_DEBUG("segment %s: no shared memory (%s); using TCP", p->name, kvb_strerror(rc));
-    return KVB_OK;
 }
 
 static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
@@ -1709,8 +1692,6 @@ static int tcp_connect(kvb_transport_t *tp, kvb_peer_t *p, uint64_t deadline)
         tpp->lanes[tpp->nlanes++] = c;
         thread_adopt(tp, c);
     }
-    if (rc == KVB_OK)
-        rc = link_same_host(tp, p, deadline);
     if (rc) {
         for (int i = 0; i < tpp->nlanes; i++)
             conn_request_close(tpp->lanes[i], KVB_ERR_CANCELED);
@@ -1821,10 +1802,6 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
         fail_op_list(ops, lost ? lost : KVB_ERR_PEER_LOST);
         return;
     }
-    if (tpp->link) /* may block once per allocation, to share it with the peer */
-        for (kvb_op_t *op = ops; op; op = op->next)
-            op->shm = op->kind != KVB_OPK_NOTIFY &&
-                      kvb__shm_link_reaches(tpp->link, (uintptr_t)op->local, op->len);
     /* Consecutive ops stay on one lane until LANE_SPREAD bytes, so small requests coalesce into
      * few large writes while big transfers spread over every lane. */
     unsigned lane = atomic_fetch_add(&tpp->rr, 1) % (unsigned)tpp->nlanes;
@@ -1898,7 +1875,37 @@ const kvb_transport_ops_t kvb__tcp_ops = {
     .submit = tcp_submit,
     .disconnect = tcp_disconnect,
     .peer_free = tcp_peer_free,
-    .peer_path = tcp_peer_path,
     .drive = tcp_drive,
     .reply = tcp_reply,
+};
+
+/* ---- the TCP data path: payloads on the lanes ----------------------------------------------- */
+
+/* The lanes carry bytes between host memory on both sides; the target checks the remote range
+ * itself, so a range its list does not name (registered since) may still be tried. */
+static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+{
+    (void)pv;
+    (void)p;
+    return (!op->pin || op->pin->kind == KVB_MEM_CPU) &&
+           (!op->rregion || op->rregion->kind == KVB_MEM_CPU);
+}
+
+static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
+{
+    (void)pv;
+    tcp_submit(p->engine->tp, p, ops);
+}
+
+static int lanes_progress(kvb_batch_t *b, uint64_t deadline)
+{
+    return tcp_drive(b, deadline);
+}
+
+const kvb_provider_ops_t kvb__tcp_provider = {
+    .name = "tcp",
+    .id = KVB_PATH_TCP,
+    .reaches = lanes_reach,
+    .submit = lanes_submit,
+    .progress = lanes_progress,
 };

@@ -284,7 +284,8 @@ static void *fake_target(void *arg)
     } else if (f->mode == 2) {
         kvb_hello_t me = {.incarnation = 9};
         strcpy(me.name, "fake:1");
-        kvb_region_info_t r = {.addr = 0x1000, .len = 0x1000, .access = KVB_ACCESS_RW};
+        kvb_region_desc_t r = {.info = {.addr = 0x1000, .len = 0x1000, .access = KVB_ACCESS_RW}};
+        strcpy(r.info.location, "cpu");
         uint8_t *body, hdr[KVB_WIRE_HDR_SIZE];
         size_t len;
         /* A target that knows the (empty) secret: challenge, then the initiator's proof. */
@@ -710,7 +711,7 @@ static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
     uint8_t *body;
     kvb_frame_hdr_t h = recv_frame(*tcp_fd, &body);
     cr_assert_eq(h.type, KVB_FRAME_HELLO_ACK);
-    kvb_region_info_t *regions;
+    kvb_region_desc_t *regions;
     size_t n;
     cr_assert_eq(kvb__wire_hello_ack_decode(body, h.len, &ack, &regions, &n), KVB_OK);
     free(body);
