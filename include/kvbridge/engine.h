@@ -45,9 +45,12 @@ typedef struct {
     int lanes;                   /* TCP connections per peer; default 2, at most 16 */
     uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
-    const char
-        *protocol;       /* "auto" (default): shared memory with same-host peers, else TCP;
-                          * "tcp": TCP only; "shm": shared memory, opening a peer elsewhere fails */
+    /* The data paths requests may take, in the order they are tried: "auto" (default) is every
+     * path that runs here, best first (shm, then tcp); or a comma-separated list such as "tcp",
+     * "shm" or "shm,tcp", each path of which must reach every peer opened (else the open fails).
+     * A request goes to the first listed path that can carry it; the TCP lanes come last either
+     * way, since they carry the control plane. */
+    const char *protocol;
     int copy_threads;    /* extra threads splitting large same-host copies; default 1, max 16 */
     const char *cluster; /* namespace of this engine's keys in a metadata store; default
                           * "default" (1..63 characters of [A-Za-z0-9._-]) */

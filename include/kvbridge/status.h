@@ -36,6 +36,7 @@ extern "C" {
     XX(ERR_INCOMPATIBLE, -17, "incompatible KV layouts or topology (refused at link time)")        \
     XX(ERR_SEGMENT_NOT_FOUND, -18, "segment not found (no live descriptor in the metadata store)") \
     XX(ERR_META_UNREACHABLE, -19, "metadata store unreachable")                                    \
+    XX(ERR_DEVICE, -20, "GPU operation failed (the log has CUDA's message)")                       \
     XX(ERR_PEER_LOST, -100, "peer lost (connection closed or reset)")                              \
     XX(ERR_CONNECT, -101, "cannot connect to peer")                                                \
     XX(ERR_PROTOCOL, -102, "protocol error: malformed or unexpected frame")                        \
@@ -46,7 +47,8 @@ extern "C" {
     XX(ERR_REMOTE_NOT_REGISTERED, -200, "remote address range is not registered")                  \
     XX(ERR_ACCESS_DENIED, -201, "remote region does not grant this access")                        \
     XX(ERR_REMOTE_NO_SPACE, -202, "peer's notification queue is full")                             \
-    XX(ERR_SHM_COPY, -203, "same-host copy to or from the initiator's memory failed")
+    XX(ERR_SHM_COPY, -203, "same-host copy to or from the initiator's memory failed")              \
+    XX(ERR_REMOTE_DEVICE, -204, "the peer's copy to or from its GPU memory failed")
 
 typedef enum {
 #define KVB_STATUS_ENUM(name, value, msg) KVB_##name = value,

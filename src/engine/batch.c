@@ -292,8 +292,8 @@ static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
         unreached = op->next;
         if (first)
             KVB_WARN("segment %s: no data path reaches %s memory at 0x%llx from local %s memory",
-                 p->name, op->rregion ? op->rregion->info.location : "its",
-                 (unsigned long long)op->remote, op->pin ? op->pin->location : "host");
+                     p->name, op->rregion ? op->rregion->info.location : "its",
+                     (unsigned long long)op->remote, op->pin ? op->pin->location : "host");
         kvb__op_done(op, KVB_ERR_UNSUPPORTED, 0);
     }
     kvb__region_list_put(rl);
@@ -428,8 +428,8 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
         }
         /* One connection carries the whole batch: sleep on its socket and read the answers
          * here. A wakeup from the socket is much cheaper than a hand-off between threads. */
-        const kvb_provider_ops_t *pv = b->drive_path >= 0 ? kvb__provider((unsigned)b->drive_path)
-                                                          : NULL;
+        const kvb_provider_ops_t *pv =
+            b->drive_path >= 0 ? kvb__provider((unsigned)b->drive_path) : NULL;
         if (b->drive_hint && pv && pv->progress) {
             pthread_mutex_unlock(&b->mu);
             int drc = pv->progress(b, until);
@@ -450,6 +450,15 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
     return rc;
 }
 
+/* Lets the paths drop the batch's ops they have not started. */
+static void cancel_paths(kvb_batch_t *b)
+{
+    kvb_engine_t *e = b->engine;
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((e->paths & (1u << id)) && kvb__provider(id)->cancel)
+            kvb__provider(id)->cancel(e->path_state[id], b);
+}
+
 int kvb_batch_cancel(kvb_batch_t *b)
 {
     if (!b)
@@ -457,6 +466,7 @@ int kvb_batch_cancel(kvb_batch_t *b)
     pthread_mutex_lock(&b->mu);
     end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED);
     pthread_mutex_unlock(&b->mu);
+    cancel_paths(b);
     return KVB_OK;
 }
 
@@ -468,6 +478,7 @@ void kvb_batch_free(kvb_batch_t *b)
     end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED);
     b->freed = true;
     pthread_mutex_unlock(&b->mu);
+    cancel_paths(b);
     atomic_fetch_sub(&b->engine->live_batches, 1);
     batch_release(b);
 }

@@ -80,7 +80,7 @@ static int copy_str(char *dst, size_t cap, const char *src)
  * control plane, so a request no listed path reaches goes there. */
 static int parse_paths(kvb_engine_t *e, const char *protocol)
 {
-    static const uint8_t builtin[] = {KVB_PATH_SHM, KVB_PATH_TCP};
+    static const uint8_t builtin[] = {KVB_PATH_CUDA, KVB_PATH_SHM, KVB_PATH_TCP};
     _Static_assert(sizeof builtin == KVB_PATHS, "every path has a place in the default order");
     e->norder = 0;
     e->required = 0;
@@ -101,8 +101,8 @@ static int parse_paths(kvb_engine_t *e, const char *protocol)
             id = kvb__provider_id(name);
         }
         if (id < 0 || (seen & (1u << id))) {
-            KVB_ERROR("protocol '%s': '%.*s' is %s (paths: auto, or a list of tcp, shm)", protocol,
-                      (int)n, p, id < 0 ? "not a data path" : "named twice");
+            KVB_ERROR("protocol '%s': '%.*s' is %s (paths: auto, or a list of tcp, shm, cuda)",
+                      protocol, (int)n, p, id < 0 ? "not a data path" : "named twice");
             return KVB_ERR_INVALID_ARG;
         }
         seen |= 1u << id;
@@ -482,7 +482,8 @@ int kvb_register(kvb_engine_t *e, void *addr, size_t len, const char *location, 
         return KVB_ERR_INVALID_ARG;
     kvb_region_t *reg = NULL;
     int rc = kvb__region_new((uint64_t)(uintptr_t)addr, len, location, access, &reg);
-    if (rc == KVB_OK && ((rc = region_prepare(e, reg)) || (rc = kvb__registry_insert(&e->registry, reg)))) {
+    if (rc == KVB_OK &&
+        ((rc = region_prepare(e, reg)) || (rc = kvb__registry_insert(&e->registry, reg)))) {
         region_release(e, reg);
         free(reg);
     }

@@ -29,7 +29,7 @@ typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_
 
 /* The data paths built in, by id: an op's path, a key blob's tag on the wire, the order of
  * kvb_engine_stats' list. Each is a provider (kvb_provider_ops_t) named in transports.c. */
-enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATHS = 2 };
+enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATH_CUDA = 2, KVB_PATHS = 3 };
 _Static_assert(KVB_PATHS <= KVB_PATHS_MAX, "path ids fit the registry's per-path slots");
 
 /* One unit of work on one lane: a whole request, a chunk of one, or a batch's notification. The
@@ -47,7 +47,8 @@ typedef struct kvb_op {
     const kvb_region_desc_t *rregion; /* the peer's region holding it, if its list names one;
                                        * valid only until the provider's submit returns */
     uint8_t path;                     /* KVB_PATH_*: the provider carrying it */
-    bool shm; /* a two-sided request whose bytes the target copies through shared memory */
+    bool shm;       /* a two-sided request whose bytes the target copies through shared memory */
+    uint8_t *stage; /* a host bounce buffer for local device memory (the lanes' own) */
 } kvb_op_t;
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
@@ -109,11 +110,11 @@ struct kvb_peer {
     char name[KVB_NAME_MAX + 1]; /* the name it was opened by */
     char host[KVB_NAME_MAX + 1];
     uint16_t port;
-    kvb_hello_t hello;  /* the peer's stated identity */
-    atomic_int lost;    /* 0 while usable, else the error that ended it */
-    pthread_mutex_t mu;        /* guards rlist and attrs */
-    kvb_region_list_t *rlist;  /* its regions and their keys, as the last handshake listed them */
-    kvb_attr_t *attrs; /* published by the peer; guarded by mu */
+    kvb_hello_t hello;        /* the peer's stated identity */
+    atomic_int lost;          /* 0 while usable, else the error that ended it */
+    pthread_mutex_t mu;       /* guards rlist and attrs */
+    kvb_region_list_t *rlist; /* its regions and their keys, as the last handshake listed them */
+    kvb_attr_t *attrs;        /* published by the peer; guarded by mu */
     size_t nattrs;
     void *tp; /* the control plane's state */
     const kvb_transport_ops_t *tp_ops;
@@ -121,7 +122,7 @@ struct kvb_peer {
     uint8_t link_tokens[16][KVB_LINK_TOKEN_LEN];
     size_t nlink_tokens;
     /* Data paths attached to this peer, and each one's state for it. */
-    unsigned paths;                /* bit i: path i attached */
+    unsigned paths; /* bit i: path i attached */
     void *path_state[KVB_PATHS_MAX];
 };
 
@@ -193,8 +194,10 @@ struct kvb_provider_ops {
     /* Optional: makes progress on the batch's ops from its waiting thread until something
      * completed or `deadline`; KVB_ERR_BUSY when another thread does that now. */
     int (*progress)(kvb_batch_t *b, uint64_t deadline);
-    /* Optional: ends the batch's ops to `peer` that have not started with KVB_ERR_CANCELED. */
-    void (*cancel)(kvb_provider_t *pv, kvb_peer_t *peer, kvb_batch_t *b);
+    /* Optional: the batch was cancelled or freed; ops of it this path has not started yet may end
+     * now with KVB_ERR_CANCELED instead of moving their bytes. (The TCP lanes have none: frames
+     * queued are sent, and their answers discarded.) */
+    void (*cancel)(kvb_provider_t *pv, kvb_batch_t *b);
 };
 
 /* The built-in providers by id (NULL where none), from transport/transports.c. */
@@ -204,7 +207,6 @@ int kvb__provider_id(const char *name);
 
 /* The built-in transport named `name` (NULL: the default), from transport/transports.c. */
 const kvb_transport_ops_t *kvb__transport_find(const char *name);
-
 
 /* A segment handle is (generation << 16) | (slot index + 1): a slot's generation moves on when
  * it is freed, so a handle kept after its last close never reaches the slot's next peer. */

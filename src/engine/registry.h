@@ -58,7 +58,8 @@ typedef struct kvb_region {
     atomic_bool removed; /* unregistered: a remover may be waiting for the pins to drop */
     uint16_t keys_len;   /* the key blobs data paths made for it (see kvb_region_desc_t) */
     uint8_t keys[KVB_REGION_KEYS_MAX];
-    void *path_state[KVB_PATHS_MAX]; /* per data path (by id), what it keeps for the region (an MR, a map) */
+    void *path_state[KVB_PATHS_MAX]; /* per data path (by id), what it keeps for the region (an MR,
+                                        a map) */
 } kvb_region_t;
 
 /* Called once for each region as its last reference goes, before it is freed. */

@@ -276,8 +276,8 @@ int kvb__wire_hello_ack_encode(const kvb_hello_t *h, const kvb_region_desc_t *re
     for (size_t i = 0; i < n; i++) {
         if (regions[i].keys_len > KVB_REGION_KEYS_MAX)
             return KVB_ERR_TOO_LARGE;
-        size += REGION_MIN + strnlen(regions[i].info.location, KVB_LOCATION_MAX) +
-                regions[i].keys_len;
+        size +=
+            REGION_MIN + strnlen(regions[i].info.location, KVB_LOCATION_MAX) + regions[i].keys_len;
     }
     if (size > KVB_WIRE_MAX_HELLO_ACK)
         return KVB_ERR_TOO_LARGE;
@@ -379,6 +379,10 @@ int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
             goto bad;
         /* Sorted and disjoint, as a registry lists them: lookups rely on it. */
         if (i > 0 && r[i].info.addr < r[i - 1].info.addr + r[i - 1].info.len)
+            goto bad;
+        /* The room was sized for `count` regions of REGION_MIN bytes: a count that promises
+         * more regions than follow must not let early keys overrun it. */
+        if (r[i].keys_len > keys_room - (size_t)(kp - (uint8_t *)(r + count)))
             goto bad;
         memcpy(kp, in + keys_off, r[i].keys_len);
         r[i].keys = kp;

@@ -114,6 +114,28 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
     return -1;
 }
 
+/* "auto", or a comma-separated list of distinct data path names (the engine's `protocol`). */
+static bool protocol_ok(const char *s)
+{
+    static const char *const paths[] = {"tcp", "shm"};
+    if (!strcmp(s, "auto"))
+        return true;
+    unsigned seen = 0;
+    for (;;) {
+        size_t n = strcspn(s, ",");
+        size_t k = 0;
+        while (k < sizeof paths / sizeof paths[0] &&
+               (strlen(paths[k]) != n || strncmp(paths[k], s, n)))
+            k++;
+        if (k == sizeof paths / sizeof paths[0] || (seen & (1u << k)))
+            return false;
+        seen |= 1u << k;
+        if (!s[n])
+            return true;
+        s += n + 1;
+    }
+}
+
 /* The benchmark's registered buffers: kvb_alloc memory (what same-host peers map) unless the run
  * is TCP-only. kvb_alloc memory belongs to the engine and goes with it. */
 static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t len)
@@ -810,7 +832,8 @@ static void usage(FILE *f)
            "  --threads N               submitting threads (default 1)\n"
            "  --duration S              seconds to run (default 5)\n"
            "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
-           "  --protocol tcp|shm|auto   data path (default tcp; auto: shared memory on one host)\n"
+           "  --protocol P              data paths in the order tried: tcp (default), shm, a list\n"
+           "                            such as shm,tcp, or auto (every path, best first)\n"
            "  --lanes N                 connections per peer (default 2)\n"
            "  --progress-threads N      engine progress threads (default 1)\n"
            "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -914,8 +937,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = kvb_cli_parse_uint(optarg, 64, &o->progress) || !o->progress;
             break;
         case 'P':
-            if (strcmp(optarg, "tcp") && strcmp(optarg, "shm") && strcmp(optarg, "auto")) {
-                fprintf(stderr, "kvbridge bench: protocol '%s' is not one of tcp, shm, auto\n",
+            if (!protocol_ok(optarg)) {
+                fprintf(stderr,
+                        "kvbridge bench: protocol '%s' is not auto or a list of data paths "
+                        "(tcp, shm), such as shm,tcp\n",
                         optarg);
                 return 2;
             }

@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "engine/internal.h"
 #include "transport/shm.h"
+#include "transport/stage.h"
 
 #define RXBUF_SIZE   (64u << 10) /* read-ahead for headers and small payloads */
 #define SMALL_RECV   (16u << 10) /* payload remainders below this are read through rxbuf */
@@ -48,7 +49,7 @@ typedef struct tcp_frame {
     const uint8_t *data;
     uint64_t len;
     kvb_region_t *pin; /* target side: region `data` points into, unpinned once sent */
-    void *owned;       /* heap payload freed once sent */
+    void *owned;       /* heap payload (malloc'd or a bounce buffer) released once sent */
     uint8_t inl[8];    /* small inline payload (a same-host request's local address) */
 } tcp_frame_t;
 
@@ -123,7 +124,8 @@ struct tcp_conn {
     int rx_sink, rx_status;
     uint8_t *rx_dst; /* SINK_REGION / SINK_BUF */
     kvb_region_t *rx_pin;
-    kvb_op_t *rx_op; /* SINK_OP */
+    uint8_t *rx_stage; /* a WRITE to device memory lands here first */
+    kvb_op_t *rx_op;   /* SINK_OP */
 };
 
 struct tcp_thread {
@@ -299,21 +301,38 @@ static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
 {
     if (f->pin)
         kvb__region_unpin(c->registry, f->pin);
-    free(f->owned);
+    kvb__stage_put(f->owned, f->len); /* malloc'd, or a bounce buffer */
     f->next = c->free_frames;
     c->free_frames = f;
+}
+
+/* Ends an op: a READ staged for device memory first moves its bytes into the device (unless the
+ * request ended meanwhile), and its bounce buffer goes back. */
+static void op_end(kvb_op_t *op, int status)
+{
+    if (op->stage) {
+        if (status == KVB_OK && op->kind == KVB_OPK_READ) {
+            uint8_t *dst = kvb__op_dst_lock(op);
+            if (dst) {
+                status = kvb__stage_in((uintptr_t)dst, op->stage, op->len, op->pin->device);
+                kvb__op_dst_unlock(op);
+            }
+        }
+        kvb__stage_put(op->stage, op->len);
+        op->stage = NULL;
+    }
+    kvb__op_done(op, status, status ? 0 : op->len);
 }
 
 static void fail_op_list(kvb_op_t *op, int err)
 {
     while (op) {
         kvb_op_t *next = op->next;
-        kvb__op_done(op, err, 0);
+        op_end(op, err);
         op = next;
     }
 }
 
-/* Owner thread: tears c down and ends everything it held. */
 /* Owner thread: tears c down and ends everything it held. */
 static void conn_close(tcp_conn_t *c)
 {
@@ -355,6 +374,8 @@ static void conn_close(tcp_conn_t *c)
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
+    kvb__stage_put(c->rx_stage, 0);
+    c->rx_stage = NULL;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
     for (size_t i = 0; i < c->njobs; i++)
@@ -410,7 +431,7 @@ static int queue_frame_locked(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uin
     if (!f) {
         if (pin)
             kvb__region_unpin(c->registry, pin);
-        free(owned);
+        kvb__stage_put(owned, 0);
         return KVB_ERR_NOMEM;
     }
     kvb__wire_encode_hdr(h, f->hdr);
@@ -538,7 +559,8 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
                              .id = op->wire_id,
                              .addr = op->remote,
                              .len = op->len};
-        if (queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : op->local, NULL, NULL)) {
+        const uint8_t *payload = op->stage ? op->stage : op->local;
+        if (queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : payload, NULL, NULL)) {
             op->next = *failed;
             *failed = op;
             op = next;
@@ -566,21 +588,38 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
 
 static void flush_jobs(tcp_conn_t *c);
 
-/* Target side: a request header arrived; decide where its payload goes and what to answer. */
-/* Target side: checks a requested range against the registry and pins its region. The lanes and
- * the same-host copies reach host memory only: a region of another kind is refused here. */
-static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigned access,
+/* Target side: checks a requested range against the registry and pins its region. The lanes
+ * reach device memory through bounce buffers; same-host copies reach host memory only. */
+static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigned access, bool shm,
                        kvb_region_t **pin)
 {
     int st = kvb__registry_check(reg, addr, len, access, KVB_ERR_REMOTE_NOT_REGISTERED, pin);
-    if (st == KVB_OK && (*pin)->kind != KVB_MEM_CPU) {
+    if (st == KVB_OK && (*pin)->kind != KVB_MEM_CPU && (shm || !kvb__stage_can((*pin)->kind))) {
         kvb__region_unpin(reg, *pin);
         *pin = NULL;
-        st = KVB_ERR_UNSUPPORTED;
+        st = shm ? KVB_ERR_SHM_COPY : KVB_ERR_REMOTE_DEVICE;
     }
     return st;
 }
 
+/* Target side: a READ of device memory is answered from a bounce buffer filled now. */
+static int answer_staged_read(tcp_conn_t *c, const kvb_frame_hdr_t *h, kvb_region_t *pin)
+{
+    uint8_t *buf = kvb__stage_get(h->len);
+    int st = buf ? kvb__stage_out(buf, h->addr, h->len, pin->device) : KVB_ERR_NOMEM;
+    if (st) {
+        kvb__stage_put(buf, h->len);
+        kvb__region_unpin(c->registry, pin);
+        buf = NULL;
+        pin = NULL;
+        st = st == KVB_ERR_NOMEM ? st : KVB_ERR_REMOTE_DEVICE;
+    }
+    kvb_frame_hdr_t r = {
+        .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
+    return queue_frame(c, &r, buf, pin, buf);
+}
+
+/* Target side: a request header arrived; decide where its payload goes and what to answer. */
 static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_registry_t *reg = &c->th->tp->engine->registry;
@@ -611,7 +650,9 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     case KVB_FRAME_READ_REQ:
         if (!shm) { /* answered right away, straight from the region */
             kvb_region_t *pin = NULL;
-            int st = check_range(reg, h->addr, h->len, access, &pin);
+            int st = check_range(reg, h->addr, h->len, access, false, &pin);
+            if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
+                return answer_staged_read(c, h, pin);
             kvb_frame_hdr_t r = {
                 .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
             return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
@@ -619,12 +660,20 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         /* a same-host READ is answered once its address payload is in */
         __attribute__((fallthrough));
     case KVB_FRAME_WRITE_REQ:
-        c->rx_status = check_range(reg, h->addr, h->len, access, &c->rx_pin);
+        c->rx_status = check_range(reg, h->addr, h->len, access, shm, &c->rx_pin);
         if (shm)
             c->rx_sink = SINK_INLINE;
         else
             c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
         c->rx_dst = c->rx_status || shm ? NULL : (uint8_t *)(uintptr_t)h->addr;
+        if (c->rx_dst && c->rx_pin->kind != KVB_MEM_CPU) { /* device memory: bounce it */
+            c->rx_stage = kvb__stage_get(h->len);
+            c->rx_dst = c->rx_stage;
+            if (!c->rx_stage) {
+                c->rx_status = KVB_ERR_NOMEM;
+                c->rx_sink = SINK_DRAIN;
+            }
+        }
         return KVB_OK;
     default:
         return KVB_ERR_PROTOCOL;
@@ -791,6 +840,13 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return send_hello_ack(c);
     }
     case KVB_FRAME_WRITE_REQ: {
+        if (c->rx_stage) { /* the payload is in its bounce buffer: into the device with it */
+            if (c->rx_status == KVB_OK &&
+                kvb__stage_in(h->addr, c->rx_stage, h->len, c->rx_pin->device))
+                c->rx_status = KVB_ERR_REMOTE_DEVICE;
+            kvb__stage_put(c->rx_stage, h->len);
+            c->rx_stage = NULL;
+        }
         if (c->rx_pin)
             kvb__region_unpin(&e->registry, c->rx_pin);
         c->rx_pin = NULL;
@@ -812,7 +868,6 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     }
 }
 
-/* Initiator side: a response header arrived; it must answer the oldest request in flight. */
 /* Initiator side: a response header arrived; it must answer the oldest request in flight. */
 static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
@@ -863,7 +918,7 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     pthread_mutex_unlock(&c->mu);
     op->next = NULL;
     c->rx_op = NULL;
-    kvb__op_done(op, h->status, h->status ? 0 : op->len);
+    op_end(op, h->status);
 }
 
 /* Moves up to `n` payload bytes from src (or the socket, when src is NULL) into the current
@@ -872,7 +927,9 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
 {
     uint8_t *dst = NULL;
     bool op_locked = false;
-    if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP) {
+    if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP && c->rx_op->stage) {
+        dst = c->rx_op->stage + c->rx_got; /* ours until the op ends */
+    } else if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP) {
         dst = kvb__op_dst_lock(c->rx_op);
         op_locked = dst != NULL;
         if (dst)
@@ -1887,14 +1944,34 @@ static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
 {
     (void)pv;
     (void)p;
-    return (!op->pin || op->pin->kind == KVB_MEM_CPU) &&
-           (!op->rregion || op->rregion->kind == KVB_MEM_CPU);
+    /* Device memory goes through bounce buffers on either side (the target stages its own). */
+    return !op->pin || kvb__stage_can(op->pin->kind);
 }
 
+/* Ops on local device memory get a bounce buffer; a WRITE's bytes are copied out of the device
+ * into it now, before its frame is queued. */
 static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     (void)pv;
-    tcp_submit(p->engine->tp, p, ops);
+    kvb_op_t *head = NULL, **tail = &head;
+    while (ops) {
+        kvb_op_t *op = ops;
+        ops = ops->next;
+        op->next = NULL;
+        if (op->pin && op->pin->kind != KVB_MEM_CPU) {
+            int rc = (op->stage = kvb__stage_get(op->len)) ? KVB_OK : KVB_ERR_NOMEM;
+            if (rc == KVB_OK && op->kind == KVB_OPK_WRITE)
+                rc = kvb__stage_out(op->stage, (uintptr_t)op->local, op->len, op->pin->device);
+            if (rc) {
+                op_end(op, rc);
+                continue;
+            }
+        }
+        *tail = op;
+        tail = &op->next;
+    }
+    if (head)
+        tcp_submit(p->engine->tp, p, head);
 }
 
 static int lanes_progress(kvb_batch_t *b, uint64_t deadline)

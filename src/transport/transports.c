@@ -7,13 +7,14 @@
 #include "engine/internal.h"
 
 extern const kvb_transport_ops_t kvb__tcp_ops;
-extern const kvb_provider_ops_t kvb__tcp_provider, kvb__shm_provider;
+extern const kvb_provider_ops_t kvb__tcp_provider, kvb__shm_provider, kvb__cuda_provider;
 
 static const kvb_transport_ops_t *const transports[] = {&kvb__tcp_ops};
 
 static const kvb_provider_ops_t *const providers[KVB_PATHS] = {
     [KVB_PATH_TCP] = &kvb__tcp_provider,
     [KVB_PATH_SHM] = &kvb__shm_provider,
+    [KVB_PATH_CUDA] = &kvb__cuda_provider,
 };
 
 const kvb_transport_ops_t *kvb__transport_find(const char *name)

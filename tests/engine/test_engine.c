@@ -175,6 +175,51 @@ Test(engine, many_small_requests_over_many_lanes_shm)
     many_small_requests("shm");
 }
 
+/* `protocol` is a path order: bad lists are refused; "tcp,shm" attaches both but sends host
+ * memory over TCP (first that reaches it); "shm,tcp" the other way; every op is counted once. */
+Test(engine, path_order)
+{
+    static const char *const bad[] = {"", "rdma", "tcp,tcp", "shm,", ",shm", "tcp;shm", "auto,tcp"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvb_config_t c;
+        kvb_config_init(&c);
+        c.protocol = bad[i];
+        kvb_engine_t *e = NULL;
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "protocol '%s'", bad[i]);
+    }
+    static const struct {
+        const char *order, *path;
+    } cases[] = {{"tcp,shm", "tcp"}, {"shm,tcp", "shm"}, {"shm", "shm"}, {"tcp", "tcp"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvb_engine_t *a = make_proto(1, 2, cases[i].order), *b = make_proto(1, 2, "auto");
+        size_t size = 1 << 20;
+        uint8_t *src, *dst;
+        cr_assert_eq(kvb_alloc(b, size, 0, (void **)&src), KVB_OK);
+        cr_assert_eq(kvb_alloc(a, size, 0, (void **)&dst), KVB_OK);
+        test_pattern_fill(src, 0, size, 7 + i);
+        cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        kvb_segment_t s;
+        cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+        const char *path;
+        cr_assert_eq(kvb_segment_transport(a, s, &path), KVB_OK);
+        cr_expect_str_eq(path, cases[i].path, "protocol %s", cases[i].order);
+        kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
+        kvb_batch_t *batch;
+        cr_assert_eq(kvb_batch_submit(a, &r, 1, NULL, &batch), KVB_OK);
+        cr_assert_eq(kvb_batch_wait(batch, 10000), KVB_OK);
+        kvb_batch_free(batch);
+        cr_assert_eq(memcmp(dst, src, size), 0);
+        kvb_stats_t st;
+        cr_assert_eq(kvb_engine_stats(a, &st), KVB_OK);
+        cr_expect_eq(kvb_stats_bytes(&st, cases[i].path), size, "protocol %s", cases[i].order);
+        cr_expect_eq(kvb_stats_bytes(&st, "tcp") + kvb_stats_bytes(&st, "shm"), size);
+        kvb_segment_close(a, s);
+        kvb_engine_destroy(a);
+        kvb_engine_destroy(b);
+    }
+}
+
 Test(engine, notifications_limits)
 {
     kvb_engine_t *a = make(1, 1), *b = make(1, 1);

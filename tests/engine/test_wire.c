@@ -204,10 +204,10 @@ static int hello_decode_exact(const uint8_t *src, size_t len, kvb_hello_t *out)
 
 /* Decodes a hello_ack from an exact-size copy; on failure checks the outputs were not touched. */
 static int ack_decode_exact(const uint8_t *src, size_t len, kvb_hello_t *hello,
-                            kvb_region_info_t **regions, size_t *n)
+                            kvb_region_desc_t **regions, size_t *n)
 {
     uint8_t *copy = exact_copy(src, len);
-    kvb_region_info_t *const sentinel_ptr = (kvb_region_info_t *)(uintptr_t)0x5a5a5a5a;
+    kvb_region_desc_t *const sentinel_ptr = (kvb_region_desc_t *)(uintptr_t)0x5a5a5a5a;
     *regions = sentinel_ptr;
     *n = 0xdeadbeef;
     kvb_hello_t before;
@@ -224,27 +224,150 @@ static int ack_decode_exact(const uint8_t *src, size_t len, kvb_hello_t *hello,
     return rc;
 }
 
-static void fill_regions(kvb_region_info_t *r, size_t n, uint64_t seed)
+/* Room for one region's key run in the tests: more than a valid run may take, so that runs over
+ * KVB_REGION_KEYS_MAX can be written too. */
+#define KEYS_CAP 1024
+
+/* Deterministic key bytes for (path, salt). */
+static void key_fill(uint8_t *dst, size_t n, unsigned path, unsigned salt)
 {
-    for (size_t i = 0; i < n; i++) {
-        r[i].addr = rng_next(&seed);
-        r[i].len = rng_next(&seed);
-        r[i].access = 1 + (unsigned)(i % 3);
-        size_t ll = (size_t)(rng_next(&seed) % (KVB_LOCATION_MAX + 1));
-        for (size_t j = 0; j < ll; j++)
-            r[i].location[j] = (char)('a' + (rng_next(&seed) % 26));
-        r[i].location[ll] = '\0';
+    for (size_t j = 0; j < n; j++)
+        dst[j] = (uint8_t)(path * 37u + salt * 101u + j * 11u + 1u);
+}
+
+/* Appends a (path u8 | key_len u8 | key) entry with key_fill bytes to d's key run, which lives in
+ * store[0..KEYS_CAP). No validity checks: the tests build bad runs with it too. */
+static void add_key(kvb_region_desc_t *d, uint8_t *store, unsigned path, size_t klen, unsigned salt)
+{
+    cr_assert(d->keys == NULL || d->keys == store, "one store per region");
+    cr_assert_leq(klen, 0xFF);
+    cr_assert_leq(d->keys_len + 2u + klen, KEYS_CAP);
+    uint8_t *p = store + d->keys_len;
+    p[0] = (uint8_t)path;
+    p[1] = (uint8_t)klen;
+    key_fill(p + 2, klen, path, salt);
+    d->keys = store;
+    d->keys_len = (uint16_t)(d->keys_len + 2 + klen);
+}
+
+/* Sets a descriptor's declared fields, and kind/device as kvb__mem_kind_parse reads location. */
+static void set_region(kvb_region_desc_t *d, uint64_t addr, uint64_t len, unsigned access,
+                       const char *location)
+{
+    memset(d, 0, sizeof *d);
+    d->info.addr = addr;
+    d->info.len = len;
+    d->info.access = access;
+    cr_assert_leq(strlen(location), KVB_LOCATION_MAX);
+    strcpy(d->info.location, location);
+    if (kvb__mem_kind_parse(location, &d->kind, &d->device) != KVB_OK) {
+        d->kind = KVB_MEM_CPU; /* a location the tests mean to be refused */
+        d->device = -1;
     }
 }
 
-static void assert_regions_eq(const kvb_region_info_t *a, const kvb_region_info_t *b, size_t n)
+/* Writes a valid location of exactly n bytes (n = 1, 3 or >= 5): "*", "cpu" or "cpu:00..07". */
+static void valid_location(char *dst, size_t n)
+{
+    cr_assert(n == 1 || n == 3 || n >= 5, "no valid location of %zu bytes", n);
+    if (n == 1) {
+        memcpy(dst, "*", 1);
+    } else if (n == 3) {
+        memcpy(dst, "cpu", 3);
+    } else {
+        memcpy(dst, "cpu:", 4);
+        memset(dst + 4, '0', n - 4);
+        dst[n - 1] = '7';
+    }
+}
+
+/* Sorted, disjoint regions (sometimes adjacent) with random valid locations and, when keys is not
+ * NULL (n * KEYS_CAP bytes), 0..3 key entries each for distinct paths, 1..max_key bytes long. */
+static void fill_regions(kvb_region_desc_t *r, size_t n, uint64_t seed, uint8_t *keys,
+                         size_t max_key)
+{
+    uint64_t addr = rng_next(&seed) % (1ull << 40);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t len = 1 + rng_next(&seed) % (1ull << 32);
+        char loc[KVB_LOCATION_MAX + 1];
+        unsigned dev = (unsigned)(rng_next(&seed) % 65536);
+        switch (rng_next(&seed) % 4) {
+        case 0:
+            strcpy(loc, "*");
+            break;
+        case 1:
+            strcpy(loc, "cpu");
+            break;
+        case 2:
+            snprintf(loc, sizeof loc, "cpu:%u", dev);
+            break;
+        default:
+            snprintf(loc, sizeof loc, "cuda:%u", dev);
+            break;
+        }
+        set_region(&r[i], addr, len, 1 + (unsigned)(i % 3), loc);
+        cr_assert_eq(kvb__mem_kind_parse(loc, &r[i].kind, &r[i].device), KVB_OK, "%s", loc);
+        if (keys) {
+            unsigned used = 0, nkeys = (unsigned)(rng_next(&seed) % 4);
+            for (unsigned k = 0; k < nkeys; k++) {
+                unsigned path = (unsigned)(rng_next(&seed) % KVB_PATHS_MAX);
+                if (used & (1u << path))
+                    continue;
+                used |= 1u << path;
+                add_key(&r[i], keys + i * KEYS_CAP, path, 1 + rng_next(&seed) % max_key,
+                        (unsigned)i);
+            }
+        }
+        uint64_t gap = rng_next(&seed) % 3 == 0 ? 0 : rng_next(&seed) % (1ull << 20);
+        addr += len + gap;
+    }
+}
+
+static void assert_regions_eq(const kvb_region_desc_t *a, const kvb_region_desc_t *b, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        cr_assert_eq(a[i].addr, b[i].addr, "region %zu", i);
-        cr_assert_eq(a[i].len, b[i].len, "region %zu", i);
-        cr_assert_eq(a[i].access, b[i].access, "region %zu", i);
-        cr_assert_str_eq(a[i].location, b[i].location, "region %zu", i);
+        cr_assert_eq(a[i].info.addr, b[i].info.addr, "region %zu", i);
+        cr_assert_eq(a[i].info.len, b[i].info.len, "region %zu", i);
+        cr_assert_eq(a[i].info.access, b[i].info.access, "region %zu", i);
+        cr_assert_str_eq(a[i].info.location, b[i].info.location, "region %zu", i);
+        cr_assert_eq(a[i].kind, b[i].kind, "region %zu", i);
+        cr_assert_eq(a[i].device, b[i].device, "region %zu", i);
+        cr_assert_eq(a[i].keys_len, b[i].keys_len, "region %zu", i);
+        if (a[i].keys_len)
+            cr_assert_arr_eq(a[i].keys, b[i].keys, a[i].keys_len, "region %zu keys", i);
     }
+}
+
+/* hello_ack spelled out independently of wire.c: hello | count u32 | count x (addr u64 | len u64 |
+ * access u32 | loc_len u16 | loc | keys_len u16 | keys). Writes the fields as given, valid or not
+ * (keys_len too, so runs over KVB_REGION_KEYS_MAX can be sent). */
+#define REGION_MIN_WIRE 24u
+
+static uint8_t *ack_by_hand(const kvb_hello_t *h, const kvb_region_desc_t *r, size_t n, size_t *len)
+{
+    size_t hs = kvb__wire_hello_size(h);
+    size_t total = hs + 4;
+    for (size_t i = 0; i < n; i++)
+        total += REGION_MIN_WIRE + strlen(r[i].info.location) + r[i].keys_len;
+    uint8_t *buf = malloc(total);
+    cr_assert_not_null(buf);
+    kvb__wire_hello_encode(h, buf);
+    put32(buf + hs, (uint32_t)n);
+    uint8_t *p = buf + hs + 4;
+    for (size_t i = 0; i < n; i++) {
+        size_t ll = strlen(r[i].info.location);
+        put64(p, r[i].info.addr);
+        put64(p + 8, r[i].info.len);
+        put32(p + 16, r[i].info.access);
+        put16(p + 20, (uint16_t)ll);
+        memcpy(p + 22, r[i].info.location, ll);
+        put16(p + 22 + ll, r[i].keys_len);
+        if (r[i].keys_len)
+            memcpy(p + 24 + ll, r[i].keys, r[i].keys_len);
+        p += REGION_MIN_WIRE + ll + r[i].keys_len;
+    }
+    *len = total;
+    return buf;
 }
 
 /* Offset of the region count in a hello_ack whose hello has a name of name_len bytes. */
@@ -1473,60 +1596,180 @@ Test(wire_error_status, sweep)
 
 TestSuite(wire_hello_ack, .timeout = 30);
 
-/* Encodes, checks the size matches hello + 4 + sum(22 + loc), decodes and compares. */
-static void ack_roundtrip(const kvb_hello_t *h, const kvb_region_info_t *regions, size_t n)
+/* Encodes, checks the bytes are hello + 4 + sum(24 + loc + keys) exactly as ack_by_hand lays them
+ * out, decodes and compares. Returns the decoded regions (caller frees; NULL when n is 0). */
+static kvb_region_desc_t *ack_roundtrip(const kvb_hello_t *h, const kvb_region_desc_t *regions,
+                                        size_t n)
 {
     uint8_t *buf = NULL;
     size_t len = 0;
     cr_assert_eq(kvb__wire_hello_ack_encode(h, regions, n, &buf, &len), KVB_OK, "n=%zu", n);
     size_t expect = kvb__wire_hello_size(h) + 4;
     for (size_t i = 0; i < n; i++)
-        expect += 22 + strlen(regions[i].location);
+        expect += REGION_MIN_WIRE + strlen(regions[i].info.location) + regions[i].keys_len;
     cr_assert_eq(len, expect);
     cr_assert_leq(len, KVB_WIRE_MAX_HELLO_ACK);
     cr_assert_eq(get32(buf + kvb__wire_hello_size(h)), n);
+    size_t hand_len;
+    uint8_t *hand = ack_by_hand(h, regions, n, &hand_len);
+    cr_assert_eq(hand_len, len);
+    cr_assert_arr_eq(buf, hand, len, "encoding differs from the documented layout");
+    free(hand);
 
     kvb_hello_t hout;
-    kvb_region_info_t *rout;
+    kvb_region_desc_t *rout;
     size_t nout;
     cr_assert_eq(ack_decode_exact(buf, len, &hout, &rout, &nout), KVB_OK, "n=%zu", n);
     assert_hello_eq(&hout, h);
     cr_assert_eq(nout, n);
-    if (n == 0)
+    if (n == 0) {
         cr_assert_null(rout);
-    else
+    } else {
         assert_regions_eq(rout, regions, n);
-    free(rout);
+        /* One allocation: the keys live after the descriptors, within what the wire carried. */
+        uintptr_t lo = (uintptr_t)(rout + n), hi = lo + len;
+        for (size_t i = 0; i < n; i++)
+            if (rout[i].keys_len)
+                cr_assert((uintptr_t)rout[i].keys >= lo &&
+                              (uintptr_t)rout[i].keys + rout[i].keys_len <= hi,
+                          "region %zu: keys outside the decoded block", i);
+    }
     free(buf);
+    return rout;
+}
+
+/* kvb__region_key(d, path) is want[0..want_len), or NULL when want is NULL. */
+static void assert_key(const kvb_region_desc_t *d, unsigned path, const uint8_t *want,
+                       size_t want_len, size_t region)
+{
+    size_t got_len = 0xdead;
+    const uint8_t *got = kvb__region_key(d, path, &got_len);
+    if (!want) {
+        cr_assert_null(got, "region %zu path %u: a key where none was sent", region, path);
+        return;
+    }
+    cr_assert_not_null(got, "region %zu path %u: key missing", region, path);
+    cr_assert_eq(got_len, want_len, "region %zu path %u: key length", region, path);
+    if (want_len)
+        cr_assert_arr_eq(got, want, want_len, "region %zu path %u: key bytes", region, path);
 }
 
 Test(wire_hello_ack, roundtrip_zero_regions)
 {
     kvb_hello_t h = sample_hello("target:1");
-    ack_roundtrip(&h, NULL, 0);
+    cr_assert_null(ack_roundtrip(&h, NULL, 0));
 }
 
 Test(wire_hello_ack, roundtrip_one_region)
 {
     kvb_hello_t h = sample_hello("target:1");
-    kvb_region_info_t r = {.addr = 0x7f0000001000ull, .len = 1ull << 30, .access = KVB_ACCESS_RW};
-    strcpy(r.location, "cuda:0");
-    ack_roundtrip(&h, &r, 1);
-    r.location[0] = '\0'; /* an empty location is representable */
-    r.access = KVB_ACCESS_READ;
-    r.addr = UINT64_MAX;
-    r.len = UINT64_MAX;
-    ack_roundtrip(&h, &r, 1);
+    kvb_region_desc_t r;
+    set_region(&r, 0x7f0000001000ull, 1ull << 30, KVB_ACCESS_RW, "cuda:0");
+    kvb_region_desc_t *out = ack_roundtrip(&h, &r, 1);
+    cr_assert_eq(out[0].kind, KVB_MEM_CUDA);
+    cr_assert_eq(out[0].device, 0);
+    cr_assert_eq(out[0].keys_len, 0);
+    free(out);
+    /* The highest region there can be: it ends at UINT64_MAX. */
+    set_region(&r, UINT64_MAX - 4096, 4096, KVB_ACCESS_READ, "*");
+    free(ack_roundtrip(&h, &r, 1));
+    set_region(&r, 0, UINT64_MAX, KVB_ACCESS_WRITE, "cpu");
+    free(ack_roundtrip(&h, &r, 1));
+}
+
+Test(wire_hello_ack, roundtrip_memory_kinds)
+{
+    static const struct {
+        const char *loc;
+        kvb_mem_kind_t kind;
+        int device;
+    } cases[] = {{"cpu", KVB_MEM_CPU, -1},      {"cpu:3", KVB_MEM_CPU, 3},
+                 {"cuda:0", KVB_MEM_CUDA, 0},   {"*", KVB_MEM_CPU, -1},
+                 {"cuda:7", KVB_MEM_CUDA, 7},   {"cpu:65535", KVB_MEM_CPU, 65535},
+                 {"cuda:12", KVB_MEM_CUDA, 12}, {"cpu:0", KVB_MEM_CPU, 0}};
+    const size_t n = sizeof cases / sizeof cases[0];
+    kvb_hello_t h = sample_hello("target:kinds");
+    kvb_region_desc_t r[sizeof cases / sizeof cases[0]];
+    for (size_t i = 0; i < n; i++)
+        set_region(&r[i], 0x100000 * (i + 1), 0x1000, KVB_ACCESS_RW, cases[i].loc);
+    kvb_region_desc_t *out = ack_roundtrip(&h, r, n);
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_str_eq(out[i].info.location, cases[i].loc);
+        cr_assert_eq(out[i].kind, cases[i].kind, "%s: kind %d", cases[i].loc, out[i].kind);
+        cr_assert_eq(out[i].device, cases[i].device, "%s: device %d", cases[i].loc, out[i].device);
+    }
+    free(out);
+}
+
+Test(wire_hello_ack, roundtrip_with_keys)
+{
+    kvb_hello_t h = sample_hello("target:keys");
+    enum { N = 5 };
+    static uint8_t store[N][KEYS_CAP];
+    kvb_region_desc_t r[N];
+    set_region(&r[0], 0x10000, 0x1000, KVB_ACCESS_RW, "cpu"); /* no keys */
+    set_region(&r[1], 0x11000, 0x2000, KVB_ACCESS_READ, "cuda:0");
+    add_key(&r[1], store[1], 2, 32, 1);
+    set_region(&r[2], 0x20000, 0x100, KVB_ACCESS_WRITE, "cpu:3");
+    add_key(&r[2], store[2], 5, KVB_KEY_MAX, 2);
+    add_key(&r[2], store[2], 0, 1, 2);
+    add_key(&r[2], store[2], KVB_PATHS_MAX - 1, 17, 2);
+    set_region(&r[3], 0x30000, 0x100, KVB_ACCESS_RW, "*");
+    add_key(&r[3], store[3], 1, 100, 3);
+    add_key(&r[3], store[3], 3, KVB_KEY_MAX, 3);
+    add_key(&r[3], store[3], 6, 2, 3);
+    set_region(&r[4], 0x40000, 0x100, KVB_ACCESS_RW, "cuda:1");
+    add_key(&r[4], store[4], 0, KVB_KEY_MAX, 4);
+    cr_assert_eq(r[2].keys_len, 3 * 2 + KVB_KEY_MAX + 1 + 17);
+
+    /* What each region should hold per path: its length, or -1 for none. */
+    const int want[N][KVB_PATHS_MAX] = {
+        {-1, -1, -1, -1, -1, -1, -1, -1},          /* r[0]: none */
+        {-1, -1, 32, -1, -1, -1, -1, -1},          /* r[1]: one */
+        {1, -1, -1, -1, -1, KVB_KEY_MAX, -1, 17},  /* r[2]: three */
+        {-1, 100, -1, KVB_KEY_MAX, -1, -1, 2, -1}, /* r[3]: three */
+        {KVB_KEY_MAX, -1, -1, -1, -1, -1, -1, -1}, /* r[4]: one, at the limit */
+    };
+    kvb_region_desc_t *out = ack_roundtrip(&h, r, N);
+    for (size_t i = 0; i < N; i++) {
+        for (unsigned p = 0; p < KVB_PATHS_MAX; p++) {
+            uint8_t expect[KVB_KEY_MAX];
+            if (want[i][p] < 0) {
+                assert_key(&out[i], p, NULL, 0, i);
+                assert_key(&r[i], p, NULL, 0, i); /* the local descriptors read the same */
+                continue;
+            }
+            key_fill(expect, (size_t)want[i][p], p, (unsigned)i);
+            assert_key(&out[i], p, expect, (size_t)want[i][p], i);
+            assert_key(&r[i], p, expect, (size_t)want[i][p], i);
+        }
+        /* Ids past the last path are never found. */
+        assert_key(&out[i], KVB_PATHS_MAX, NULL, 0, i);
+        assert_key(&out[i], 255, NULL, 0, i);
+        assert_key(&out[i], 0x100 | 2, NULL, 0, i);
+        cr_assert(out[i].keys_len == 0 || out[i].keys != r[i].keys, "keys copied, not aliased");
+    }
+    free(out);
+    /* A descriptor without keys at all. */
+    kvb_region_desc_t bare;
+    set_region(&bare, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    for (unsigned p = 0; p < KVB_PATHS_MAX; p++)
+        assert_key(&bare, p, NULL, 0, 0);
 }
 
 Test(wire_hello_ack, roundtrip_many_regions)
 {
     kvb_hello_t h = sample_hello("target:many");
     size_t n = 1000;
-    kvb_region_info_t *r = calloc(n, sizeof *r);
+    kvb_region_desc_t *r = calloc(n, sizeof *r);
+    uint8_t *keys = calloc(n, KEYS_CAP);
     cr_assert_not_null(r);
-    fill_regions(r, n, 99);
-    ack_roundtrip(&h, r, n);
+    cr_assert_not_null(keys);
+    fill_regions(r, n, 99, keys, KVB_KEY_MAX);
+    free(ack_roundtrip(&h, r, n));
+    fill_regions(r, n, 100, NULL, 0);
+    free(ack_roundtrip(&h, r, n));
+    free(keys);
     free(r);
 }
 
@@ -1534,16 +1777,23 @@ Test(wire_hello_ack, roundtrip_max_regions_and_location)
 {
     kvb_hello_t h = sample_hello("target:max");
     size_t n = KVB_WIRE_MAX_REGIONS;
-    kvb_region_info_t *r = calloc(n + 1, sizeof *r);
+    kvb_region_desc_t *r = calloc(n + 1, sizeof *r);
     cr_assert_not_null(r);
+    static uint8_t key[2 + 64];
+    key[0] = 4;
+    key[1] = 64;
+    key_fill(key + 2, 64, 4, 0);
+    char loc[KVB_LOCATION_MAX + 1];
+    valid_location(loc, KVB_LOCATION_MAX); /* "cpu:000...07", at the location limit */
+    loc[KVB_LOCATION_MAX] = '\0';
     for (size_t i = 0; i <= n; i++) {
-        r[i].addr = i << 12;
-        r[i].len = 4096;
-        r[i].access = KVB_ACCESS_WRITE;
-        memset(r[i].location, 'L', KVB_LOCATION_MAX); /* at the location limit */
-        r[i].location[KVB_LOCATION_MAX] = '\0';
+        set_region(&r[i], (uint64_t)i << 12, 4096, KVB_ACCESS_WRITE, loc);
+        r[i].keys = key;
+        r[i].keys_len = sizeof key;
     }
-    ack_roundtrip(&h, r, n);
+    kvb_region_desc_t *out = ack_roundtrip(&h, r, n);
+    cr_assert_eq(out[n - 1].device, 7);
+    free(out);
     uint8_t *buf = NULL;
     size_t len = 0;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, n + 1, &buf, &len), KVB_ERR_TOO_LARGE);
@@ -1551,27 +1801,70 @@ Test(wire_hello_ack, roundtrip_max_regions_and_location)
     free(r);
 }
 
+Test(wire_hello_ack, encode_refuses_what_cannot_be_sent)
+{
+    kvb_hello_t h = sample_hello("target:big");
+    static uint8_t keys[KEYS_CAP];
+    kvb_region_desc_t one;
+    set_region(&one, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    one.keys = keys;
+    one.keys_len = KVB_REGION_KEYS_MAX + 1;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    cr_assert_eq(kvb__wire_hello_ack_encode(&h, &one, 1, &buf, &len), KVB_ERR_TOO_LARGE);
+    cr_assert_null(buf);
+
+    /* Every region at the key limit: over KVB_WIRE_MAX_HELLO_ACK in all. */
+    size_t n = KVB_WIRE_MAX_REGIONS;
+    kvb_region_desc_t *r = calloc(n, sizeof *r);
+    cr_assert_not_null(r);
+    for (size_t i = 0; i < n; i++) {
+        set_region(&r[i], (uint64_t)i << 12, 4096, KVB_ACCESS_RW, "*");
+        r[i].keys = keys;
+        r[i].keys_len = KVB_REGION_KEYS_MAX;
+    }
+    cr_assert_gt(n * (REGION_MIN_WIRE + 1 + KVB_REGION_KEYS_MAX), KVB_WIRE_MAX_HELLO_ACK);
+    cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, n, &buf, &len), KVB_ERR_TOO_LARGE);
+    cr_assert_null(buf);
+    free(r);
+}
+
+/* n minimal valid regions ("*", no keys: 25 bytes each) after a count of `count`. */
+static uint8_t *ack_minimal_regions(const kvb_hello_t *h, uint32_t count, size_t n, size_t *len)
+{
+    size_t hs = kvb__wire_hello_size(h);
+    *len = hs + 4 + n * (REGION_MIN_WIRE + 1);
+    uint8_t *buf = calloc(1, *len);
+    cr_assert_not_null(buf);
+    kvb__wire_hello_encode(h, buf);
+    put32(buf + hs, count);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *p = buf + hs + 4 + i * (REGION_MIN_WIRE + 1);
+        put64(p, (uint64_t)i << 12);
+        put64(p + 8, 4096);
+        put32(p + 16, KVB_ACCESS_READ);
+        put16(p + 20, 1);
+        p[22] = '*';
+        put16(p + 23, 0);
+    }
+    return buf;
+}
+
 Test(wire_hello_ack, region_count_over_max_rejected)
 {
     /* Bytes for KVB_WIRE_MAX_REGIONS + 1 minimal regions are present; the count is still over. */
     kvb_hello_t h = sample_hello("t");
-    size_t hs = kvb__wire_hello_size(&h);
-    size_t count = KVB_WIRE_MAX_REGIONS + 1;
-    size_t len = hs + 4 + count * 22;
-    uint8_t *buf = calloc(1, len);
-    cr_assert_not_null(buf);
-    kvb__wire_hello_encode(&h, buf);
-    put32(buf + hs, (uint32_t)count);
-    for (size_t i = 0; i < count; i++)
-        put32(buf + hs + 4 + i * 22 + 16, KVB_ACCESS_READ);
+    size_t count = KVB_WIRE_MAX_REGIONS + 1, len;
+    uint8_t *buf = ack_minimal_regions(&h, (uint32_t)count, count, &len);
     kvb_hello_t ho;
-    kvb_region_info_t *ro;
+    kvb_region_desc_t *ro;
     size_t no;
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     /* One fewer region and count: accepted. */
-    put32(buf + hs, (uint32_t)(count - 1));
-    cr_assert_eq(ack_decode_exact(buf, len - 22, &ho, &ro, &no), KVB_OK);
+    put32(buf + kvb__wire_hello_size(&h), (uint32_t)(count - 1));
+    cr_assert_eq(ack_decode_exact(buf, len - (REGION_MIN_WIRE + 1), &ho, &ro, &no), KVB_OK);
     cr_assert_eq(no, count - 1);
+    cr_assert_eq(ro[count - 2].info.addr, (uint64_t)(count - 2) << 12);
     free(ro);
     free(buf);
 }
@@ -1579,31 +1872,41 @@ Test(wire_hello_ack, region_count_over_max_rejected)
 Test(wire_hello_ack, region_count_larger_than_bytes_rejected)
 {
     kvb_hello_t h = sample_hello("target");
-    kvb_region_info_t r[2] = {{.addr = 1, .len = 2, .access = 1},
-                              {.addr = 3, .len = 4, .access = 2}};
-    strcpy(r[0].location, "cpu");
-    strcpy(r[1].location, "0123456789abcdefghijklmnopqrstuvwxyz"); /* > 22 bytes of location */
+    kvb_region_desc_t r[2];
+    set_region(&r[0], 1, 2, 1, "cpu");
+    char loc[37];
+    valid_location(loc, 36); /* > 24 bytes of location */
+    loc[36] = '\0';
+    set_region(&r[1], 3, 4, 2, loc);
     uint8_t *buf;
     size_t len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, 2, &buf, &len), KVB_OK);
     size_t off = ack_count_off(strlen(h.name));
-    const uint32_t counts[] = {
-        3, 4, 1000, KVB_WIRE_MAX_REGIONS, KVB_WIRE_MAX_REGIONS + 1, 0x7FFFFFFF, 0xFFFFFFFF};
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
+    cr_assert_eq(no, 2);
+    free(ro);
+    const size_t room = len - off - 4; /* region bytes */
+    const uint32_t counts[] = {3,
+                               4,
+                               (uint32_t)(room / REGION_MIN_WIRE + 1),
+                               (uint32_t)(room / 22 + 1),
+                               1000,
+                               KVB_WIRE_MAX_REGIONS,
+                               KVB_WIRE_MAX_REGIONS + 1,
+                               0x7FFFFFFF,
+                               0xFFFFFFFF};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
-        /* Would need about count * sizeof(kvb_region_info_t) bytes if trusted: must fail fast
+        /* Would need about count * sizeof(kvb_region_desc_t) bytes if trusted: must fail fast
          * with a protocol error rather than allocating it (or reporting NOMEM). */
         put32(buf + off, counts[i]);
-        kvb_hello_t ho;
-        kvb_region_info_t *ro;
-        size_t no;
         cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL, "count %u",
                      counts[i]);
     }
     /* And a count one short leaves bytes unaccounted for. */
     put32(buf + off, 1);
-    kvb_hello_t ho;
-    kvb_region_info_t *ro;
-    size_t no;
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     put32(buf + off, 0);
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
@@ -1619,14 +1922,32 @@ Test(wire_hello_ack, region_count_larger_than_bytes_rejected)
     put32(small + hs, 1);
     cr_assert_eq(ack_decode_exact(small, hs + 4, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     free(small);
+
+    /* The bound is 24 bytes a region: a count that 22-byte regions would fit in `room` bytes of
+     * zeros, but 24-byte ones do not, is a protocol error too (not a huge allocation). */
+    for (size_t room2 = 0; room2 < 8 * REGION_MIN_WIRE; room2++) {
+        uint8_t *m = calloc(1, hs + 4 + room2);
+        cr_assert_not_null(m);
+        kvb__wire_hello_encode(&h, m);
+        const uint32_t cs[] = {(uint32_t)(room2 / REGION_MIN_WIRE + 1), (uint32_t)(room2 / 22)};
+        for (size_t c = 0; c < 2; c++) {
+            if (cs[c] == 0)
+                continue;
+            put32(m + hs, cs[c]);
+            cr_assert_eq(ack_decode_exact(m, hs + 4 + room2, &ho, &ro, &no), KVB_ERR_PROTOCOL,
+                         "count %u, %zu region bytes", cs[c], room2);
+        }
+        free(m);
+    }
 }
 
-/* A single-region ack with the given location length field and location bytes. */
+/* A single-region ack with the given location length field and location bytes (a valid location
+ * where ll_bytes allows one) and no keys. */
 static uint8_t *ack_with_location(uint16_t ll_field, size_t ll_bytes, uint32_t access, size_t *len)
 {
     kvb_hello_t h = sample_hello("t");
     size_t hs = kvb__wire_hello_size(&h);
-    *len = hs + 4 + 22 + ll_bytes;
+    *len = hs + 4 + REGION_MIN_WIRE + ll_bytes;
     uint8_t *buf = calloc(1, *len);
     cr_assert_not_null(buf);
     kvb__wire_hello_encode(&h, buf);
@@ -1636,7 +1957,11 @@ static uint8_t *ack_with_location(uint16_t ll_field, size_t ll_bytes, uint32_t a
     put64(p + 8, 0x2000);
     put32(p + 16, access);
     put16(p + 20, ll_field);
-    memset(p + 22, 'g', ll_bytes);
+    if (ll_bytes == 1 || ll_bytes == 3 || ll_bytes >= 5)
+        valid_location((char *)p + 22, ll_bytes);
+    else
+        memset(p + 22, 'g', ll_bytes);
+    put16(p + 22 + ll_bytes, 0); /* keys_len */
     return buf;
 }
 
@@ -1644,15 +1969,18 @@ Test(wire_hello_ack, location_length_limit)
 {
     size_t len;
     kvb_hello_t ho;
-    kvb_region_info_t *ro;
+    kvb_region_desc_t *ro;
     size_t no;
     uint8_t *buf = ack_with_location(KVB_LOCATION_MAX, KVB_LOCATION_MAX, KVB_ACCESS_RW, &len);
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
     cr_assert_eq(no, 1);
-    cr_assert_eq(strlen(ro[0].location), KVB_LOCATION_MAX);
+    cr_assert_eq(strlen(ro[0].info.location), KVB_LOCATION_MAX);
+    cr_assert_eq(ro[0].kind, KVB_MEM_CPU);
+    cr_assert_eq(ro[0].device, 7);
     free(ro);
     free(buf);
 
+    /* One byte over, the same valid form: refused for its length alone. */
     buf = ack_with_location(KVB_LOCATION_MAX + 1, KVB_LOCATION_MAX + 1, KVB_ACCESS_RW, &len);
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     free(buf);
@@ -1668,15 +1996,15 @@ Test(wire_hello_ack, location_length_limit)
 Test(wire_hello_ack, access_bits)
 {
     const uint32_t good[] = {KVB_ACCESS_READ, KVB_ACCESS_WRITE, KVB_ACCESS_RW};
-    const uint32_t bad[] = {4, 5, 7, 8, 0x100, 0x80000000u, 0x80000003u, 0xFFFFFFFFu};
+    const uint32_t bad[] = {0, 4, 5, 7, 8, 0x100, 0x80000000u, 0x80000003u, 0xFFFFFFFFu};
     size_t len;
     kvb_hello_t ho;
-    kvb_region_info_t *ro;
+    kvb_region_desc_t *ro;
     size_t no;
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         uint8_t *buf = ack_with_location(3, 3, good[i], &len);
         cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK, "access %u", good[i]);
-        cr_assert_eq(ro[0].access, good[i]);
+        cr_assert_eq(ro[0].info.access, good[i]);
         free(ro);
         free(buf);
     }
@@ -1691,20 +2019,25 @@ Test(wire_hello_ack, access_bits)
 Test(wire_hello_ack, bad_access_in_a_later_region_rejected)
 {
     kvb_hello_t h = sample_hello("target");
-    kvb_region_info_t r[5];
-    memset(r, 0, sizeof r);
-    fill_regions(r, 5, 7);
+    kvb_region_desc_t r[5];
+    static uint8_t keys[5 * KEYS_CAP];
+    fill_regions(r, 5, 7, keys, 40);
     uint8_t *buf;
     size_t len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, 5, &buf, &len), KVB_OK);
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
+    free(ro);
     /* Walk to the last region and corrupt its access word. */
     size_t off = ack_count_off(strlen(h.name)) + 4;
-    for (int i = 0; i < 4; i++)
-        off += 22 + get16(buf + off + 20);
+    for (int i = 0; i < 4; i++) {
+        size_t ll = get16(buf + off + 20);
+        off += REGION_MIN_WIRE + ll + get16(buf + off + 22 + ll);
+    }
+    cr_assert_eq(get64(buf + off), r[4].info.addr, "walked to the last region");
     put32(buf + off + 16, 0x10);
-    kvb_hello_t ho;
-    kvb_region_info_t *ro;
-    size_t no;
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
     free(buf);
 }
@@ -1716,7 +2049,7 @@ Test(wire_hello_ack, bad_hello_part_rejected)
     size_t len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, NULL, 0, &buf, &len), KVB_OK);
     kvb_hello_t ho;
-    kvb_region_info_t *ro;
+    kvb_region_desc_t *ro;
     size_t no;
     cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
     cr_assert_eq(buf[66], 't');
@@ -1734,29 +2067,33 @@ Test(wire_hello_ack, bad_hello_part_rejected)
 Test(wire_hello_ack, every_truncation_rejected)
 {
     kvb_hello_t h = sample_hello("target:trunc");
-    kvb_region_info_t r[3];
-    memset(r, 0, sizeof r);
-    fill_regions(r, 3, 1234);
-    strcpy(r[1].location, ""); /* a zero-length location in the middle */
+    kvb_region_desc_t r[3];
+    static uint8_t keys[3 * KEYS_CAP];
+    fill_regions(r, 3, 1234, NULL, 0);
+    strcpy(r[1].info.location, "*"); /* the shortest location in the middle */
+    add_key(&r[0], keys, 3, KVB_KEY_MAX, 0);
+    add_key(&r[0], keys, 1, 5, 0);
+    add_key(&r[2], keys + 2 * KEYS_CAP, 0, 9, 2);
     uint8_t *buf;
     size_t len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, 3, &buf, &len), KVB_OK);
-    for (size_t cut = 0; cut < len; cut++) {
-        kvb_hello_t ho;
-        kvb_region_info_t *ro;
-        size_t no;
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK, "the whole message");
+    free(ro);
+    for (size_t cut = 0; cut < len; cut++)
         cr_assert_eq(ack_decode_exact(buf, cut, &ho, &ro, &no), KVB_ERR_PROTOCOL,
                      "prefix %zu of %zu", cut, len);
-    }
     free(buf);
 }
 
 Test(wire_hello_ack, trailing_bytes_rejected)
 {
     kvb_hello_t h = sample_hello("target");
-    kvb_region_info_t r[2];
-    memset(r, 0, sizeof r);
-    fill_regions(r, 2, 5);
+    kvb_region_desc_t r[2];
+    static uint8_t keys[2 * KEYS_CAP];
+    fill_regions(r, 2, 5, keys, 20);
     uint8_t *buf;
     size_t len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, 2, &buf, &len), KVB_OK);
@@ -1765,7 +2102,7 @@ Test(wire_hello_ack, trailing_bytes_rejected)
     memcpy(longer, buf, len);
     for (size_t extra = 1; extra <= 30; extra++) {
         kvb_hello_t ho;
-        kvb_region_info_t *ro;
+        kvb_region_desc_t *ro;
         size_t no;
         cr_assert_eq(ack_decode_exact(longer, len + extra, &ho, &ro, &no), KVB_ERR_PROTOCOL,
                      "%zu trailing bytes", extra);
@@ -1774,9 +2111,312 @@ Test(wire_hello_ack, trailing_bytes_rejected)
     free(buf);
 }
 
+/* --- hello_ack: what decode refuses ------------------------------------------------------- */
+
+/* Builds regions[0..n) by hand and decodes them: KVB_OK (freeing the result) or the error. */
+static int ack_try(const kvb_region_desc_t *r, size_t n)
+{
+    kvb_hello_t h = sample_hello("target:rules");
+    size_t len;
+    uint8_t *buf = ack_by_hand(&h, r, n, &len);
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    int rc = ack_decode_exact(buf, len, &ho, &ro, &no);
+    if (rc == KVB_OK) {
+        cr_assert_eq(no, n);
+        free(ro);
+    }
+    free(buf);
+    return rc;
+}
+
+Test(wire_hello_ack, empty_region_rejected)
+{
+    kvb_region_desc_t r[2];
+    set_region(&r[0], 0x1000, 1, KVB_ACCESS_RW, "cpu");
+    set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(r, 2), KVB_OK, "a one-byte region is fine");
+    r[0].info.len = 0;
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "len 0 in the first region");
+    cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "len 0 alone");
+    r[0].info.len = 1;
+    r[1].info.len = 0;
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "len 0 in a later region");
+}
+
+Test(wire_hello_ack, address_overflow_rejected)
+{
+    kvb_region_desc_t r;
+    set_region(&r, UINT64_MAX - 4096, 4096, KVB_ACCESS_READ, "*");
+    cr_assert_eq(ack_try(&r, 1), KVB_OK, "ends at UINT64_MAX");
+    const uint64_t bad[][2] = {{UINT64_MAX, UINT64_MAX},
+                               {UINT64_MAX - 4095, 4096}, /* ends one past UINT64_MAX */
+                               {UINT64_MAX, 1},
+                               {1, UINT64_MAX},
+                               {1ull << 63, 1ull << 63}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        set_region(&r, bad[i][0], bad[i][1], KVB_ACCESS_READ, "*");
+        cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "addr 0x%llx len 0x%llx",
+                     (unsigned long long)bad[i][0], (unsigned long long)bad[i][1]);
+    }
+    /* In a later region, after a valid one. */
+    kvb_region_desc_t two[2];
+    set_region(&two[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&two[1], 0x10000, UINT64_MAX, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(two, 2), KVB_ERR_PROTOCOL);
+}
+
+Test(wire_hello_ack, location_must_be_a_memory_kind)
+{
+    static const char *const good[] = {"cpu", "cpu:3", "cuda:0", "*", "cpu:0", "cuda:65535"};
+    static const char *const bad[] = {"",       "gpu",    "cpu:",   "cpu:x",    "cuda",
+                                      "cuda:",  "cpu:-1", "cpu:1a", "cuda:1:2", "cpu:99999999",
+                                      " cpu",   "cpu ",   "CPU",    "**",       "cuda:65536",
+                                      "cuda:*", "host"};
+    kvb_region_desc_t r;
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, good[i]);
+        cr_assert_eq(ack_try(&r, 1), KVB_OK, "location \"%s\"", good[i]);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, bad[i]);
+        cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "location \"%s\"", bad[i]);
+    }
+    /* The encoder sends whatever it is given: an empty location goes out but does not come back. */
+    kvb_hello_t h = sample_hello("target");
+    set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, "");
+    uint8_t *buf;
+    size_t len;
+    cr_assert_eq(kvb__wire_hello_ack_encode(&h, &r, 1, &buf, &len), KVB_OK);
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_ERR_PROTOCOL);
+    free(buf);
+    /* A bad location in a later region. */
+    kvb_region_desc_t two[2];
+    set_region(&two[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cuda:1");
+    set_region(&two[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cuda");
+    cr_assert_eq(ack_try(two, 2), KVB_ERR_PROTOCOL);
+}
+
+Test(wire_hello_ack, regions_must_be_sorted_and_disjoint)
+{
+    kvb_region_desc_t r[3];
+    set_region(&r[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu"); /* adjacent: fine */
+    set_region(&r[2], 0x8000, 0x1000, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(r, 3), KVB_OK);
+
+    const struct {
+        uint64_t addr, len;
+        const char *what;
+    } bad[] = {
+        {0x1fff, 0x1000, "overlaps the previous region by one byte"},
+        {0x1000, 0x1000, "same range as the previous one"},
+        {0x1000, 0x10, "same start"},
+        {0x1800, 0x10, "inside the previous one"},
+        {0x0, 0x1000, "before the previous one, adjacent"},
+        {0x0, 0x10, "before the previous one"},
+        {0x0, 0x100000, "before, and covering the previous one"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        set_region(&r[1], bad[i].addr, bad[i].len, KVB_ACCESS_RW, "cpu");
+        cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "second region: %s", bad[i].what);
+        cr_assert_eq(ack_try(r, 3), KVB_ERR_PROTOCOL, "second of three: %s", bad[i].what);
+    }
+    /* The first two in order, the third back before them. */
+    set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&r[2], 0x1000, 0x100, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(r, 3), KVB_ERR_PROTOCOL, "third region out of order");
+    set_region(&r[2], 0x2fff, 0x100, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(r, 3), KVB_ERR_PROTOCOL, "third region overlapping the second");
+    set_region(&r[2], 0x3000, 0x100, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(ack_try(r, 3), KVB_OK, "third region adjacent to the second");
+}
+
+Test(wire_hello_ack, keys_len_over_max_rejected)
+{
+    static uint8_t store[KEYS_CAP];
+    kvb_region_desc_t r;
+    /* A well-formed run of exactly KVB_REGION_KEYS_MAX bytes... */
+    set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    size_t left = KVB_REGION_KEYS_MAX;
+    for (unsigned p = 0; left > 0; p++) {
+        cr_assert_lt(p, KVB_PATHS_MAX);
+        size_t k = left - 2 > KVB_KEY_MAX ? KVB_KEY_MAX : left - 2;
+        add_key(&r, store, p, k, 0);
+        left -= 2 + k;
+    }
+    cr_assert_eq(r.keys_len, KVB_REGION_KEYS_MAX);
+    cr_assert_eq(ack_try(&r, 1), KVB_OK, "keys at the limit");
+    /* ...and one a byte longer (its last key one byte longer): refused for its length alone. */
+    size_t last = KVB_REGION_KEYS_MAX - 2 - (KVB_REGION_KEYS_MAX % (2 + KVB_KEY_MAX) - 2);
+    cr_assert_lt(store[last + 1], KVB_KEY_MAX);
+    store[last + 1]++;
+    r.keys_len++;
+    cr_assert_eq(r.keys_len, KVB_REGION_KEYS_MAX + 1);
+    cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "keys one byte over the limit");
+    /* A keys_len far over the limit, bytes present. */
+    memset(store, 0, sizeof store);
+    r.keys_len = 0;
+    r.keys = NULL;
+    for (unsigned p = 0; p < 6; p++)
+        add_key(&r, store, p, KVB_KEY_MAX, 0);
+    cr_assert_gt(r.keys_len, KVB_REGION_KEYS_MAX);
+    cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "keys_len %u", r.keys_len);
+}
+
+Test(wire_hello_ack, key_path_out_of_range_rejected)
+{
+    static uint8_t store[KEYS_CAP];
+    const unsigned bad[] = {KVB_PATHS_MAX, KVB_PATHS_MAX + 1, 31, 32, 128, 255};
+    for (size_t i = 0; i <= sizeof bad / sizeof bad[0]; i++) {
+        kvb_region_desc_t r[2];
+        set_region(&r[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+        set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cuda:0");
+        add_key(&r[1], store, 0, 8, 0);
+        unsigned path = i < sizeof bad / sizeof bad[0] ? bad[i] : KVB_PATHS_MAX - 1;
+        add_key(&r[1], store, path, 8, 0);
+        int want = i < sizeof bad / sizeof bad[0] ? KVB_ERR_PROTOCOL : KVB_OK;
+        cr_assert_eq(ack_try(r, 2), want, "path id %u", path);
+    }
+}
+
+Test(wire_hello_ack, key_path_twice_rejected)
+{
+    static uint8_t store[KEYS_CAP];
+    kvb_region_desc_t r;
+    set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    add_key(&r, store, 0, 4, 0);
+    add_key(&r, store, 1, 4, 0);
+    add_key(&r, store, 2, 4, 0);
+    cr_assert_eq(ack_try(&r, 1), KVB_OK, "distinct paths");
+    add_key(&r, store, 0, 4, 1);
+    cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "path 0 twice, apart");
+
+    r.keys = NULL;
+    r.keys_len = 0;
+    add_key(&r, store, 5, 3, 0);
+    add_key(&r, store, 5, 3, 0);
+    cr_assert_eq(ack_try(&r, 1), KVB_ERR_PROTOCOL, "path 5 twice in a row");
+    /* The same path in two different regions is fine. */
+    static uint8_t store2[KEYS_CAP];
+    kvb_region_desc_t two[2];
+    set_region(&two[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&two[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu");
+    add_key(&two[0], store, 5, 3, 0);
+    add_key(&two[1], store2, 5, 3, 1);
+    cr_assert_eq(ack_try(two, 2), KVB_OK, "one path in two regions");
+}
+
+Test(wire_hello_ack, key_too_long_rejected)
+{
+    static uint8_t store[KEYS_CAP];
+    const size_t lens[] = {KVB_KEY_MAX, KVB_KEY_MAX + 1, KVB_KEY_MAX + 2, 255};
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+        kvb_region_desc_t r;
+        set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+        add_key(&r, store, 2, lens[i], 0);
+        cr_assert_leq(r.keys_len, KVB_REGION_KEYS_MAX);
+        cr_assert_eq(ack_try(&r, 1), lens[i] <= KVB_KEY_MAX ? KVB_OK : KVB_ERR_PROTOCOL,
+                     "key of %zu bytes", lens[i]);
+        /* The same after a valid entry. */
+        memset(store, 0, sizeof store);
+        set_region(&r, 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+        add_key(&r, store, 0, 10, 0);
+        add_key(&r, store, 2, lens[i], 0);
+        cr_assert_eq(ack_try(&r, 1), lens[i] <= KVB_KEY_MAX ? KVB_OK : KVB_ERR_PROTOCOL,
+                     "second key of %zu bytes", lens[i]);
+    }
+}
+
+Test(wire_hello_ack, keys_must_fill_keys_len_exactly)
+{
+    static uint8_t store[KEYS_CAP];
+    kvb_region_desc_t r[2];
+    set_region(&r[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    add_key(&r[0], store, 0, 5, 0);
+    add_key(&r[0], store, 1, 3, 0);
+    set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu");
+    cr_assert_eq(r[0].keys_len, 12);
+    cr_assert_eq(ack_try(r, 2), KVB_OK);
+    cr_assert_eq(ack_try(r, 1), KVB_OK);
+
+    /* keys_len ends inside the last entry's key (the message length still matches). */
+    r[0].keys_len = 11;
+    cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "last key cut short");
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "last key cut short, region follows");
+    /* keys_len ends inside an entry's header. */
+    r[0].keys_len = 8;
+    cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "dangling path byte");
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "dangling path byte, region follows");
+    /* keys_len ends inside the first entry. */
+    for (uint16_t kl = 1; kl < 7; kl++) {
+        r[0].keys_len = kl;
+        cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "keys_len %u", kl);
+    }
+    /* A byte left after the last entry: no room for another entry's header. */
+    store[12] = 2;
+    r[0].keys_len = 13;
+    cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "one byte after the entries");
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "one byte after the entries, region follows");
+    /* An entry claiming more than the run (and the message) holds. */
+    r[0].keys_len = 12;
+    cr_assert_eq(store[8], 3, "second entry's length byte");
+    store[8] = 100;
+    cr_assert_eq(ack_try(r, 1), KVB_ERR_PROTOCOL, "key past the end of the message");
+    store[8] = 4;
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "key one byte past the run");
+    store[8] = 2;
+    cr_assert_eq(ack_try(r, 2), KVB_ERR_PROTOCOL, "key one byte short of the run");
+    store[8] = 3;
+    cr_assert_eq(ack_try(r, 2), KVB_OK);
+}
+
+Test(wire_hello_ack, keys_then_missing_regions_rejected)
+{
+    /* A count promising more regions than follow, after a region with a long key run: the keys
+     * already read must not be copied past the block sized from the count (each region at least
+     * 24 bytes), and the message is a protocol error. */
+    kvb_hello_t h = sample_hello("target:short");
+    static uint8_t store[KEYS_CAP];
+    kvb_region_desc_t r[3];
+    set_region(&r[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    add_key(&r[0], store, 0, KVB_KEY_MAX, 0);
+    add_key(&r[0], store, 1, KVB_KEY_MAX, 0);
+    add_key(&r[0], store, 2, KVB_KEY_MAX, 0);
+    set_region(&r[1], 0x2000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&r[2], 0x3000, 0x1000, KVB_ACCESS_RW, "cpu");
+    kvb_hello_t ho;
+    kvb_region_desc_t *ro;
+    size_t no;
+    size_t len;
+    uint8_t *buf = ack_by_hand(&h, r, 3, &len);
+    cr_assert_eq(ack_decode_exact(buf, len, &ho, &ro, &no), KVB_OK);
+    free(ro);
+    const size_t count_off = ack_count_off(strlen(h.name));
+    const size_t first = REGION_MIN_WIRE + 3 + r[0].keys_len;
+    for (uint32_t count = 2; count <= 24; count++) {
+        /* Only the first region present, or the first two; the count says more. */
+        for (size_t have = 1; have <= 2; have++) {
+            size_t cut = count_off + 4 + first + (have - 1) * (REGION_MIN_WIRE + 3);
+            if (count <= have || (size_t)count * REGION_MIN_WIRE > cut - count_off - 4)
+                continue;
+            put32(buf + count_off, count);
+            cr_assert_eq(ack_decode_exact(buf, cut, &ho, &ro, &no), KVB_ERR_PROTOCOL,
+                         "count %u, %zu regions present", count, have);
+        }
+    }
+    free(buf);
+}
+
+/* --- hello_ack: consistency under mutation ------------------------------------------------ */
+
 /* Checks a successfully decoded hello_ack against an independent reading of its bytes. */
 static void check_consistent(const uint8_t *in, size_t len, const kvb_hello_t *h,
-                             const kvb_region_info_t *r, size_t n)
+                             const kvb_region_desc_t *r, size_t n)
 {
     cr_assert_geq(len, HELLO_NAME_OFF + 1 + 4);
     cr_assert_eq(h->incarnation, get64(in));
@@ -1799,19 +2439,63 @@ static void check_consistent(const uint8_t *in, size_t len, const kvb_hello_t *h
     off += 4;
     int canonical = 1;
     for (size_t i = 0; i < n; i++) {
-        cr_assert_leq(off + 22, len);
-        cr_assert_eq(r[i].addr, get64(in + off));
-        cr_assert_eq(r[i].len, get64(in + off + 8));
-        cr_assert_eq(r[i].access, get32(in + off + 16));
-        cr_assert_eq(r[i].access & ~(unsigned)KVB_ACCESS_RW, 0);
+        cr_assert_leq(off + REGION_MIN_WIRE, len);
+        cr_assert_eq(r[i].info.addr, get64(in + off));
+        cr_assert_eq(r[i].info.len, get64(in + off + 8));
+        cr_assert_eq(r[i].info.access, get32(in + off + 16));
+        cr_assert_neq(r[i].info.access, 0);
+        cr_assert_eq(r[i].info.access & ~(unsigned)KVB_ACCESS_RW, 0);
+        cr_assert_neq(r[i].info.len, 0, "region %zu: empty", i);
+        cr_assert_leq(r[i].info.addr, UINT64_MAX - r[i].info.len, "region %zu: overflows", i);
+        if (i > 0)
+            cr_assert_geq(r[i].info.addr, r[i - 1].info.addr + r[i - 1].info.len,
+                          "region %zu: out of order or overlapping", i);
         size_t ll = get16(in + off + 20);
         cr_assert_leq(ll, KVB_LOCATION_MAX);
-        cr_assert_leq(off + 22 + ll, len);
-        cr_assert_arr_eq(r[i].location, in + off + 22, ll);
-        cr_assert_eq(r[i].location[ll], '\0');
-        if (strlen(r[i].location) != ll)
+        cr_assert_leq(off + REGION_MIN_WIRE + ll, len);
+        cr_assert_arr_eq(r[i].info.location, in + off + 22, ll);
+        cr_assert_eq(r[i].info.location[ll], '\0');
+        if (strlen(r[i].info.location) != ll)
             canonical = 0; /* an embedded NUL: the string cannot re-encode to these bytes */
+        kvb_mem_kind_t kind;
+        int device;
+        cr_assert_eq(kvb__mem_kind_parse(r[i].info.location, &kind, &device), KVB_OK,
+                     "location \"%s\" accepted", r[i].info.location);
+        cr_assert_eq(r[i].kind, kind);
+        cr_assert_eq(r[i].device, device);
         off += 22 + ll;
+        size_t kl = get16(in + off);
+        off += 2;
+        cr_assert_leq(kl, KVB_REGION_KEYS_MAX);
+        cr_assert_leq(off + kl, len);
+        cr_assert_eq(r[i].keys_len, kl);
+        if (kl)
+            cr_assert_arr_eq(r[i].keys, in + off, kl);
+        /* The run, read independently: entries filling it exactly, known paths, none twice. */
+        unsigned seen = 0;
+        size_t e = 0;
+        while (e < kl) {
+            cr_assert_leq(e + 2, kl, "region %zu: dangling entry header", i);
+            unsigned path = in[off + e], klen = in[off + e + 1];
+            cr_assert_lt(path, KVB_PATHS_MAX, "region %zu: path %u", i, path);
+            cr_assert_eq(seen & (1u << path), 0, "region %zu: path %u twice", i, path);
+            cr_assert_leq(klen, KVB_KEY_MAX);
+            cr_assert_leq(e + 2 + klen, kl, "region %zu: key past the run", i);
+            seen |= 1u << path;
+            size_t got_len;
+            const uint8_t *got = kvb__region_key(&r[i], path, &got_len);
+            cr_assert_not_null(got);
+            cr_assert_eq(got_len, klen);
+            if (klen)
+                cr_assert_arr_eq(got, in + off + e + 2, klen);
+            e += 2 + klen;
+        }
+        for (unsigned p = 0; p < KVB_PATHS_MAX; p++) {
+            size_t got_len;
+            if (!(seen & (1u << p)))
+                cr_assert_null(kvb__region_key(&r[i], p, &got_len));
+        }
+        off += kl;
     }
     cr_assert_eq(off, len);
     if (canonical) {
@@ -1827,11 +2511,17 @@ static void check_consistent(const uint8_t *in, size_t len, const kvb_hello_t *h
 Test(wire_hello_ack, mutation_fuzz)
 {
     kvb_hello_t h = sample_hello("fuzz-target:4242");
-    kvb_region_info_t r[4];
-    memset(r, 0, sizeof r);
-    fill_regions(r, 4, 31337);
-    strcpy(r[0].location, "cpu");
-    strcpy(r[2].location, "");
+    kvb_region_desc_t r[4];
+    static uint8_t keys[4 * KEYS_CAP];
+    fill_regions(r, 4, 31337, NULL, 0);
+    strcpy(r[0].info.location, "cpu");
+    strcpy(r[2].info.location, "*");
+    add_key(&r[0], keys, 0, 6, 0);
+    add_key(&r[0], keys, 7, 3, 0);
+    add_key(&r[1], keys + KEYS_CAP, 2, 12, 1);
+    add_key(&r[3], keys + 3 * KEYS_CAP, 4, 1, 3);
+    add_key(&r[3], keys + 3 * KEYS_CAP, 1, 9, 3);
+    add_key(&r[3], keys + 3 * KEYS_CAP, 6, 2, 3);
     uint8_t *base;
     size_t base_len;
     cr_assert_eq(kvb__wire_hello_ack_encode(&h, r, 4, &base, &base_len), KVB_OK);
@@ -1870,7 +2560,7 @@ Test(wire_hello_ack, mutation_fuzz)
             len += 1 + (size_t)(rng_next(&seed) % 8);
 
         kvb_hello_t ho;
-        kvb_region_info_t *ro;
+        kvb_region_desc_t *ro;
         size_t no;
         int rc = ack_decode_exact(work, len, &ho, &ro, &no);
         cr_assert(rc == KVB_OK || rc == KVB_ERR_PROTOCOL, "iteration %d: rc %d", it, rc);
@@ -1886,4 +2576,87 @@ Test(wire_hello_ack, mutation_fuzz)
     cr_assert_gt(ok, 100, "only %d mutations decoded", ok);
     cr_assert_gt(failed, 100, "only %d mutations failed", failed);
     free(base);
+}
+
+/* --- kvb__region_find --------------------------------------------------------------------- */
+
+TestSuite(region_find, .timeout = 30);
+
+Test(region_find, hits_and_misses)
+{
+    kvb_region_desc_t d[4];
+    set_region(&d[0], 0x1000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&d[1], 0x3000, 0x1000, KVB_ACCESS_RW, "cpu");
+    set_region(&d[2], 0x4000, 0x2000, KVB_ACCESS_RW, "cuda:0"); /* adjacent to d[1] */
+    set_region(&d[3], 0x10000, 0x100, KVB_ACCESS_READ, "cpu");
+    const struct {
+        uint64_t addr, len;
+        int want; /* index into d, or -1 */
+        const char *what;
+    } cases[] = {
+        {0x1000, 1, 0, "first byte of the first region"},
+        {0x1000, 0x10, 0, "start of the first region"},
+        {0x1800, 0x10, 0, "middle of the first region"},
+        {0x1fff, 1, 0, "last byte of the first region"},
+        {0x1ff0, 0x10, 0, "end of the first region"},
+        {0x1000, 0x1000, 0, "all of the first region"},
+        {0x3000, 0x10, 1, "start of a middle region"},
+        {0x3ff0, 0x10, 1, "end of a region followed by an adjacent one"},
+        {0x4000, 0x10, 2, "start of a region right after another"},
+        {0x4800, 0x100, 2, "middle of a middle region"},
+        {0x5ff0, 0x10, 2, "end of a middle region"},
+        {0x10000, 0x100, 3, "all of the last region"},
+        {0x100ff, 1, 3, "last byte of the last region"},
+        {0x3ff0, 0x20, -1, "straddling two adjacent regions"},
+        {0x1ff0, 0x2000, -1, "straddling two regions across a gap"},
+        {0x1000, 0x1001, -1, "one byte past the end of a region"},
+        {0x2000, 1, -1, "in the gap after a region"},
+        {0x2fff, 2, -1, "from the gap into a region"},
+        {0x0, 0x10, -1, "before the first region"},
+        {0xfff, 1, -1, "just before the first region"},
+        {0xfff, 2, -1, "across the start of the first region"},
+        {0x10100, 1, -1, "just after the last region"},
+        {0x100ff, 2, -1, "across the end of the last region"},
+        {0x20000, 0x10, -1, "after the last region"},
+        {UINT64_MAX, 1, -1, "at the top of the address space"},
+        {0x10000, UINT64_MAX, -1, "a range that overflows"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const kvb_region_desc_t *got = kvb__region_find(d, 4, cases[i].addr, cases[i].len);
+        const kvb_region_desc_t *want = cases[i].want < 0 ? NULL : &d[cases[i].want];
+        cr_assert_eq(got, want, "%s [0x%llx, +0x%llx): got region %td", cases[i].what,
+                     (unsigned long long)cases[i].addr, (unsigned long long)cases[i].len,
+                     got ? got - d : (ptrdiff_t)-1);
+    }
+    /* Fewer regions: only those are searched. */
+    cr_assert_eq(kvb__region_find(d, 1, 0x1800, 0x10), &d[0]);
+    cr_assert_null(kvb__region_find(d, 1, 0x3000, 0x10));
+    cr_assert_eq(kvb__region_find(d, 3, 0x4000, 0x10), &d[2]);
+    cr_assert_null(kvb__region_find(d, 3, 0x10000, 0x10));
+    /* None at all. */
+    cr_assert_null(kvb__region_find(d, 0, 0x1000, 1));
+    cr_assert_null(kvb__region_find(NULL, 0, 0x1000, 1));
+}
+
+Test(region_find, decoded_regions)
+{
+    /* What a handshake delivers is searchable: every region found by its first and last byte,
+     * nothing found in the gaps between them. */
+    kvb_hello_t h = sample_hello("target:find");
+    size_t n = 500;
+    kvb_region_desc_t *r = calloc(n, sizeof *r);
+    cr_assert_not_null(r);
+    fill_regions(r, n, 4242, NULL, 0);
+    kvb_region_desc_t *out = ack_roundtrip(&h, r, n);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = out[i].info.addr, l = out[i].info.len;
+        cr_assert_eq(kvb__region_find(out, n, a, 1), &out[i], "region %zu, first byte", i);
+        cr_assert_eq(kvb__region_find(out, n, a + l - 1, 1), &out[i], "region %zu, last byte", i);
+        cr_assert_eq(kvb__region_find(out, n, a, l), &out[i], "region %zu, all of it", i);
+        cr_assert_null(kvb__region_find(out, n, a, l + 1), "region %zu and one byte more", i);
+        if (a > 0 && (i == 0 || out[i - 1].info.addr + out[i - 1].info.len < a))
+            cr_assert_null(kvb__region_find(out, n, a - 1, 1), "gap before region %zu", i);
+    }
+    free(out);
+    free(r);
 }
