@@ -12,7 +12,7 @@ BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server
 DEMO_PKGS  := $(BUILD_PKGS)
 
-.PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan demo bench clean format
+.PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan test-gpu demo bench clean format
 
 all: build
 
@@ -33,8 +33,17 @@ deps-bench:
 # stress programs under ThreadSanitizer.
 test: deps-test build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@$(BUILD)/gpu_engine --probe || true
 	$(MAKE) test-asan
 	$(MAKE) test-tsan
+
+# The GPU tests (tests/gpu/) on a machine with a CUDA GPU. KVB_PREBUILT=1 runs a build tree made
+# on another machine (a GPU machine without the build dependencies) instead of building here.
+test-gpu:
+ifndef KVB_PREBUILT
+	$(MAKE) deps-build build
+endif
+	sh tests/gpu/run.sh $(BUILD)
 
 test-asan: deps-test
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVB_SANITIZE=ON -DKVB_WERROR=$(WERROR) >/dev/null

@@ -43,7 +43,9 @@ typedef struct {
     bool latency, block_given;
     const char *path; /* what the initiator's engine chose: "tcp" or "shm" */
     bool loopback, verify, json;
-    int write; /* operation */
+    bool gpu_local, gpu_remote; /* --gpu, --gpu-local, --gpu-remote: buffers on CUDA device 0 */
+    double gpu_d2h, gpu_h2d, gpu_d2d; /* their copy ceilings, measured after the run (GB/s) */
+    int write;                        /* operation */
     uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
 } bench_opts_t;
 
@@ -117,7 +119,7 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
 /* "auto", or a comma-separated list of distinct data path names (the engine's `protocol`). */
 static bool protocol_ok(const char *s)
 {
-    static const char *const paths[] = {"tcp", "shm"};
+    static const char *const paths[] = {"tcp", "shm", "cuda"};
     if (!strcmp(s, "auto"))
         return true;
     unsigned seen = 0;
@@ -136,11 +138,15 @@ static bool protocol_ok(const char *s)
     }
 }
 
+static uint8_t *alloc_buffer(uint64_t len);
+
 /* The benchmark's registered buffers: kvb_alloc memory (what same-host peers map) unless the run
  * is TCP-only. kvb_alloc memory belongs to the engine and goes with it. */
-static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t len)
+static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t len, bool gpu)
 {
     void *p = NULL;
+    if (gpu)
+        return kvb_bench_gpu_alloc(len);
     if (strcmp(o->protocol, "tcp") != 0) {
         int rc = kvb_alloc(e, len, 0, &p);
         if (rc)
@@ -152,10 +158,29 @@ static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t l
     return p == MAP_FAILED ? NULL : p;
 }
 
-static void engine_buffer_free(const bench_opts_t *o, uint8_t *p, uint64_t len)
+static void engine_buffer_free(const bench_opts_t *o, uint8_t *p, uint64_t len, bool gpu)
 {
-    if (p && strcmp(o->protocol, "tcp") == 0)
+    if (gpu)
+        kvb_bench_gpu_free(p);
+    else if (p && strcmp(o->protocol, "tcp") == 0)
         munmap(p, len);
+}
+
+/* Fills a buffer (host or device) with the pattern of `seed`. */
+static int fill_buffer(uint8_t *buf, uint64_t len, uint64_t seed, bool gpu)
+{
+    if (!gpu) {
+        fill_pattern(buf, len, seed);
+        return 0;
+    }
+    uint8_t *tmp = alloc_buffer(len);
+    int rc = tmp ? 0 : -1;
+    if (tmp) {
+        fill_pattern(tmp, len, seed);
+        rc = kvb_bench_gpu_upload(buf, tmp, len);
+        munmap(tmp, len);
+    }
+    return rc;
 }
 
 static uint8_t *alloc_buffer(uint64_t len)
@@ -171,7 +196,7 @@ static uint8_t *alloc_buffer(uint64_t len)
 
 /* Answers "verify SEED OFF LEN" notifications: checks bytes that initiators wrote here. */
 static void answer_verify(kvb_engine_t *e, const kvb_notification_t *n, const uint8_t *buf,
-                          uint64_t size)
+                          uint64_t size, bool gpu)
 {
     char msg[128];
     unsigned long long seed, off, len;
@@ -184,7 +209,12 @@ static void answer_verify(kvb_engine_t *e, const kvb_notification_t *n, const ui
     if (off > size || len > size - off) {
         snprintf(reply, sizeof reply, "verified bad-range");
     } else {
-        int64_t bad = check_pattern(buf, off, len, seed);
+        uint8_t *host = gpu ? alloc_buffer(size) : (uint8_t *)buf;
+        int64_t bad = host && (!gpu || kvb_bench_gpu_download(host, buf, size) == 0)
+                          ? check_pattern(host, off, len, seed)
+                          : 0;
+        if (gpu && host)
+            munmap(host, size);
         if (bad < 0)
             snprintf(reply, sizeof reply, "verified ok %llu", len);
         else
@@ -216,14 +246,21 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         fprintf(stderr, "bench target: engine: %s\n", kvb_strerror(rc));
         return 1;
     }
-    uint8_t *buf = engine_buffer(e, o, o->buffer);
-    if (!buf || (rc = kvb_register(e, buf, o->buffer, "cpu:0", KVB_ACCESS_RW))) {
+    uint8_t *buf = engine_buffer(e, o, o->buffer, o->gpu_remote);
+    if (!buf ||
+        (rc = kvb_register(e, buf, o->buffer, o->gpu_remote ? "cuda:0" : "cpu:0", KVB_ACCESS_RW))) {
         fprintf(stderr, "bench target: buffer of %llu bytes: %s\n", (unsigned long long)o->buffer,
-                buf ? kvb_strerror(rc) : strerror(errno));
+                buf             ? kvb_strerror(rc)
+                : o->gpu_remote ? "no GPU memory"
+                                : strerror(errno));
         kvb_engine_destroy(e);
         return 1;
     }
-    fill_pattern(buf, o->buffer, o->seed); /* what READs must bring back */
+    if (fill_buffer(buf, o->buffer, o->seed, o->gpu_remote)) { /* what READs must bring back */
+        kvb_engine_destroy(e);
+        engine_buffer_free(o, buf, o->buffer, o->gpu_remote);
+        return 1;
+    }
     if (report_fd >= 0) {
         dprintf(report_fd, "%s\n", kvb_engine_segment_name(e));
         close(report_fd);
@@ -235,7 +272,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     while (!g_stop) {
         kvb_notification_t *n = malloc(sizeof *n);
         if (n && kvb_notify_recv(e, n, 100) == KVB_OK)
-            answer_verify(e, n, buf, o->buffer);
+            answer_verify(e, n, buf, o->buffer, o->gpu_remote);
         free(n);
         if (parent_fd >= 0) {
             struct pollfd p = {.fd = parent_fd, .events = POLLIN};
@@ -244,7 +281,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         }
     }
     kvb_engine_destroy(e);
-    engine_buffer_free(o, buf, o->buffer);
+    engine_buffer_free(o, buf, o->buffer, o->gpu_remote);
     return 0;
 }
 
@@ -270,6 +307,7 @@ static void *worker_main(void *arg)
     bench_opts_t *o = w->o;
     uint64_t nblocks = w->area_len / o->block, cursor = 0;
     kvb_request_t *reqs = calloc(o->batch, sizeof *reqs);
+    uint8_t *copy = NULL; /* --gpu-local --verify: a block brought back to look at */
     if (!reqs)
         return NULL;
     while (kvb__now_ns() < w->deadline && !g_stop) {
@@ -280,8 +318,12 @@ static void *worker_main(void *arg)
                                       .segment = w->seg,
                                       .remote = w->remote_base + off,
                                       .len = o->block};
-            if (o->verify && !o->write) /* poison, so a READ that did not land shows */
-                memset(w->local + off, 0xA5, o->block);
+            if (o->verify && !o->write) { /* poison, so a READ that did not land shows */
+                if (!o->gpu_local)
+                    memset(w->local + off, 0xA5, o->block);
+                else if (kvb_bench_gpu_fill(w->local + off, 0xA5, o->block))
+                    w->mismatches++;
+            }
         }
         uint64_t t0 = kvb__now_ns();
         kvb_batch_t *b;
@@ -313,11 +355,24 @@ static void *worker_main(void *arg)
         if (o->verify && !o->write)
             for (uint64_t i = 0; i < o->batch; i++) {
                 uint64_t off = (uint64_t)((uint8_t *)reqs[i].local - w->local);
-                if (memcmp(w->local + off, w->expect + off, o->block) != 0)
+                const uint8_t *got = w->local + off;
+                if (o->gpu_local) { /* device memory: look at it through a host copy */
+                    if (!copy && !(copy = malloc(o->block))) {
+                        w->mismatches++;
+                        continue;
+                    }
+                    if (kvb_bench_gpu_download(copy, got, o->block)) {
+                        w->mismatches++;
+                        continue;
+                    }
+                    got = copy;
+                }
+                if (memcmp(got, w->expect + off, o->block) != 0)
                     w->mismatches++;
             }
     }
     w->covered = (cursor < nblocks ? cursor : nblocks) * o->block;
+    free(copy);
     free(reqs);
     return NULL;
 }
@@ -389,6 +444,20 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf(")\n");
     printf("  metadata %s: segment %s opened in %.1f ms\n", o->metadata ? o->metadata : "p2p",
            o->segment, o->open_ms);
+    bool gpu = o->gpu_local || o->gpu_remote;
+    /* Through CUDA IPC the copy engine moves device to device: that is the ceiling. Staged
+     * paths are bound by the network; the copies in and out are shown beside them. */
+    double ceiling = !strcmp(o->path, "cuda") ? o->gpu_d2d : 0;
+    if (gpu)
+        printf("  GPU memory (%s%s): cuMemcpy ceilings at this block size: d2h %.3f, h2d %.3f, "
+               "d2d %.3f GB/s%s",
+               o->gpu_local ? "local" : "",
+               o->gpu_local && o->gpu_remote ? " and remote"
+               : o->gpu_remote               ? "remote"
+                                             : "",
+               o->gpu_d2h, o->gpu_h2d, o->gpu_d2d, ceiling > 0 ? "" : "\n");
+    if (gpu && ceiling > 0)
+        printf("; ratio to d2d %.2f\n", gbps / ceiling);
     if (o->json) {
         json_t *j = json_pack(
             "{s:s, s:s, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:f, s:f, s:I, s:o}", "operation", op,
@@ -399,6 +468,13 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             verified < 0 ? json_null() : json_boolean(verified));
         json_object_set_new(j, "metadata", json_string(o->metadata ? o->metadata : "p2p"));
         json_object_set_new(j, "open_ms", json_real(o->open_ms));
+        if (gpu) {
+            json_object_set_new(j, "gpu_local", json_boolean(o->gpu_local));
+            json_object_set_new(j, "gpu_remote", json_boolean(o->gpu_remote));
+            json_object_set_new(j, "ceiling_d2h_gbps", json_real(o->gpu_d2h));
+            json_object_set_new(j, "ceiling_h2d_gbps", json_real(o->gpu_h2d));
+            json_object_set_new(j, "ceiling_d2d_gbps", json_real(o->gpu_d2d));
+        }
         char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
         printf("%s\n", s ? s : "{}");
         free(s);
@@ -448,14 +524,15 @@ static int run_initiator(bench_opts_t *o)
                 (unsigned long long)size, (unsigned long long)o->block);
         goto out;
     }
-    local = engine_buffer(e, o, size);
-    if (!w || !tids || !local || (rc = kvb_register(e, local, size, "cpu:0", KVB_ACCESS_RW))) {
+    local = engine_buffer(e, o, size, o->gpu_local);
+    if (!w || !tids || !local ||
+        (rc = kvb_register(e, local, size, o->gpu_local ? "cuda:0" : "cpu:0", KVB_ACCESS_RW))) {
         fprintf(stderr, "bench: local buffer: %s\n", rc ? kvb_strerror(rc) : "out of memory");
         goto out;
     }
     uint64_t wseed = o->seed ^ 0x5752495445ull; /* "WRITE": distinct from the target's fill */
-    if (o->write)
-        fill_pattern(local, size, wseed);
+    if (o->write && fill_buffer(local, size, wseed, o->gpu_local))
+        goto out;
     if (o->verify && !o->write) {
         expect = alloc_buffer(size);
         if (!expect)
@@ -503,6 +580,11 @@ static int run_initiator(bench_opts_t *o)
         if (o->write && verify_writes(e, seg, w, o->threads, wseed))
             verified = 0;
     }
+    if (o->gpu_local || o->gpu_remote) { /* the ceilings, on the same block size */
+        o->gpu_d2h = kvb_bench_gpu_ceiling("d2h", o->block, 1);
+        o->gpu_h2d = kvb_bench_gpu_ceiling("h2d", o->block, 1);
+        o->gpu_d2d = kvb_bench_gpu_ceiling("d2d", o->block, 1);
+    }
     report(o, w, secs, verified);
     status = errors == 0 && verified != 0 ? 0 : 1;
 out:
@@ -511,7 +593,7 @@ out:
     free(w);
     free(tids);
     kvb_engine_destroy(e);
-    engine_buffer_free(o, local, size);
+    engine_buffer_free(o, local, size, o->gpu_local);
     if (expect)
         munmap(expect, size);
     return status;
@@ -588,7 +670,7 @@ static int run_latency(bench_opts_t *o)
     if (!rc)
         rc = kvb_segment_regions(e, seg, 0, &region, 1, &nreg);
     kvb_segment_transport(e, seg, &o->path);
-    uint8_t *local = rc ? NULL : engine_buffer(e, o, o->block);
+    uint8_t *local = rc ? NULL : engine_buffer(e, o, o->block, false);
     pid_t echo = -1;
     int fd = local ? start_echo(o->block, &echo) : -1;
     enum { ROUNDS = 20, PER = 250 };
@@ -641,7 +723,7 @@ static int run_latency(bench_opts_t *o)
     free(kl);
     free(rl);
     kvb_engine_destroy(e);
-    engine_buffer_free(o, local, o->block);
+    engine_buffer_free(o, local, o->block, false);
     return rc ? 1 : 0;
 }
 
@@ -837,6 +919,9 @@ static void usage(FILE *f)
            "  --lanes N                 connections per peer (default 2)\n"
            "  --progress-threads N      engine progress threads (default 1)\n"
            "  --verify                  seeded pattern; check every byte that arrives\n"
+           "  --gpu                     buffers in GPU memory (CUDA device 0) on both sides;\n"
+           "  --gpu-local, --gpu-remote   only the initiator's, or only the target's; prints\n"
+           "                            cuMemcpy ceilings (d2h, h2d, d2d) measured after the run\n"
            "  --seed N                  pattern seed (default 42)\n"
            "  --json                    also print one JSON object as the last line\n"
            "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
@@ -877,6 +962,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"name", 1, 0, 'n'},
                                           {"secret-file", 1, 0, 'F'},
                                           {"insecure", 0, 0, 'I'},
+                                          {"gpu", 0, 0, 'g'},
+                                          {"gpu-local", 0, 0, 'G'},
+                                          {"gpu-remote", 0, 0, 'H'},
                                           {0, 0, 0, 0}};
     *o = (bench_opts_t){.mode = NULL,
                         .protocol = "tcp",
@@ -940,7 +1028,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             if (!protocol_ok(optarg)) {
                 fprintf(stderr,
                         "kvbridge bench: protocol '%s' is not auto or a list of data paths "
-                        "(tcp, shm), such as shm,tcp\n",
+                        "(tcp, shm, cuda), such as shm,tcp\n",
                         optarg);
                 return 2;
             }
@@ -948,6 +1036,15 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             break;
         case 'v':
             o->verify = true;
+            break;
+        case 'g':
+            o->gpu_local = o->gpu_remote = true;
+            break;
+        case 'G':
+            o->gpu_local = true;
+            break;
+        case 'H':
+            o->gpu_remote = true;
             break;
         case 'l':
             o->loopback = true;
@@ -1019,6 +1116,11 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
     }
     if (o->mode && !strcmp(o->mode, "initiator") && !o->segment) {
         fprintf(stderr, "kvbridge bench: --mode initiator needs --segment host:port\n");
+        return 2;
+    }
+    if ((o->gpu_local || o->gpu_remote) && (o->latency || o->baseline)) {
+        fprintf(stderr, "kvbridge bench: --gpu applies to throughput runs, not --latency or "
+                        "--baseline\n");
         return 2;
     }
     if (o->block > o->buffer) {

@@ -22,6 +22,7 @@
  * initiator, since no target sees them); register whole allocations, or leave `cuda` out of
  * `protocol`, where that matters. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -133,6 +134,8 @@ static int cuda_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t 
         return rc;
     reg->kind = KVB_MEM_CUDA;
     reg->device = dev;
+    if (auto_kind) /* peers learn the kind from the location */
+        snprintf(reg->location, sizeof reg->location, "cuda:%d", dev);
     if (!whole) { /* device memory, but no one handle reaches all of it */
         KVB_INFO("register %s at 0x%llx: the region spans several allocations, so same-host peers "
                  "cannot map it (CUDA IPC maps one allocation)",
