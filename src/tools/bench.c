@@ -449,7 +449,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
      * paths are bound by the network; the copies in and out are shown beside them. */
     double ceiling = !strcmp(o->path, "cuda") ? o->gpu_d2d : 0;
     if (gpu)
-        printf("  GPU memory (%s%s): cuMemcpy ceilings at this block size: d2h %.3f, h2d %.3f, "
+        printf("  GPU memory (%s%s): cuMemcpyAsync ceilings at this block and batch size: d2h "
+               "%.3f, h2d %.3f, "
                "d2d %.3f GB/s%s",
                o->gpu_local ? "local" : "",
                o->gpu_local && o->gpu_remote ? " and remote"
@@ -581,9 +582,9 @@ static int run_initiator(bench_opts_t *o)
             verified = 0;
     }
     if (o->gpu_local || o->gpu_remote) { /* the ceilings, on the same block size */
-        o->gpu_d2h = kvb_bench_gpu_ceiling("d2h", o->block, 1);
-        o->gpu_h2d = kvb_bench_gpu_ceiling("h2d", o->block, 1);
-        o->gpu_d2d = kvb_bench_gpu_ceiling("d2d", o->block, 1);
+        o->gpu_d2h = kvb_bench_gpu_ceiling("d2h", o->block, o->batch * o->threads, 1);
+        o->gpu_h2d = kvb_bench_gpu_ceiling("h2d", o->block, o->batch * o->threads, 1);
+        o->gpu_d2d = kvb_bench_gpu_ceiling("d2d", o->block, o->batch * o->threads, 1);
     }
     report(o, w, secs, verified);
     status = errors == 0 && verified != 0 ? 0 : 1;

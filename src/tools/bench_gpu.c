@@ -74,10 +74,11 @@ int kvb_bench_gpu_fill(uint8_t *dev, uint8_t value, uint64_t len)
                : 0;
 }
 
-/* Copies `block` bytes at a time, `what` = "d2h", "h2d" or "d2d", round-robin over a 256 MiB
- * working set (the bench's default buffer) for `secs` seconds; GB/s, or < 0 on error. The host
- * side is pinned memory, as the engine's bounce buffers are. */
-double kvb_bench_gpu_ceiling(const char *what, uint64_t block, int secs)
+/* Copies `batch` blocks of `block` bytes at a time - queued together on one stream, then waited
+ * for, as the engine's copies are, consecutive blocks as one copy - `what` = "d2h", "h2d" or "d2d",
+ * round-robin over a 256 MiB working set (the bench's default buffer) for `secs` seconds; GB/s, or
+ * < 0 on error. The host side is pinned memory, as the engine's bounce buffers are. */
+double kvb_bench_gpu_ceiling(const char *what, uint64_t block, uint64_t batch, int secs)
 {
     const kvb__cuda_api_t *api = kvb__cuda();
     uint64_t set = 256ull << 20;
@@ -86,10 +87,12 @@ double kvb_bench_gpu_ceiling(const char *what, uint64_t block, int secs)
     if (use_device())
         return -1;
     kvb_cu_ptr_t a = 0, b = 0;
+    kvb_cu_stream_t st = NULL;
     void *host = NULL;
     double gbps = -1;
     if (api->MemAlloc(&a, set) || api->MemAlloc(&b, set) ||
-        api->MemHostAlloc(&host, set, KVB_CU_MEMHOSTALLOC_PORTABLE)) {
+        api->MemHostAlloc(&host, set, KVB_CU_MEMHOSTALLOC_PORTABLE) ||
+        api->StreamCreate(&st, KVB_CU_STREAM_NON_BLOCKING)) {
         fprintf(stderr, "bench: GPU ceiling: cannot allocate %llu bytes\n",
                 (unsigned long long)set);
         goto out;
@@ -98,23 +101,33 @@ double kvb_bench_gpu_ceiling(const char *what, uint64_t block, int secs)
     uint64_t t0 = kvb__now_ns(), end = t0 + (uint64_t)secs * 1000000000ull;
     kvb_cu_result_t r = KVB_CUDA_SUCCESS;
     while (r == KVB_CUDA_SUCCESS && kvb__now_ns() < end) {
-        /* 64 copies between clock reads: each is synchronous already. */
-        for (int k = 0; k < 64 && r == KVB_CUDA_SUCCESS; k++, i++) {
-            uint64_t off = (i % nblocks) * block;
+        /* The batch's blocks as a plain program would copy them: one copy per run of
+         * consecutive blocks (the working set wraps around between runs). */
+        for (uint64_t k = 0; k < batch && r == KVB_CUDA_SUCCESS;) {
+            uint64_t first = i % nblocks, n = 1;
+            while (k + n < batch && first + n < nblocks)
+                n++;
+            uint64_t off = first * block, len = n * block;
             if (!strcmp(what, "d2h"))
-                r = api->MemcpyDtoH((uint8_t *)host + off, a + off, block);
+                r = api->MemcpyDtoHAsync((uint8_t *)host + off, a + off, len, st);
             else if (!strcmp(what, "h2d"))
-                r = api->MemcpyHtoD(a + off, (uint8_t *)host + off, block);
+                r = api->MemcpyHtoDAsync(a + off, (uint8_t *)host + off, len, st);
             else
-                r = api->MemcpyDtoD(b + off, a + off, block);
-            bytes += block;
+                r = api->MemcpyDtoDAsync(b + off, a + off, len, st);
+            bytes += len;
+            k += n;
+            i += n;
         }
+        if (r == KVB_CUDA_SUCCESS)
+            r = api->StreamSynchronize(st);
     }
-    if (r == KVB_CUDA_SUCCESS && api->CtxSynchronize() == KVB_CUDA_SUCCESS)
+    if (r == KVB_CUDA_SUCCESS)
         gbps = (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
     else
         kvb__cuda_status(r, "bench: GPU ceiling copy");
 out:
+    if (st)
+        api->StreamDestroy(st);
     if (a)
         api->MemFree(a);
     if (b)

@@ -23,13 +23,14 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
 double kvb_bench_ceiling(const char *what, uint64_t block, int secs);
 
 /* Device memory for bench --gpu (src/tools/bench_gpu.c), on CUDA device 0; each reports its own
- * errors on stderr. A ceiling is a cuMemcpy stream ("d2h", "h2d", "d2d") in GB/s (< 0: error). */
+ * errors on stderr. A ceiling is a stream of cuMemcpyAsync ("d2h", "h2d", "d2d"), `batch` blocks
+ * queued at a time, in GB/s (< 0: error). */
 uint8_t *kvb_bench_gpu_alloc(uint64_t len);
 void kvb_bench_gpu_free(uint8_t *p);
 int kvb_bench_gpu_upload(uint8_t *dev, const uint8_t *host, uint64_t len);
 int kvb_bench_gpu_download(uint8_t *host, const uint8_t *dev, uint64_t len);
 int kvb_bench_gpu_fill(uint8_t *dev, uint8_t value, uint64_t len);
-double kvb_bench_gpu_ceiling(const char *what, uint64_t block, int secs);
+double kvb_bench_gpu_ceiling(const char *what, uint64_t block, uint64_t batch, int secs);
 
 /* For the long-running commands (serve, proxy, metadata-server): blocks SIGINT and SIGTERM in
  * the calling thread - call it before any thread exists, so that every thread inherits the mask -

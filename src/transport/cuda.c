@@ -91,29 +91,14 @@ static void ctx_leave(kvb_cu_ctx_t prev)
 /* ---- registration -----------------------------------------------------------------------------
  */
 
+/* The TCP lanes' registration ran first (transports.c orders paths by id) and checked the memory
+ * against the driver (kvb__stage_region): here device memory is known to be what it says. */
 static int cuda_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *key_len)
 {
     (void)pv;
-    bool auto_kind = !strcmp(reg->location, "*");
-    if (reg->kind != KVB_MEM_CUDA && !auto_kind)
-        return KVB_ERR_UNSUPPORTED; /* host memory, declared so */
-    bool is_dev = false;
-    int dev = -1;
-    int rc = kvb__cuda_pointer(reg->addr, &is_dev, &dev);
-    if (rc)
-        return rc;
-    if (!is_dev) {
-        if (auto_kind)
-            return KVB_ERR_UNSUPPORTED; /* host memory after all */
-        KVB_WARN("register %s at 0x%llx: that is not CUDA device memory", reg->location,
-                 (unsigned long long)reg->addr);
-        return KVB_ERR_INVALID_ARG;
-    }
-    if (reg->kind == KVB_MEM_CUDA && reg->device != dev) {
-        KVB_WARN("register %s at 0x%llx: that memory is on CUDA device %d", reg->location,
-                 (unsigned long long)reg->addr, dev);
-        return KVB_ERR_INVALID_ARG;
-    }
+    if (reg->kind != KVB_MEM_CUDA)
+        return KVB_ERR_UNSUPPORTED;
+    int rc, dev = reg->device;
     kvb_cu_ctx_t prev = ctx_enter();
     cuda_key_t k;
     memset(&k, 0, sizeof k);
@@ -125,23 +110,21 @@ static int cuda_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t 
         rc = kvb__cuda_range(reg->addr + reg->len - 1, &end_base, &end_size);
         whole = rc == KVB_OK && end_base == k.base;
     }
-    if (rc == KVB_OK && whole)
-        rc = kvb__cuda_status(kvb__cuda()->IpcGetMemHandle(&k.handle, k.base), "cuIpcGetMemHandle");
+    const char *why = whole ? NULL : "it spans several allocations (CUDA IPC maps one)";
+    if (rc == KVB_OK && whole) {
+        kvb_cu_result_t r = kvb__cuda()->IpcGetMemHandle(&k.handle, k.base);
+        if (r != KVB_CUDA_SUCCESS) /* VMM memory that is not IPC-capable, for one */
+            why = kvb__cuda_errstr(r);
+    }
     if (rc == KVB_OK)
         rc = kvb__cuda_bus_id(dev, k.bus, sizeof k.bus);
     ctx_leave(prev);
     if (rc)
         return rc;
-    reg->kind = KVB_MEM_CUDA;
-    reg->device = dev;
-    if (auto_kind) /* peers learn the kind from the location */
-        snprintf(reg->location, sizeof reg->location, "cuda:%d", dev);
-    if (!whole) { /* device memory, but no one handle reaches all of it */
-        KVB_INFO("register %s at 0x%llx: the region spans several allocations, so same-host peers "
-                 "cannot map it (CUDA IPC maps one allocation)",
-                 reg->location, (unsigned long long)reg->addr);
-        *key_len = 0;
-        return KVB_OK;
+    if (why) { /* device memory the other paths still serve, but no one handle reaches */
+        KVB_INFO("register %s at 0x%llx: same-host peers cannot map it: %s", reg->location,
+                 (unsigned long long)reg->addr, why);
+        return KVB_ERR_UNSUPPORTED;
     }
     memcpy(key, &k, sizeof k);
     *key_len = sizeof k;
@@ -340,8 +323,18 @@ static void run_jobs(cuda_path_t *cp, cuda_job_t *jobs)
                                         "cuStreamCreate")))
             continue;
         used[d] = true;
-        fail[d] = kvb__cuda_status(api->MemcpyAsync(j->dst, j->src, j->op->len, cp->streams[d]),
+        /* Requests that continue each other on both sides (a batch of consecutive blocks) go
+         * as one copy: small copies are bound by their launch, not by the copy engine. */
+        cuda_job_t *last = j;
+        uint64_t len = j->op->len;
+        while (last->next && last->next->dev == d && last->next->src == j->src + len &&
+               last->next->dst == j->dst + len) {
+            last = last->next;
+            len += last->op->len;
+        }
+        fail[d] = kvb__cuda_status(api->MemcpyAsync(j->dst, j->src, len, cp->streams[d]),
                                    "cuMemcpyAsync");
+        j = last;
     }
     for (int d = 0; d < cp->ndev && d < 64; d++)
         if (used[d] && kvb__cuda_use(d) == KVB_OK) {

@@ -1,71 +1,151 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Host bounce buffers and the copies through them (see stage.h). The pool keeps up to POOL_MAX
- * pinned buffers of one size - a request's largest chunk - and hands out others as plain malloc
- * memory: pinned memory is a scarce system resource, and a pageable copy is still correct. */
+/* Host bounce buffers and the copies through them (see stage.h). Pinned memory is a scarce system
+ * resource, so the pool is capped; past it, and for anything larger than a slab, buffers are plain
+ * malloc memory (a pageable copy is slower, but still correct). */
 #include "transport/stage.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "common/log.h"
 #include "engine/internal.h"
 #include "transport/cuda_driver.h"
 
-#define POOL_MAX 16 /* pinned buffers of KVB_CHUNK_SIZE: 64 MiB per process at most */
+/* Pinned memory comes in 4 MiB slabs, cut into buffers of one power-of-two size class each
+ * (4 KiB .. 4 MiB) on demand and kept on that class's free list; at most PINNED_MAX bytes are
+ * pinned per process, after which buffers are plain malloc memory. */
+#define SLAB       KVB_CHUNK_SIZE
+#define PINNED_MAX (256ull << 20)
+#define CLASS_MIN  12 /* 4 KiB */
+#define CLASS_MAX  22 /* 4 MiB = SLAB */
+#define CLASSES    (CLASS_MAX - CLASS_MIN + 1)
+_Static_assert(SLAB == 1ull << CLASS_MAX, "a slab is the largest class");
+
+typedef struct free_buf {
+    struct free_buf *next;
+} free_buf_t;
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint8_t *pool_free[POOL_MAX]; /* pinned buffers not in use */
-static uint8_t *pool_all[POOL_MAX];  /* every pinned buffer made */
-static size_t nfree, nall;
+static free_buf_t *free_list[CLASSES];
+static uint8_t *slabs[PINNED_MAX / SLAB]; /* every slab, to tell pinned buffers apart */
+static int slab_class[PINNED_MAX / SLAB]; /* the class it was cut into */
+static size_t nslabs;
+
+/* The class of a len-byte buffer, or -1 if larger than a slab. */
+static int class_of(size_t len)
+{
+    int c = CLASS_MIN;
+    while (c <= CLASS_MAX && (1ull << c) < len)
+        c++;
+    return c <= CLASS_MAX ? c - CLASS_MIN : -1;
+}
+
+/* Pins one more slab and cuts it into class c's buffers. Caller holds pool_mu. */
+static bool grow(int c)
+{
+    if (nslabs == sizeof slabs / sizeof slabs[0] || !kvb__cuda_available())
+        return false;
+    /* Pinned memory belongs to a context; PORTABLE makes it pinned for every one. */
+    const kvb__cuda_api_t *api = kvb__cuda();
+    kvb_cu_ctx_t prev = NULL;
+    api->CtxGetCurrent(&prev);
+    void *p = NULL;
+    bool ok = kvb__cuda_use(0) == KVB_OK &&
+              api->MemHostAlloc(&p, SLAB, KVB_CU_MEMHOSTALLOC_PORTABLE) == KVB_CUDA_SUCCESS;
+    api->CtxSetCurrent(prev);
+    if (!ok)
+        return false;
+    slab_class[nslabs] = c;
+    slabs[nslabs++] = p;
+    size_t size = 1ull << (c + CLASS_MIN);
+    for (size_t off = 0; off < SLAB; off += size) {
+        free_buf_t *f = (free_buf_t *)((uint8_t *)p + off);
+        f->next = free_list[c];
+        free_list[c] = f;
+    }
+    return true;
+}
+
+/* The class of a pinned buffer, or -1 for malloc memory. Caller holds pool_mu. */
+static int pinned_class(const uint8_t *buf)
+{
+    for (size_t i = 0; i < nslabs; i++)
+        if (buf >= slabs[i] && buf < slabs[i] + SLAB)
+            return slab_class[i];
+    return -1;
+}
+
+uint8_t *kvb__stage_get(size_t len)
+{
+    int c = class_of(len);
+    if (c >= 0) {
+        pthread_mutex_lock(&pool_mu);
+        if (!free_list[c])
+            grow(c);
+        free_buf_t *f = free_list[c];
+        if (f)
+            free_list[c] = f->next;
+        pthread_mutex_unlock(&pool_mu);
+        if (f)
+            return (uint8_t *)f;
+    }
+    return malloc(len ? len : 1);
+}
+
+void kvb__stage_put(uint8_t *buf)
+{
+    if (!buf)
+        return;
+    pthread_mutex_lock(&pool_mu);
+    int c = pinned_class(buf);
+    if (c >= 0) {
+        free_buf_t *f = (free_buf_t *)buf;
+        f->next = free_list[c];
+        free_list[c] = f;
+    }
+    pthread_mutex_unlock(&pool_mu);
+    if (c < 0)
+        free(buf);
+}
 
 bool kvb__stage_can(kvb_mem_kind_t kind)
 {
     return kind == KVB_MEM_CPU || (kind == KVB_MEM_CUDA && kvb__cuda_available());
 }
 
-static bool pinned(const uint8_t *buf)
+int kvb__stage_region(kvb_region_t *reg)
 {
-    for (size_t i = 0; i < nall; i++)
-        if (pool_all[i] == buf)
-            return true;
-    return false;
-}
-
-uint8_t *kvb__stage_get(size_t len)
-{
-    if (len <= KVB_CHUNK_SIZE) {
-        pthread_mutex_lock(&pool_mu);
-        uint8_t *buf = nfree ? pool_free[--nfree] : NULL;
-        if (!buf && nall < POOL_MAX && kvb__cuda_available()) {
-            /* Pinned memory belongs to a context; PORTABLE makes it pinned for every one. */
-            kvb_cu_ctx_t prev = NULL;
-            const kvb__cuda_api_t *api = kvb__cuda();
-            api->CtxGetCurrent(&prev);
-            void *p = NULL;
-            if (kvb__cuda_use(0) == KVB_OK &&
-                api->MemHostAlloc(&p, KVB_CHUNK_SIZE, KVB_CU_MEMHOSTALLOC_PORTABLE) ==
-                    KVB_CUDA_SUCCESS)
-                buf = pool_all[nall++] = p;
-            api->CtxSetCurrent(prev);
-        }
-        pthread_mutex_unlock(&pool_mu);
-        if (buf)
-            return buf;
+    bool auto_kind = !strcmp(reg->location, "*");
+    if (reg->kind != KVB_MEM_CUDA && !auto_kind)
+        return KVB_OK;
+    if (!kvb__cuda_available())
+        return auto_kind ? KVB_OK : KVB_ERR_UNSUPPORTED;
+    bool first_dev = false, last_dev = false;
+    int first = -1, last = -1;
+    int rc = kvb__cuda_pointer(reg->addr, &first_dev, &first);
+    if (rc == KVB_OK)
+        rc = kvb__cuda_pointer(reg->addr + reg->len - 1, &last_dev, &last);
+    if (rc)
+        return rc;
+    if (!first_dev && auto_kind)
+        return KVB_OK; /* host memory after all */
+    const char *why = !first_dev                   ? "it is not CUDA device memory"
+                      : !last_dev || last != first ? "it runs past that device's memory"
+                      : reg->kind == KVB_MEM_CUDA && reg->device != first
+                          ? "it is on another device"
+                          : NULL;
+    if (why) {
+        KVB_WARN("register %s at 0x%llx+%llu: %s (CUDA device %d)", reg->location,
+                 (unsigned long long)reg->addr, (unsigned long long)reg->len, why, first);
+        return KVB_ERR_INVALID_ARG;
     }
-    return malloc(len ? len : 1);
-}
-
-void kvb__stage_put(uint8_t *buf, size_t len)
-{
-    (void)len;
-    if (!buf)
-        return;
-    pthread_mutex_lock(&pool_mu);
-    bool mine = pinned(buf);
-    if (mine)
-        pool_free[nfree++] = buf;
-    pthread_mutex_unlock(&pool_mu);
-    if (!mine)
-        free(buf);
+    reg->kind = KVB_MEM_CUDA;
+    reg->device = first;
+    if (auto_kind) /* peers learn the kind from the location */
+        snprintf(reg->location, sizeof reg->location, "cuda:%d", first);
+    return KVB_OK;
 }
 
 static int copy(uint64_t dst, uint64_t src, size_t len, int dev, bool out)

@@ -15,13 +15,19 @@
 
 #include "engine/registry.h"
 
+/* Checks a region being registered against what the driver says of its memory: "cuda:N" must be
+ * device memory of device N from its first byte to its last (else KVB_ERR_INVALID_ARG, logged),
+ * and "*" becomes "cuda:N" where it is device memory. KVB_ERR_UNSUPPORTED for device memory
+ * without a driver; KVB_OK for host memory. */
+int kvb__stage_region(kvb_region_t *reg);
+
 /* True if the lanes can stage memory of this kind here (device memory with a CUDA driver). */
 bool kvb__stage_can(kvb_mem_kind_t kind);
 
-/* A bounce buffer of at least len bytes (NULL: out of memory); give it back with
- * kvb__stage_put(buf, len). */
+/* A bounce buffer of at least len bytes (NULL: out of memory); give it back with kvb__stage_put,
+ * which also frees plain malloc memory (NULL is ignored). */
 uint8_t *kvb__stage_get(size_t len);
-void kvb__stage_put(uint8_t *buf, size_t len);
+void kvb__stage_put(uint8_t *buf);
 
 /* Copies between device memory of device `dev` and host memory; KVB_ERR_DEVICE (logged with CUDA's
  * message) if the driver fails. Safe on any thread: the thread's current context is restored. */

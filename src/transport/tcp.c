@@ -301,7 +301,7 @@ static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
 {
     if (f->pin)
         kvb__region_unpin(c->registry, f->pin);
-    kvb__stage_put(f->owned, f->len); /* malloc'd, or a bounce buffer */
+    kvb__stage_put(f->owned); /* malloc'd, or a bounce buffer */
     f->next = c->free_frames;
     c->free_frames = f;
 }
@@ -310,6 +310,9 @@ static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
  * request ended meanwhile), and its bounce buffer goes back. */
 static void op_end(kvb_op_t *op, int status)
 {
+    if (status == KVB_OK && op->kind == KVB_OPK_READ && !op->stage && op->pin &&
+        op->pin->kind != KVB_MEM_CPU)
+        status = KVB_ERR_NOMEM; /* its answer had nowhere to land */
     if (op->stage) {
         if (status == KVB_OK && op->kind == KVB_OPK_READ) {
             uint8_t *dst = kvb__op_dst_lock(op);
@@ -318,7 +321,7 @@ static void op_end(kvb_op_t *op, int status)
                 kvb__op_dst_unlock(op);
             }
         }
-        kvb__stage_put(op->stage, op->len);
+        kvb__stage_put(op->stage);
         op->stage = NULL;
     }
     kvb__op_done(op, status, status ? 0 : op->len);
@@ -374,7 +377,7 @@ static void conn_close(tcp_conn_t *c)
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
-    kvb__stage_put(c->rx_stage, 0);
+    kvb__stage_put(c->rx_stage);
     c->rx_stage = NULL;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
@@ -431,7 +434,7 @@ static int queue_frame_locked(tcp_conn_t *c, const kvb_frame_hdr_t *h, const uin
     if (!f) {
         if (pin)
             kvb__region_unpin(c->registry, pin);
-        kvb__stage_put(owned, 0);
+        kvb__stage_put(owned);
         return KVB_ERR_NOMEM;
     }
     kvb__wire_encode_hdr(h, f->hdr);
@@ -608,7 +611,7 @@ static int answer_staged_read(tcp_conn_t *c, const kvb_frame_hdr_t *h, kvb_regio
     uint8_t *buf = kvb__stage_get(h->len);
     int st = buf ? kvb__stage_out(buf, h->addr, h->len, pin->device) : KVB_ERR_NOMEM;
     if (st) {
-        kvb__stage_put(buf, h->len);
+        kvb__stage_put(buf);
         kvb__region_unpin(c->registry, pin);
         buf = NULL;
         pin = NULL;
@@ -844,7 +847,7 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
             if (c->rx_status == KVB_OK &&
                 kvb__stage_in(h->addr, c->rx_stage, h->len, c->rx_pin->device))
                 c->rx_status = KVB_ERR_REMOTE_DEVICE;
-            kvb__stage_put(c->rx_stage, h->len);
+            kvb__stage_put(c->rx_stage);
             c->rx_stage = NULL;
         }
         if (c->rx_pin)
@@ -893,6 +896,8 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     if (h->status != 0 && !(h->status <= -200 && h->status > -300) &&
         h->status != KVB_ERR_TOO_LARGE && h->status != KVB_ERR_NOMEM)
         return KVB_ERR_PROTOCOL; /* targets only answer per-request errors */
+    if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && op->pin && op->pin->kind != KVB_MEM_CPU)
+        op->stage = kvb__stage_get(op->len); /* NULL: the payload is dropped, the op fails */
     c->rx_op = op;
     c->rx_sink = SINK_OP;
     return KVB_OK;
@@ -927,8 +932,9 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
 {
     uint8_t *dst = NULL;
     bool op_locked = false;
-    if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP && c->rx_op->stage) {
-        dst = c->rx_op->stage + c->rx_got; /* ours until the op ends */
+    bool staged = c->rx_sink == SINK_OP && c->rx_op->pin && c->rx_op->pin->kind != KVB_MEM_CPU;
+    if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP && staged) {
+        dst = c->rx_op->stage ? c->rx_op->stage + c->rx_got : NULL; /* ours until the op ends */
     } else if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP) {
         dst = kvb__op_dst_lock(c->rx_op);
         op_locked = dst != NULL;
@@ -1938,6 +1944,16 @@ const kvb_transport_ops_t kvb__tcp_ops = {
 
 /* ---- the TCP data path: payloads on the lanes ----------------------------------------------- */
 
+/* Host memory needs nothing; device memory is checked against the driver (and "*" resolved) here,
+ * for every path: the lanes come first. */
+static int lanes_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *key_len)
+{
+    (void)pv;
+    (void)key;
+    *key_len = 0;
+    return kvb__stage_region(reg);
+}
+
 /* The lanes carry bytes between host memory on both sides; the target checks the remote range
  * itself, so a range its list does not name (registered since) may still be tried. */
 static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
@@ -1948,8 +1964,9 @@ static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
     return !op->pin || kvb__stage_can(op->pin->kind);
 }
 
-/* Ops on local device memory get a bounce buffer; a WRITE's bytes are copied out of the device
- * into it now, before its frame is queued. */
+/* A WRITE from local device memory gets a bounce buffer, its bytes copied out of the device now,
+ * before its frame is queued. (A READ into device memory gets one when its answer arrives: one at
+ * a time per connection, since answers arrive in order.) */
 static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     (void)pv;
@@ -1958,9 +1975,9 @@ static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
         kvb_op_t *op = ops;
         ops = ops->next;
         op->next = NULL;
-        if (op->pin && op->pin->kind != KVB_MEM_CPU) {
+        if (op->pin && op->pin->kind != KVB_MEM_CPU && op->kind == KVB_OPK_WRITE) {
             int rc = (op->stage = kvb__stage_get(op->len)) ? KVB_OK : KVB_ERR_NOMEM;
-            if (rc == KVB_OK && op->kind == KVB_OPK_WRITE)
+            if (rc == KVB_OK)
                 rc = kvb__stage_out(op->stage, (uintptr_t)op->local, op->len, op->pin->device);
             if (rc) {
                 op_end(op, rc);
@@ -1982,6 +1999,7 @@ static int lanes_progress(kvb_batch_t *b, uint64_t deadline)
 const kvb_provider_ops_t kvb__tcp_provider = {
     .name = "tcp",
     .id = KVB_PATH_TCP,
+    .reg = lanes_reg,
     .reaches = lanes_reach,
     .submit = lanes_submit,
     .progress = lanes_progress,

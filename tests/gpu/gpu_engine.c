@@ -277,8 +277,8 @@ static void transfers(const char *protocol, const char *path)
     }
     kvb_stats_t st;
     kvb_engine_stats(e, &st);
-    CHECK(kvb_stats_bytes(&st, path) >= 4 * (32ull << 20), "device bytes went over %s: %llu", path,
-          (unsigned long long)kvb_stats_bytes(&st, path));
+    CHECK(kvb_stats_bytes(&st, path) == 3 * (32ull << 20) + 2 * (9ull << 20),
+          "device bytes went over %s: %llu", path, (unsigned long long)kvb_stats_bytes(&st, path));
 
     /* One batch, four kinds of pair: dev<-host, host<-dev, dev->host, host->dev (remote first). */
     uint64_t q = 1 << 20;
@@ -302,14 +302,17 @@ static void transfers(const char *protocol, const char *path)
     kvb_request_t outside[] = {{KVB_OP_READ, dev, seg, t.dev + DEV_LEN - 4096, 8192},
                                {KVB_OP_READ, dev + q, seg, t.dev, 4096}};
     kvb_batch_t *b;
-    CHECK(kvb_batch_submit(e, outside, 2, NULL, &b) == KVB_OK, "submit outside");
-    kvb_batch_wait(b, 10000);
-    kvb_req_status_t s0, s1;
-    kvb_batch_status(b, 0, &s0);
-    kvb_batch_status(b, 1, &s1);
-    CHECK(s0.state == KVB_REQ_FAILED, "a range past the region must fail");
-    CHECK(s1.state == KVB_REQ_COMPLETED, "its neighbour must complete");
-    kvb_batch_free(b);
+    int rc = kvb_batch_submit(e, outside, 2, NULL, &b);
+    CHECK(rc == KVB_OK, "submit outside: %s", kvb_strerror(rc));
+    if (rc == KVB_OK) {
+        kvb_batch_wait(b, 10000);
+        kvb_req_status_t s0, s1;
+        kvb_batch_status(b, 0, &s0);
+        kvb_batch_status(b, 1, &s1);
+        CHECK(s0.state == KVB_REQ_FAILED, "a range past the region must fail");
+        CHECK(s1.state == KVB_REQ_COMPLETED, "its neighbour must complete");
+        kvb_batch_free(b);
+    }
 
     target_stop(&t, e, seg);
     kvb_engine_destroy(e);
