@@ -148,29 +148,128 @@ int kvb__stage_region(kvb_region_t *reg)
     return KVB_OK;
 }
 
-static int copy(uint64_t dst, uint64_t src, size_t len, int dev, bool out)
+/* ---- queued copies -------------------------------------------------------------------------- */
+
+struct kvb_stage_queue {
+    int ndev;
+    int err;             /* the first failure since the last wait */
+    uint64_t used;       /* devices with copies queued since the last wait (bit per ordinal) */
+    kvb_cu_stream_t *st; /* per device, created on first use */
+};
+
+static kvb_stage_queue_t *queue_new(void)
+{
+    int n = kvb__cuda_device_count();
+    kvb_stage_queue_t *q = calloc(1, sizeof *q);
+    if (q && !(q->st = calloc(n > 0 ? (size_t)n : 1, sizeof *q->st))) {
+        free(q);
+        return NULL;
+    }
+    if (q)
+        q->ndev = n;
+    return q;
+}
+
+static int queue_copy(kvb_stage_queue_t **qp, uint64_t dst, uint64_t src, size_t len, int dev,
+                      bool out)
 {
     const kvb__cuda_api_t *api = kvb__cuda();
     if (!api)
         return KVB_ERR_UNSUPPORTED;
+    if (!*qp && !(*qp = queue_new()))
+        return KVB_ERR_NOMEM;
+    kvb_stage_queue_t *q = *qp;
+    if (dev < 0 || dev >= q->ndev || dev >= 64)
+        return KVB_ERR_INVALID_ARG;
     kvb_cu_ctx_t prev = NULL;
     api->CtxGetCurrent(&prev);
     int rc = kvb__cuda_use(dev);
+    if (rc == KVB_OK && !q->st[dev])
+        rc = kvb__cuda_status(api->StreamCreate(&q->st[dev], KVB_CU_STREAM_DEFAULT),
+                              "cuStreamCreate (staging)");
     if (rc == KVB_OK)
-        rc = out ? kvb__cuda_status(api->MemcpyDtoH((void *)(uintptr_t)dst, src, len),
-                                    "cuMemcpyDtoH (staging device memory out)")
-                 : kvb__cuda_status(api->MemcpyHtoD(dst, (const void *)(uintptr_t)src, len),
-                                    "cuMemcpyHtoD (staging device memory in)");
+        rc = out ? kvb__cuda_status(
+                       api->MemcpyDtoHAsync((void *)(uintptr_t)dst, src, len, q->st[dev]),
+                       "cuMemcpyDtoHAsync (staging device memory out)")
+                 : kvb__cuda_status(
+                       api->MemcpyHtoDAsync(dst, (const void *)(uintptr_t)src, len, q->st[dev]),
+                       "cuMemcpyHtoDAsync (staging device memory in)");
     api->CtxSetCurrent(prev);
+    if (rc == KVB_OK)
+        q->used |= 1ull << dev;
+    else if (!q->err)
+        q->err = rc;
     return rc;
 }
 
-int kvb__stage_out(uint8_t *host, uint64_t device_src, size_t len, int dev)
+int kvb__stage_out_async(kvb_stage_queue_t **q, uint8_t *host, uint64_t device_src, size_t len,
+                         int dev)
 {
-    return copy((uintptr_t)host, device_src, len, dev, true);
+    return queue_copy(q, (uintptr_t)host, device_src, len, dev, true);
 }
 
-int kvb__stage_in(uint64_t device_dst, const uint8_t *host, size_t len, int dev)
+int kvb__stage_in_async(kvb_stage_queue_t **q, uint64_t device_dst, const uint8_t *host, size_t len,
+                        int dev)
 {
-    return copy(device_dst, (uintptr_t)host, len, dev, false);
+    return queue_copy(q, device_dst, (uintptr_t)host, len, dev, false);
+}
+
+int kvb__stage_wait(kvb_stage_queue_t *q)
+{
+    if (!q || (!q->used && !q->err))
+        return KVB_OK;
+    const kvb__cuda_api_t *api = kvb__cuda();
+    kvb_cu_ctx_t prev = NULL;
+    api->CtxGetCurrent(&prev);
+    int rc = q->err;
+    for (int d = 0; d < q->ndev && q->used; d++)
+        if (q->used & (1ull << d)) {
+            int r = kvb__cuda_use(d);
+            if (r == KVB_OK)
+                r = kvb__cuda_status(api->StreamSynchronize(q->st[d]), "cuStreamSynchronize");
+            rc = rc ? rc : r;
+        }
+    api->CtxSetCurrent(prev);
+    q->used = 0;
+    q->err = 0;
+    return rc;
+}
+
+/* The calling thread's own queue, freed when the thread exits. */
+static pthread_key_t thread_key;
+static pthread_once_t thread_once = PTHREAD_ONCE_INIT;
+
+static void thread_queue_free(void *q)
+{
+    kvb__stage_queue_free(q);
+}
+
+static void thread_key_make(void)
+{
+    pthread_key_create(&thread_key, thread_queue_free);
+}
+
+kvb_stage_queue_t **kvb__stage_thread_queue(void)
+{
+    static __thread kvb_stage_queue_t *q;
+    pthread_once(&thread_once, thread_key_make);
+    if (!q && (q = queue_new()))
+        pthread_setspecific(thread_key, q);
+    return &q;
+}
+
+void kvb__stage_queue_free(kvb_stage_queue_t *q)
+{
+    if (!q)
+        return;
+    kvb__stage_wait(q);
+    const kvb__cuda_api_t *api = kvb__cuda();
+    kvb_cu_ctx_t prev = NULL;
+    api->CtxGetCurrent(&prev);
+    for (int d = 0; d < q->ndev; d++)
+        if (q->st[d] && kvb__cuda_use(d) == KVB_OK)
+            api->StreamDestroy(q->st[d]);
+    api->CtxSetCurrent(prev);
+    free(q->st);
+    free(q);
 }

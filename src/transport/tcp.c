@@ -126,6 +126,18 @@ struct tcp_conn {
     kvb_region_t *rx_pin;
     uint8_t *rx_stage; /* a WRITE to device memory lands here first */
     kvb_op_t *rx_op;   /* SINK_OP */
+    /* Device memory through bounce buffers: copies queued during a read pass, waited for once at
+     * its end (or before any answer that must follow them). ROLE_TARGET: requests answered then,
+     * in order; ROLE_INIT: READ answers whose bytes go into local device memory. */
+    kvb_stage_queue_t *sq;
+    struct dev_job {
+        kvb_frame_hdr_t hdr;
+        kvb_region_t *pin;
+        uint8_t *buf; /* the bounce buffer */
+        int status;
+    } djobs[JOBS_MAX];
+    size_t ndjobs;
+    kvb_op_t *dops_head, *dops_tail; /* ROLE_INIT: ops whose copy into the device is queued */
 };
 
 struct tcp_thread {
@@ -306,25 +318,57 @@ static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
     c->free_frames = f;
 }
 
-/* Ends an op: a READ staged for device memory first moves its bytes into the device (unless the
- * request ended meanwhile), and its bounce buffer goes back. */
+/* Ends an op, giving its bounce buffer back. */
 static void op_end(kvb_op_t *op, int status)
 {
-    if (status == KVB_OK && op->kind == KVB_OPK_READ && !op->stage && op->pin &&
-        op->pin->kind != KVB_MEM_CPU)
-        status = KVB_ERR_NOMEM; /* its answer had nowhere to land */
-    if (op->stage) {
-        if (status == KVB_OK && op->kind == KVB_OPK_READ) {
-            uint8_t *dst = kvb__op_dst_lock(op);
-            if (dst) {
-                status = kvb__stage_in((uintptr_t)dst, op->stage, op->len, op->pin->device);
-                kvb__op_dst_unlock(op);
-            }
-        }
-        kvb__stage_put(op->stage);
-        op->stage = NULL;
-    }
+    kvb__stage_put(op->stage);
+    op->stage = NULL;
     kvb__op_done(op, status, status ? 0 : op->len);
+}
+
+/* Initiator: the copies into local device memory queued by this read pass are done: end their
+ * ops. */
+static void flush_dev_ops(tcp_conn_t *c)
+{
+    if (!c->dops_head)
+        return;
+    int rc = kvb__stage_wait(c->sq);
+    kvb_op_t *op = c->dops_head;
+    c->dops_head = c->dops_tail = NULL;
+    while (op) {
+        kvb_op_t *next = op->next;
+        op->next = NULL;
+        op_end(op, rc);
+        op = next;
+    }
+}
+
+/* Initiator: a READ answer for local device memory is in its bounce buffer; queue the copy into
+ * the device (unless the request ended meanwhile: then nothing may be written there) and end the
+ * op once it is done. */
+static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
+{
+    if (status == KVB_OK && !op->stage)
+        status = KVB_ERR_NOMEM; /* the answer had nowhere to land */
+    if (status == KVB_OK) {
+        uint8_t *dst = kvb__op_dst_lock(op);
+        if (!dst) {
+            status = KVB_ERR_CANCELED;
+        } else {
+            status =
+                kvb__stage_in_async(&c->sq, (uintptr_t)dst, op->stage, op->len, op->pin->device);
+            kvb__op_dst_unlock(op);
+        }
+    }
+    if (status) {
+        op_end(op, status);
+        return;
+    }
+    if (c->dops_tail)
+        c->dops_tail->next = op;
+    else
+        c->dops_head = op;
+    c->dops_tail = op;
 }
 
 static void fail_op_list(kvb_op_t *op, int err)
@@ -379,6 +423,17 @@ static void conn_close(tcp_conn_t *c)
     c->rx_pin = NULL;
     kvb__stage_put(c->rx_stage);
     c->rx_stage = NULL;
+    /* Device copies still queued write into bounce buffers and device memory: let them finish
+     * before those go. */
+    flush_dev_ops(c);
+    kvb__stage_queue_free(c->sq);
+    c->sq = NULL;
+    for (size_t i = 0; i < c->ndjobs; i++) {
+        kvb__stage_put(c->djobs[i].buf);
+        if (c->djobs[i].pin)
+            kvb__region_unpin(c->registry, c->djobs[i].pin);
+    }
+    c->ndjobs = 0;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
     for (size_t i = 0; i < c->njobs; i++)
@@ -605,21 +660,56 @@ static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigne
     return st;
 }
 
-/* Target side: a READ of device memory is answered from a bounce buffer filled now. */
+/* Target side: the device copies owed are done - answer their requests, in order. */
+static void flush_dev_jobs(tcp_conn_t *c)
+{
+    if (c->ndjobs == 0)
+        return;
+    int rc = kvb__stage_wait(c->sq) ? KVB_ERR_REMOTE_DEVICE : KVB_OK;
+    for (size_t i = 0; i < c->ndjobs; i++) {
+        struct dev_job *j = &c->djobs[i];
+        int st = j->status ? j->status : rc;
+        bool read = j->hdr.type == KVB_FRAME_READ_REQ;
+        kvb_frame_hdr_t r = {.type = read ? KVB_FRAME_READ_RESP : KVB_FRAME_WRITE_ACK,
+                             .status = st,
+                             .id = j->hdr.id,
+                             .len = st ? 0 : j->hdr.len};
+        int qrc;
+        if (read && st == KVB_OK) { /* the answer's payload is the bounce buffer, sent later */
+            qrc = queue_frame(c, &r, j->buf, j->pin, j->buf);
+        } else {
+            kvb__stage_put(j->buf);
+            if (j->pin)
+                kvb__region_unpin(c->registry, j->pin);
+            qrc = queue_frame(c, &r, NULL, NULL, NULL);
+        }
+        j->buf = NULL;
+        j->pin = NULL;
+        if (qrc != KVB_OK)
+            conn_fail(c, KVB_ERR_NOMEM, "out of memory for an answer");
+    }
+    c->ndjobs = 0;
+}
+
+/* Target side: a device copy is queued for request h (its buffer and pin now the job's). */
+static void add_dev_job(tcp_conn_t *c, const kvb_frame_hdr_t *h, kvb_region_t *pin, uint8_t *buf,
+                        int status)
+{
+    c->djobs[c->ndjobs++] = (struct dev_job){.hdr = *h, .pin = pin, .buf = buf, .status = status};
+    if (c->ndjobs == JOBS_MAX)
+        flush_dev_jobs(c);
+}
+
+/* Target side: a READ of device memory: its bytes are copied out into a bounce buffer, and the
+ * answer goes once the copy is done. */
 static int answer_staged_read(tcp_conn_t *c, const kvb_frame_hdr_t *h, kvb_region_t *pin)
 {
     uint8_t *buf = kvb__stage_get(h->len);
-    int st = buf ? kvb__stage_out(buf, h->addr, h->len, pin->device) : KVB_ERR_NOMEM;
-    if (st) {
-        kvb__stage_put(buf);
-        kvb__region_unpin(c->registry, pin);
-        buf = NULL;
-        pin = NULL;
-        st = st == KVB_ERR_NOMEM ? st : KVB_ERR_REMOTE_DEVICE;
-    }
-    kvb_frame_hdr_t r = {
-        .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
-    return queue_frame(c, &r, buf, pin, buf);
+    int st = buf ? kvb__stage_out_async(&c->sq, buf, h->addr, h->len, pin->device) : KVB_ERR_NOMEM;
+    if (st && st != KVB_ERR_NOMEM)
+        st = KVB_ERR_REMOTE_DEVICE;
+    add_dev_job(c, h, pin, buf, st);
+    return KVB_OK;
 }
 
 /* Target side: a request header arrived; decide where its payload goes and what to answer. */
@@ -643,6 +733,8 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     unsigned access = h->type == KVB_FRAME_READ_REQ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
     if (!shm)
         flush_jobs(c); /* this frame's answer must follow the copies owed before it */
+    if (shm || (h->type != KVB_FRAME_READ_REQ && h->type != KVB_FRAME_WRITE_REQ))
+        flush_dev_jobs(c); /* likewise (requests on host memory flush below, once known) */
     switch (h->type) {
     case KVB_FRAME_NOTIFY:
         c->rx_dst = malloc(h->len ? h->len : 1);
@@ -656,6 +748,7 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
             int st = check_range(reg, h->addr, h->len, access, false, &pin);
             if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
                 return answer_staged_read(c, h, pin);
+            flush_dev_jobs(c);
             kvb_frame_hdr_t r = {
                 .type = KVB_FRAME_READ_RESP, .status = st, .id = h->id, .len = st ? 0 : h->len};
             return queue_frame(c, &r, (const uint8_t *)(uintptr_t)h->addr, pin, NULL);
@@ -676,6 +769,8 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
                 c->rx_status = KVB_ERR_NOMEM;
                 c->rx_sink = SINK_DRAIN;
             }
+        } else if (!shm) {
+            flush_dev_jobs(c);
         }
         return KVB_OK;
     default:
@@ -843,12 +938,17 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return send_hello_ack(c);
     }
     case KVB_FRAME_WRITE_REQ: {
-        if (c->rx_stage) { /* the payload is in its bounce buffer: into the device with it */
-            if (c->rx_status == KVB_OK &&
-                kvb__stage_in(h->addr, c->rx_stage, h->len, c->rx_pin->device))
-                c->rx_status = KVB_ERR_REMOTE_DEVICE;
-            kvb__stage_put(c->rx_stage);
+        if (!c->rx_stage)
+            flush_dev_jobs(c); /* its answer follows theirs */
+        if (c->rx_stage) {     /* the payload is in its bounce buffer: into the device with it */
+            int st = c->rx_status;
+            if (st == KVB_OK &&
+                kvb__stage_in_async(&c->sq, h->addr, c->rx_stage, h->len, c->rx_pin->device))
+                st = KVB_ERR_REMOTE_DEVICE;
+            add_dev_job(c, h, c->rx_pin, c->rx_stage, st); /* acknowledged once it is done */
             c->rx_stage = NULL;
+            c->rx_pin = NULL;
+            return KVB_OK;
         }
         if (c->rx_pin)
             kvb__region_unpin(&e->registry, c->rx_pin);
@@ -923,7 +1023,10 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     pthread_mutex_unlock(&c->mu);
     op->next = NULL;
     c->rx_op = NULL;
-    op_end(op, h->status);
+    if (op->kind == KVB_OPK_READ && op->pin && op->pin->kind != KVB_MEM_CPU)
+        dev_op_arrived(c, op, h->status);
+    else
+        op_end(op, h->status);
 }
 
 /* Moves up to `n` payload bytes from src (or the socket, when src is NULL) into the current
@@ -1103,8 +1206,11 @@ static void read_frames(tcp_conn_t *c)
 static void conn_read(tcp_conn_t *c)
 {
     read_frames(c);
-    if (!c->close_req)
+    if (!c->close_req) {
         flush_jobs(c);
+        flush_dev_jobs(c);
+        flush_dev_ops(c);
+    }
 }
 
 /* ---- progress threads ----------------------------------------------------------------------- */
@@ -1970,23 +2076,33 @@ static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
 static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     (void)pv;
-    kvb_op_t *head = NULL, **tail = &head;
+    kvb_op_t *head = NULL, **tail = &head, *failed = NULL;
+    kvb_stage_queue_t **q = NULL;
     while (ops) {
         kvb_op_t *op = ops;
         ops = ops->next;
         op->next = NULL;
         if (op->pin && op->pin->kind != KVB_MEM_CPU && op->kind == KVB_OPK_WRITE) {
+            q = q ? q : kvb__stage_thread_queue();
             int rc = (op->stage = kvb__stage_get(op->len)) ? KVB_OK : KVB_ERR_NOMEM;
             if (rc == KVB_OK)
-                rc = kvb__stage_out(op->stage, (uintptr_t)op->local, op->len, op->pin->device);
+                rc = kvb__stage_out_async(q, op->stage, (uintptr_t)op->local, op->len,
+                                          op->pin->device);
             if (rc) {
-                op_end(op, rc);
+                op->next = failed;
+                failed = op;
                 continue;
             }
         }
         *tail = op;
         tail = &op->next;
     }
+    /* Every copy out of the device was queued at once; wait for them together. */
+    if (q && kvb__stage_wait(*q)) {
+        fail_op_list(head, KVB_ERR_DEVICE);
+        head = NULL;
+    }
+    fail_op_list(failed, KVB_ERR_DEVICE);
     if (head)
         tcp_submit(p->engine->tp, p, head);
 }
