@@ -116,7 +116,7 @@ typedef struct {
     uint64_t requests_failed; /* FAILED or TIMEOUT; cancelled ones are not counted */
     size_t npaths;            /* entries of paths[] in use: every path this engine has */
     struct {
-        char name[16];  /* "tcp" (data over the TCP lanes), "shm" (same-host copies) */
+        char name[16];  /* "tcp" (data over the TCP lanes), "shm" (same-host copies), "cuda" */
         uint64_t ops;   /* operations (requests, or their chunks) completed on it */
         uint64_t bytes; /* their bytes */
     } paths[KVB_STATS_PATHS_MAX];
@@ -211,7 +211,8 @@ KVB_API int kvb_segment_attr(kvb_engine_t *engine, kvb_segment_t seg, const char
  * reopen it. */
 KVB_API int kvb_segment_refresh(kvb_engine_t *engine, kvb_segment_t seg);
 
-/* The data path in use to `seg`: "shm" or "tcp" (static string). */
+/* The data path that host memory takes to `seg`: "shm" or "tcp" (a static string). Device memory
+ * may take another ("cuda"); kvb_engine_stats counts the bytes each path moved. */
 KVB_API int kvb_segment_transport(kvb_engine_t *engine, kvb_segment_t seg, const char **out);
 
 /* The peer's incarnation id (random per engine start), as learnt at open. */

@@ -454,9 +454,11 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
 static void cancel_paths(kvb_batch_t *b)
 {
     kvb_engine_t *e = b->engine;
+    pthread_rwlock_rdlock(&e->paths_lock); /* the engine may be going, or gone: see paths_lock */
     for (unsigned id = 0; id < KVB_PATHS; id++)
         if ((e->paths & (1u << id)) && kvb__provider(id)->cancel)
             kvb__provider(id)->cancel(e->path_state[id], b);
+    pthread_rwlock_unlock(&e->paths_lock);
 }
 
 int kvb_batch_cancel(kvb_batch_t *b)

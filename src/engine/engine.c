@@ -139,10 +139,13 @@ static int paths_create(kvb_engine_t *e)
 
 static void paths_destroy(kvb_engine_t *e)
 {
-    for (unsigned id = 0; id < KVB_PATHS; id++)
-        if ((e->paths & (1u << id)) && kvb__provider(id)->destroy)
-            kvb__provider(id)->destroy(e->path_state[id]);
+    pthread_rwlock_wrlock(&e->paths_lock); /* no batch's cancel is in a path now, or comes */
+    unsigned paths = e->paths;
     e->paths = 0;
+    pthread_rwlock_unlock(&e->paths_lock);
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((paths & (1u << id)) && kvb__provider(id)->destroy)
+            kvb__provider(id)->destroy(e->path_state[id]);
 }
 
 /* The registry's release hook: each path that served the region lets go of it. */
@@ -178,7 +181,7 @@ static int init_locks(kvb_engine_t *e)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     int rc = pthread_mutex_init(&e->seg_mu, NULL) || pthread_cond_init(&e->seg_cv, NULL) ||
              pthread_mutex_init(&e->attr_mu, NULL) || pthread_mutex_init(&e->notify_mu, NULL) ||
-             pthread_cond_init(&e->notify_cv, &ca);
+             pthread_cond_init(&e->notify_cv, &ca) || pthread_rwlock_init(&e->paths_lock, NULL);
     pthread_condattr_destroy(&ca);
     return rc ? KVB_ERR_SYSTEM : KVB_OK;
 }
@@ -406,8 +409,10 @@ void kvb_engine_destroy(kvb_engine_t *e)
 
 void kvb__engine_put(kvb_engine_t *e)
 {
-    if (e && atomic_fetch_sub(&e->refs, 1) == 1)
+    if (e && atomic_fetch_sub(&e->refs, 1) == 1) {
+        pthread_rwlock_destroy(&e->paths_lock); /* the last batch's cancel may have used it */
         free(e);
+    }
 }
 
 int kvb_engine_stats(kvb_engine_t *e, kvb_stats_t *out)
@@ -1000,10 +1005,10 @@ int kvb_segment_transport(kvb_engine_t *e, kvb_segment_t seg, const char **out)
     kvb_peer_t *p = kvb__segment_peer(e, seg);
     if (!p)
         return KVB_ERR_BAD_SEGMENT;
-    /* The first path in the order that reaches it (what host memory takes). */
+    /* The first path in the order that reaches it and carries host memory. */
     *out = kvb__provider(KVB_PATH_TCP)->name;
     for (size_t i = 0; i < e->norder; i++)
-        if (p->paths & (1u << e->order[i])) {
+        if ((p->paths & (1u << e->order[i])) && !kvb__provider(e->order[i])->device_only) {
             *out = kvb__provider(e->order[i])->name;
             break;
         }

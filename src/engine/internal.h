@@ -167,6 +167,7 @@ struct kvb_transport_ops {
 struct kvb_provider_ops {
     const char *name; /* in stats, logs and `protocol` lists */
     uint8_t id;       /* KVB_PATH_* */
+    bool device_only; /* it never carries a request between host memory on both sides */
     /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
      * without it). NULL: the path needs none. */
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);
@@ -238,6 +239,9 @@ struct kvb_engine {
     /* Data paths: the providers running here, the order ops try them in (`protocol`), and the
      * ones that must reach every peer (named explicitly there). */
     kvb_provider_t *path_state[KVB_PATHS];
+    /* Batches may be freed after kvb_engine_destroy: their cancel reaches the paths only under
+     * this lock's read side, and only while `paths` is not 0 (destroy clears it, write side). */
+    pthread_rwlock_t paths_lock;
     unsigned paths; /* bit i: provider i runs here */
     uint8_t order[KVB_PATHS];
     size_t norder;

@@ -581,6 +581,18 @@ static int run_initiator(bench_opts_t *o)
         if (o->write && verify_writes(e, seg, w, o->threads, wseed))
             verified = 0;
     }
+    /* The path the bytes took (device memory may take another than host memory would). */
+    kvb_stats_t st;
+    if (kvb_engine_stats(e, &st) == KVB_OK) {
+        static char used[sizeof st.paths[0].name];
+        uint64_t most = 0;
+        for (size_t i = 0; i < st.npaths; i++)
+            if (st.paths[i].bytes > most) {
+                most = st.paths[i].bytes;
+                snprintf(used, sizeof used, "%s", st.paths[i].name);
+                o->path = used;
+            }
+    }
     if (o->gpu_local || o->gpu_remote) { /* the ceilings, on the same block size */
         o->gpu_d2h = kvb_bench_gpu_ceiling("d2h", o->block, o->batch * o->threads, 1);
         o->gpu_h2d = kvb_bench_gpu_ceiling("h2d", o->block, o->batch * o->threads, 1);

@@ -62,13 +62,15 @@ typedef struct cuda_job {
 } cuda_job_t;
 
 typedef struct {
+    atomic_uint refs; /* the engine's, plus one per batch naming it as its drive hint */
     kvb_engine_t *engine;
     pthread_t worker;
     pthread_mutex_t mu; /* guards the queue and stop */
     pthread_cond_t cv;
     cuda_job_t *head, **tail;
     bool stop;
-    kvb_cu_stream_t *streams; /* per device; the worker's alone */
+    unsigned driving;         /* waiting threads running jobs themselves (cuda_progress) */
+    kvb_cu_stream_t *streams; /* per device, made at create; NULL where that failed */
     int ndev;
 } cuda_path_t;
 
@@ -245,6 +247,21 @@ static void job_end(cuda_job_t *j, int status)
     free(j);
 }
 
+static void path_put(cuda_path_t *cp)
+{
+    if (atomic_fetch_sub(&cp->refs, 1) != 1)
+        return;
+    pthread_mutex_destroy(&cp->mu);
+    pthread_cond_destroy(&cp->cv);
+    free(cp->streams);
+    free(cp);
+}
+
+static void hint_release(void *hint)
+{
+    path_put(hint);
+}
+
 static void cuda_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
@@ -288,6 +305,14 @@ static void cuda_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
     }
     if (!head)
         return;
+    /* The batch's waiter may run these itself (cuda_progress); the hint keeps the path's struct
+     * (not its streams or worker) alive until the batch goes. */
+    kvb_batch_t *b = head->op->batch;
+    if (!b->drive_hint) {
+        atomic_fetch_add(&cp->refs, 1);
+        b->drive_hint = cp;
+        b->hint_release = hint_release;
+    }
     pthread_mutex_lock(&cp->mu);
     bool stop = cp->stop;
     if (!stop) {
@@ -316,11 +341,9 @@ static void run_jobs(cuda_path_t *cp, cuda_job_t *jobs)
             j->dev = 0;
             continue;
         }
+        if (!fail[d] && !cp->streams[d])
+            fail[d] = KVB_ERR_DEVICE; /* its stream could not be made (logged at create) */
         if (fail[d] || (fail[d] = kvb__cuda_use(d)))
-            continue;
-        if (!cp->streams[d] &&
-            (fail[d] = kvb__cuda_status(api->StreamCreate(&cp->streams[d], KVB_CU_STREAM_DEFAULT),
-                                        "cuStreamCreate")))
             continue;
         used[d] = true;
         /* Requests that continue each other on both sides (a batch of consecutive blocks) go
@@ -369,6 +392,43 @@ static void *worker(void *arg)
     return NULL;
 }
 
+/* A thread waiting for batch b runs b's jobs that the worker has not taken yet itself: no hand-off
+ * to the worker and back. KVB_ERR_BUSY when there are none (the worker has them). */
+static int cuda_progress(kvb_batch_t *b, uint64_t deadline)
+{
+    (void)deadline; /* the copies it starts are bounded; it waits for nothing else */
+    cuda_path_t *cp = b->drive_hint;
+    cuda_job_t *mine = NULL, **mt = &mine;
+    pthread_mutex_lock(&cp->mu);
+    for (cuda_job_t **pp = &cp->head; *pp && !cp->stop;) {
+        cuda_job_t *j = *pp;
+        if (j->op->batch == b) {
+            *pp = j->next;
+            j->next = NULL;
+            *mt = j;
+            mt = &j->next;
+        } else {
+            pp = &j->next;
+        }
+    }
+    cp->tail = &cp->head;
+    while (*cp->tail)
+        cp->tail = &(*cp->tail)->next;
+    if (mine)
+        cp->driving++;
+    pthread_mutex_unlock(&cp->mu);
+    if (!mine)
+        return KVB_ERR_BUSY;
+    kvb_cu_ctx_t prev = ctx_enter();
+    run_jobs(cp, mine);
+    ctx_leave(prev);
+    pthread_mutex_lock(&cp->mu);
+    if (--cp->driving == 0 && cp->stop)
+        pthread_cond_broadcast(&cp->cv);
+    pthread_mutex_unlock(&cp->mu);
+    return KVB_OK;
+}
+
 /* Jobs of a cancelled or freed batch that have not started end now. */
 static void cuda_cancel(kvb_provider_t *pv, kvb_batch_t *b)
 {
@@ -408,12 +468,22 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
     cuda_path_t *cp = calloc(1, sizeof *cp);
     if (!cp)
         return KVB_ERR_NOMEM;
+    atomic_init(&cp->refs, 1);
     cp->engine = e;
     cp->ndev = kvb__cuda_device_count();
     cp->streams = calloc((size_t)cp->ndev, sizeof *cp->streams);
     cp->tail = &cp->head;
     pthread_mutex_init(&cp->mu, NULL);
     pthread_cond_init(&cp->cv, NULL);
+    /* A blocking stream per device (ordered after the legacy default stream's work), shared by
+     * the worker and waiting threads; stream handles may be used from any thread. */
+    kvb_cu_ctx_t prev = ctx_enter();
+    for (int d = 0; cp->streams && d < cp->ndev; d++)
+        if (kvb__cuda_use(d) != KVB_OK ||
+            kvb__cuda_status(kvb__cuda()->StreamCreate(&cp->streams[d], KVB_CU_STREAM_DEFAULT),
+                             "cuStreamCreate"))
+            cp->streams[d] = NULL;
+    ctx_leave(prev);
     if (!cp->streams || pthread_create(&cp->worker, NULL, worker, cp)) {
         pthread_mutex_destroy(&cp->mu);
         pthread_cond_destroy(&cp->cv);
@@ -431,7 +501,9 @@ static void cuda_destroy(kvb_provider_t *pv)
     cuda_path_t *cp = (cuda_path_t *)pv;
     pthread_mutex_lock(&cp->mu);
     cp->stop = true;
-    pthread_cond_signal(&cp->cv);
+    pthread_cond_broadcast(&cp->cv);
+    while (cp->driving > 0) /* waiting threads running jobs: their copies end first */
+        pthread_cond_wait(&cp->cv, &cp->mu);
     pthread_mutex_unlock(&cp->mu);
     pthread_join(cp->worker, NULL);
     kvb_cu_ctx_t prev = ctx_enter();
@@ -439,15 +511,13 @@ static void cuda_destroy(kvb_provider_t *pv)
         if (cp->streams[d] && kvb__cuda_use(d) == KVB_OK)
             kvb__cuda()->StreamDestroy(cp->streams[d]);
     ctx_leave(prev);
-    pthread_mutex_destroy(&cp->mu);
-    pthread_cond_destroy(&cp->cv);
-    free(cp->streams);
-    free(cp);
+    path_put(cp);
 }
 
 const kvb_provider_ops_t kvb__cuda_provider = {
     .name = "cuda",
     .id = KVB_PATH_CUDA,
+    .device_only = true,
     .create = cuda_create,
     .destroy = cuda_destroy,
     .reg = cuda_reg,
@@ -455,5 +525,6 @@ const kvb_provider_ops_t kvb__cuda_provider = {
     .detach = cuda_detach,
     .reaches = cuda_reaches,
     .submit = cuda_submit,
+    .progress = cuda_progress,
     .cancel = cuda_cancel,
 };
