@@ -27,7 +27,7 @@ deps-test:
 	@scripts/install-deps.sh $(TEST_PKGS)
 
 deps-bench:
-	@scripts/install-deps.sh $(BUILD_PKGS) gnuplot-nox
+	@scripts/install-deps.sh $(BUILD_PKGS) gnuplot-nox iperf3
 
 # The whole suite, then once more under AddressSanitizer + UndefinedBehaviorSanitizer, then the
 # stress programs under ThreadSanitizer.

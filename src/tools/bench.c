@@ -33,7 +33,11 @@ typedef struct {
     const char *segment;
     const char *bind;
     bool insecure;        /* --insecure */
-    const char *baseline; /* "tcp" or "memcpy": measure the ceiling instead */
+    const char *baseline; /* "tcp" or "memcpy" (or "copy"): measure the ceiling instead */
+    bool ceiling;         /* --ceiling: measure the path's ceiling after the run, print the ratio */
+    double ceiling_gbps;
+    char ceiling_method[192];
+    uint64_t area_bytes;  /* the registered buffer each side used */
     const char *protocol; /* tcp, shm or auto */
     const char *kv_model; /* --kv: the KV-shaped workload instead */
     const char *metadata; /* --metadata URI: segments found through a store */
@@ -444,6 +448,20 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf(")\n");
     printf("  metadata %s: segment %s opened in %.1f ms\n", o->metadata ? o->metadata : "p2p",
            o->segment, o->open_ms);
+    if (o->ceiling_gbps > 0) {
+        uint64_t llc = kvb_llc_bytes();
+        double ratio = gbps / o->ceiling_gbps;
+        char cache[48] = "unknown";
+        if (llc)
+            snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));
+        printf("  ceiling %.3f GB/s (%s), ratio %.3f; working set %llu MiB per side, last-level "
+               "cache %s\n",
+               o->ceiling_gbps, o->ceiling_method, ratio, (unsigned long long)(o->area_bytes >> 20),
+               cache);
+        if (ratio > 1.0)
+            printf("  WARNING: above the ceiling - the ceiling does not measure what this run "
+                   "did; do not believe the ratio\n");
+    }
     bool gpu = o->gpu_local || o->gpu_remote;
     /* Through CUDA IPC the copy engine moves device to device: that is the ceiling. Staged
      * paths are bound by the network; the copies in and out are shown beside them. */
@@ -469,6 +487,11 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             verified < 0 ? json_null() : json_boolean(verified));
         json_object_set_new(j, "metadata", json_string(o->metadata ? o->metadata : "p2p"));
         json_object_set_new(j, "open_ms", json_real(o->open_ms));
+        if (o->ceiling_gbps > 0) {
+            json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
+            json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
+            json_object_set_new(j, "ratio", json_real(gbps / o->ceiling_gbps));
+        }
         if (gpu) {
             json_object_set_new(j, "gpu_local", json_boolean(o->gpu_local));
             json_object_set_new(j, "gpu_remote", json_boolean(o->gpu_remote));
@@ -482,6 +505,19 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         json_decref(j);
     }
     fflush(stdout);
+}
+
+/* The copy path's threads: the target's thread running a peer's copies plus its copy pool (the
+ * engine's default copy_threads, 1). */
+#define COPY_THREADS 2
+
+/* The ceiling of the path a run took, on its working set (block, buffer, connections). */
+static int measure_ceiling(const bench_opts_t *o, const char *path, uint64_t buffer, double secs,
+                           kvb_ceiling_t *c)
+{
+    bool tcp = !strcmp(path, "tcp");
+    return kvb_ceiling(tcp ? "tcp" : "copy", buffer, o->block, tcp ? (int)o->lanes : COPY_THREADS,
+                       secs, 3, c);
 }
 
 static int run_initiator(bench_opts_t *o)
@@ -520,6 +556,7 @@ static int run_initiator(bench_opts_t *o)
     }
     uint64_t size = region.len < o->buffer ? region.len : o->buffer;
     uint64_t area = size / o->threads / o->block * o->block;
+    o->area_bytes = size;
     if (area == 0) {
         fprintf(stderr, "bench: buffer of %llu bytes cannot hold a %llu-byte block per thread\n",
                 (unsigned long long)size, (unsigned long long)o->block);
@@ -592,6 +629,13 @@ static int run_initiator(bench_opts_t *o)
                 snprintf(used, sizeof used, "%s", st.paths[i].name);
                 o->path = used;
             }
+    }
+    if (o->ceiling && !o->gpu_local && !o->gpu_remote) {
+        kvb_ceiling_t c;
+        if (measure_ceiling(o, o->path, size, 1.0, &c) == 0) {
+            o->ceiling_gbps = c.gbps;
+            snprintf(o->ceiling_method, sizeof o->ceiling_method, "%s", c.method);
+        }
     }
     if (o->gpu_local || o->gpu_remote) { /* the ceilings, on the same block size */
         o->gpu_d2h = kvb_bench_gpu_ceiling("d2h", o->block, o->batch * o->threads, 1);
@@ -800,106 +844,24 @@ static int run_loopback(bench_opts_t *o)
     return status;
 }
 
-/* ---- ceilings: what the hardware gives without kvbridge ---------------------------------------
- */
-
-/* Single-thread memcpy between two populated buffers of --buffer-size, block by block. */
-/* Single-thread memcpy between two populated buffers of `buffer` bytes, block by block, for
- * `secs` seconds. Returns GB/s, or a negative value on error. */
-static double measure_memcpy(uint64_t buffer, uint64_t block, uint64_t secs)
-{
-    uint8_t *a = alloc_buffer(buffer), *b = alloc_buffer(buffer);
-    if (!a || !b) {
-        fprintf(stderr, "bench: cannot allocate 2 x %llu bytes\n", (unsigned long long)buffer);
-        return -1;
-    }
-    uint64_t nblocks = buffer / block, bytes = 0, i = 0;
-    uint64_t t0 = kvb__now_ns(), end = t0 + secs * 1000000000ull;
-    while (kvb__now_ns() < end)
-        for (int k = 0; k < 64; k++, i++) {
-            uint64_t off = (i % nblocks) * block;
-            memcpy(b + off, a + off, block);
-            bytes += block;
-        }
-    double s = (double)(kvb__now_ns() - t0) / 1e9;
-    munmap(a, buffer);
-    munmap(b, buffer);
-    return (double)bytes / s / 1e9;
-}
-
-/* Plain blocking sockets on loopback streaming the same blocks from a child to this process:
- * no framing, no protocol, the kernel copies only. */
-/* Plain blocking sockets on loopback streaming `block`-sized sends from a child to this process
- * for `secs` seconds: no framing, no protocol, only the kernel's copies. Returns GB/s or < 0. */
-static double measure_tcp(uint64_t buffer, uint64_t block, uint64_t secs)
-{
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
-        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
-        perror("bench: baseline socket");
-        return -1;
-    }
-    uint8_t *buf = alloc_buffer(buffer);
-    if (!buf)
-        return -1;
-    uint64_t nblocks = buffer / block;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) { /* sender */
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa))
-            _exit(1);
-        for (uint64_t i = 0;; i++) {
-            uint64_t off = (i % nblocks) * block, done = 0;
-            while (done < block) {
-                ssize_t n = send(fd, buf + off + done, block - done, MSG_NOSIGNAL);
-                if (n <= 0)
-                    _exit(0);
-                done += (uint64_t)n;
-            }
-        }
-    }
-    int fd = accept(lfd, NULL, NULL);
-    close(lfd);
-    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + secs * 1000000000ull;
-    for (uint64_t i = 0; fd >= 0 && kvb__now_ns() < end; i++) {
-        uint64_t off = (i % nblocks) * block;
-        ssize_t n = recv(fd, buf + off, block, MSG_WAITALL);
-        if (n <= 0)
-            break;
-        bytes += (uint64_t)n;
-    }
-    double s = (double)(kvb__now_ns() - t0) / 1e9;
-    if (fd >= 0)
-        close(fd);
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    munmap(buf, buffer);
-    return bytes ? (double)bytes / s / 1e9 : -1;
-}
-
-double kvb_bench_ceiling(const char *what, uint64_t block, int secs)
-{
-    uint64_t buffer = 256ull << 20;
-    return !strcmp(what, "tcp") ? measure_tcp(buffer, block, (uint64_t)secs)
-                                : measure_memcpy(buffer, block, (uint64_t)secs);
-}
-
 static int run_baseline(const bench_opts_t *o)
 {
+    kvb_ceiling_t c;
     bool tcp = !strcmp(o->baseline, "tcp");
-    double gbps = tcp ? measure_tcp(o->buffer, o->block, o->duration)
-                      : measure_memcpy(o->buffer, o->block, o->duration);
-    if (gbps < 0)
+    double secs = (double)o->duration / 3 > 0.3 ? (double)o->duration / 3 : 0.3;
+    if (measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, secs, &c))
         return 1;
-    printf("baseline %s: block %llu B, %llu s, %.3f GB/s\n", o->baseline,
-           (unsigned long long)o->block, (unsigned long long)o->duration, gbps);
-    if (o->json)
-        printf("{\"baseline\":\"%s\",\"block_size\":%llu,\"duration_s\":%llu,\"gbps\":%.6f}\n",
-               o->baseline, (unsigned long long)o->block, (unsigned long long)o->duration, gbps);
+    printf("baseline %s: block %llu B, buffer %llu B, %.3f GB/s (%s)\n", o->baseline,
+           (unsigned long long)o->block, (unsigned long long)o->buffer, c.gbps, c.method);
+    if (o->json) {
+        json_t *j = json_pack("{s:s, s:I, s:I, s:f, s:s}", "baseline", o->baseline, "block_size",
+                              (json_int_t)o->block, "buffer_size", (json_int_t)o->buffer, "gbps",
+                              c.gbps, "method", c.method);
+        char *js = j ? json_dumps(j, JSON_COMPACT) : NULL;
+        printf("%s\n", js ? js : "{}");
+        free(js);
+        json_decref(j);
+    }
     fflush(stdout);
     return 0;
 }
@@ -937,7 +899,9 @@ static void usage(FILE *f)
            "                            cuMemcpy ceilings (d2h, h2d, d2d) measured after the run\n"
            "  --seed N                  pattern seed (default 42)\n"
            "  --json                    also print one JSON object as the last line\n"
-           "  --baseline tcp|memcpy     measure the ceiling instead: raw loopback socket stream,\n"
+           "  --ceiling                 after the run, measure the ceiling of the path it took on\n"
+           "                            the same working set, and print the ratio to it\n"
+           "  --baseline tcp|copy       measure the ceiling instead: raw loopback socket stream,\n"
            "                            or single-thread memcpy, with the same block size\n"
            "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
            "                            socket ping-pong, interleaved; p50/p99 of both\n"
@@ -976,6 +940,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"secret-file", 1, 0, 'F'},
                                           {"insecure", 0, 0, 'I'},
                                           {"gpu", 0, 0, 'g'},
+                                          {"ceiling", 0, 0, 'c'},
                                           {"gpu-local", 0, 0, 'G'},
                                           {"gpu-remote", 0, 0, 'H'},
                                           {0, 0, 0, 0}};
@@ -1053,6 +1018,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         case 'g':
             o->gpu_local = o->gpu_remote = true;
             break;
+        case 'c':
+            o->ceiling = true;
+            break;
         case 'G':
             o->gpu_local = true;
             break;
@@ -1075,7 +1043,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = kvb_cli_parse_uint(optarg, 1000, &o->reps) || !o->reps;
             break;
         case 'X':
-            bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy");
+            bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy") && strcmp(optarg, "copy");
             o->baseline = optarg;
             break;
         case 'j':

@@ -19,8 +19,19 @@ int kvb_cmd_metadata_server(int argc, char **argv); /* src/tools/metaserver.c */
 /* The KV-shaped workload of `kvbridge bench --kv` (src/tools/bench_kv.c). */
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
                  bool json);
-/* A ceiling measured now: "tcp" (raw loopback socket stream) or "memcpy", in GB/s (< 0: error). */
-double kvb_bench_ceiling(const char *what, uint64_t block, int secs);
+/* Ceilings (src/tools/ceiling.c), measured now on the same working set as the figure they divide:
+ * "tcp" - a raw loopback stream over `parallel` connections, sender and receiver in separate
+ * processes with buffers of their own; "copy" - the best of memcpy and rep movsb over `parallel`
+ * threads between two populated memfd buffers. `buffer` bytes per side, `block` bytes per send or
+ * copy, the best of `runs` runs of `secs` seconds. Returns 0 (out->gbps > 0) or -1. */
+typedef struct {
+    double gbps;
+    char method[192];
+} kvb_ceiling_t;
+int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
+                int runs, kvb_ceiling_t *out);
+/* The size of the largest CPU cache of cpu0 (sysfs), 0 if unknown. */
+uint64_t kvb_llc_bytes(void);
 
 /* Device memory for bench --gpu (src/tools/bench_gpu.c), on CUDA device 0; each reports its own
  * errors on stderr. A ceiling is a stream of cuMemcpyAsync ("d2h", "h2d", "d2d"), `batch` blocks

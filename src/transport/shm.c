@@ -21,6 +21,7 @@
 
 #include "common/checked.h"
 #include "common/clock.h"
+#include "common/copy.h"
 #include "common/log.h"
 
 #define MSG_MAGIC      0x5342564Bu /* "KVBS" */
@@ -244,7 +245,7 @@ static bool pool_take(kvb_shm_t *s)
     s->qhead = (s->qhead + 1) % s->qcap;
     s->qcount--;
     pthread_mutex_unlock(&s->pool_mu);
-    memcpy(p.dst, p.src, p.len);
+    kvb__copy(p.dst, p.src, p.len);
     pthread_mutex_lock(&s->pool_mu);
     if (atomic_fetch_sub(p.left, 1) == 1)
         pthread_cond_broadcast(&s->done_cv);
@@ -263,7 +264,7 @@ static void pool_put(kvb_shm_t *s, uint8_t *dst, const uint8_t *src, size_t len,
         size_t n = len - off < each ? len - off : each;
         if (s->qcount == s->qcap) {
             pthread_mutex_unlock(&s->pool_mu);
-            memcpy(dst + off, src + off, n);
+            kvb__copy(dst + off, src + off, n);
             pthread_mutex_lock(&s->pool_mu);
         } else {
             s->queue[(s->qhead + s->qcount++) % s->qcap] =

@@ -1,0 +1,132 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The ceilings that `kvbridge bench` divides by must be ceilings: the TCP one within a factor of a
+ * plain two-process socket stream measured here, the copy one not below a plain memcpy of buffers
+ * of the same size. A broken ceiling (a copy-on-write buffer shared across fork(), a cache-sized
+ * working set) fails here instead of in a results table. */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+
+TestSuite(ceiling, .timeout = 120);
+
+#define BUF   (64ull << 20)
+#define BLOCK (1ull << 20)
+
+/* `kvbridge bench ARGS --json`'s "gbps". */
+static double bench_gbps(const char *args)
+{
+    const char *bin = getenv("KVB_BIN");
+    cr_assert_not_null(bin, "KVB_BIN is not set (run through ctest)");
+    char cmd[1024], line[4096], last[4096] = "";
+    snprintf(cmd, sizeof cmd, "%s bench %s --json 2>/dev/null", bin, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    while (fgets(line, sizeof line, p))
+        snprintf(last, sizeof last, "%s", line);
+    cr_assert_eq(pclose(p), 0, "'%s' failed", cmd);
+    json_t *j = json_loads(last, 0, NULL);
+    cr_assert_not_null(j, "no JSON from '%s': %s", cmd, last);
+    double g = json_real_value(json_object_get(j, "gbps"));
+    json_decref(j);
+    return g;
+}
+
+static uint8_t *buffer(void)
+{
+    void *p =
+        mmap(NULL, BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    cr_assert_neq(p, MAP_FAILED);
+    memset(p, 1, BUF);
+    return p;
+}
+
+/* One connection, a child sending 1 MiB blocks from a buffer of its own for `secs`. */
+static double plain_stream(double secs)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    cr_assert(lfd >= 0 && !bind(lfd, (struct sockaddr *)&sa, sizeof sa) && !listen(lfd, 1) &&
+              !getsockname(lfd, (struct sockaddr *)&sa, &sl));
+    pid_t pid = fork();
+    if (pid == 0) {
+        uint8_t *b = buffer();
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (connect(fd, (struct sockaddr *)&sa, sizeof sa))
+            _exit(1);
+        for (uint64_t i = 0;; i++)
+            if (send(fd, b + (i % (BUF / BLOCK)) * BLOCK, BLOCK, MSG_NOSIGNAL) <= 0)
+                _exit(0);
+    }
+    uint8_t *b = buffer();
+    int fd = accept(lfd, NULL, NULL);
+    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + (uint64_t)(secs * 1e9);
+    for (uint64_t i = 0; fd >= 0 && kvb__now_ns() < end; i++) {
+        ssize_t n = recv(fd, b + (i % (BUF / BLOCK)) * BLOCK, BLOCK, MSG_WAITALL);
+        if (n <= 0)
+            break;
+        bytes += (uint64_t)n;
+    }
+    double g = (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
+    close(fd);
+    close(lfd);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    munmap(b, BUF);
+    return g;
+}
+
+static double plain_memcpy(double secs)
+{
+    uint8_t *a = buffer(), *b = buffer();
+    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + (uint64_t)(secs * 1e9);
+    for (uint64_t i = 0; kvb__now_ns() < end; i++) {
+        uint64_t off = (i % (BUF / BLOCK)) * BLOCK;
+        memcpy(b + off, a + off, BLOCK);
+        bytes += BLOCK;
+    }
+    double g = (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
+    munmap(a, BUF);
+    munmap(b, BUF);
+    return g;
+}
+
+/* Interleaved, best of three each: the machine may be busy with other tests. */
+Test(ceiling, tcp_is_a_socket_stream)
+{
+    double ceil = 0, plain = 0;
+    for (int i = 0; i < 3; i++) {
+        double c = bench_gbps("--baseline tcp --lanes 1 --block-size 1M --buffer-size 64M "
+                              "--duration 1");
+        double p = plain_stream(0.3);
+        ceil = c > ceil ? c : ceil;
+        plain = p > plain ? p : plain;
+    }
+    cr_log_info("TCP ceiling %.3f GB/s, plain stream %.3f GB/s", ceil, plain);
+    cr_expect(ceil > plain / 3 && ceil < plain * 3,
+              "TCP ceiling %.3f GB/s is not a socket stream's %.3f GB/s", ceil, plain);
+}
+
+Test(ceiling, copy_not_below_memcpy)
+{
+    double ceil = 0, plain = 0;
+    for (int i = 0; i < 3; i++) {
+        double c = bench_gbps("--baseline copy --block-size 1M --buffer-size 64M --duration 1");
+        double p = plain_memcpy(0.3);
+        ceil = c > ceil ? c : ceil;
+        plain = p > plain ? p : plain;
+    }
+    cr_log_info("copy ceiling %.3f GB/s, plain memcpy %.3f GB/s", ceil, plain);
+    cr_expect(ceil >= plain * 0.8, "copy ceiling %.3f GB/s is below a plain memcpy's %.3f GB/s",
+              ceil, plain);
+}
