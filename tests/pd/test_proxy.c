@@ -143,19 +143,40 @@ static bool healthy(const inst_t *in)
     return st == 200;
 }
 
+/* Reads the port from the server's ready line ("serving ROLE on http://ADDR:PORT ...") once it
+ * is in the log; false until then. */
+static bool ready_port(inst_t *in)
+{
+    FILE *f = fopen(in->log, "r");
+    char line[256];
+    unsigned port = 0;
+    while (f && !port && fgets(line, sizeof line, f)) {
+        const char *at = strstr(line, "on http://");
+        const char *colon = at ? strchr(at + strlen("on http://"), ':') : NULL;
+        if (colon && sscanf(colon + 1, "%u", &port) == 1 && port > 0 && port < 65536) {
+            in->port = (uint16_t)port;
+            snprintf(in->url, sizeof in->url, "http://127.0.0.1:%u", port);
+        }
+    }
+    if (f)
+        fclose(f);
+    return in->port != 0;
+}
+
 /* Forks `kvbridge serve` and waits (10 s at most) until its /health answers. The child dies with
  * the test process (PDEATHSIG), so a test that times out leaves nothing behind. */
 static void serve(inst_t *in, const char *role, const char *model, int tp, const char *mode)
 {
-    char tps[8], ports[8];
+    static unsigned seq;
+    char tps[8];
     memset(in, 0, sizeof *in);
-    in->port = free_port();
     snprintf(tps, sizeof tps, "%d", tp);
-    snprintf(ports, sizeof ports, "%u", (unsigned)in->port);
-    snprintf(in->url, sizeof in->url, "http://127.0.0.1:%u", (unsigned)in->port);
-    snprintf(in->log, sizeof in->log, "/tmp/kvb_proxy_test_%d_%u.log", (int)getpid(), in->port);
+    snprintf(in->log, sizeof in->log, "/tmp/kvb_proxy_test_%d_%u.log", (int)getpid(), seq++);
+    /* Port 0: the server binds a free port itself and says which on its ready line. (A port
+     * found free here and bound later by the child can be taken in between by any process on
+     * the machine - a parallel test's connection, say: seen as "Address already in use".) */
     const char *argv[] = {bin(), "serve",  "--role", role,        "--model", model, "--tp",
-                          tps,   "--port", ports,    "--kv-mode", mode,      NULL};
+                          tps,   "--port", "0",      "--kv-mode", mode,      NULL};
     pid_t parent = getpid();
     in->pid = fork();
     cr_assert_geq(in->pid, 0);
@@ -171,7 +192,7 @@ static void serve(inst_t *in, const char *role, const char *model, int tp, const
     }
     track(in->pid);
     uint64_t dl = kvb__deadline_ms(10000);
-    while (!healthy(in)) {
+    while (!(in->port || ready_port(in)) || !healthy(in)) {
         int st;
         if (waitpid(in->pid, &st, WNOHANG) == in->pid || kvb__now_ns() > dl) {
             print_log(in);
