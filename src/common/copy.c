@@ -23,11 +23,20 @@ static bool erms(void)
 }
 #endif
 
+void kvb__copy_movsb(void *dst, const void *src, size_t n)
+{
+#if defined(__x86_64__)
+    __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
 void kvb__copy(void *dst, const void *src, size_t n)
 {
 #if defined(__x86_64__)
     if (n >= KVB_COPY_MOVSB_MIN && erms()) {
-        __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+        kvb__copy_movsb(dst, src, n);
         return;
     }
 #endif

@@ -11,5 +11,8 @@
 #define KVB_COPY_MOVSB_MIN 4096
 
 void kvb__copy(void *dst, const void *src, size_t n);
+/* `rep movsb` itself, whatever the CPU says of it (memcpy where there is no such instruction):
+ * for measuring it against memcpy. */
+void kvb__copy_movsb(void *dst, const void *src, size_t n);
 
 #endif

@@ -253,7 +253,13 @@ static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, kv
  * memory that no path to this peer can serve) ends at once with KVB_ERR_UNSUPPORTED. */
 static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
 {
-    kvb_region_list_t *rl = kvb__peer_regions(p); /* held across the submits (op->rregion) */
+    /* The peer's region of each op, when a path to it looks at it (the lanes do not: the target
+     * checks); the list is held across the submits (op->rregion). */
+    bool need = false;
+    for (size_t i = 0; i < e->norder; i++)
+        need =
+            need || ((p->paths & (1u << e->order[i])) && kvb__provider(e->order[i])->remote_region);
+    kvb_region_list_t *rl = need ? kvb__peer_regions(p) : NULL;
     kvb_op_t *head[KVB_PATHS] = {0}, **tail[KVB_PATHS];
     for (unsigned id = 0; id < KVB_PATHS; id++)
         tail[id] = &head[id];

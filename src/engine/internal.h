@@ -47,7 +47,6 @@ typedef struct kvb_op {
     const kvb_region_desc_t *rregion; /* the peer's region holding it, if its list names one;
                                        * valid only until the provider's submit returns */
     uint8_t path;                     /* KVB_PATH_*: the provider carrying it */
-    bool shm;       /* a two-sided request whose bytes the target copies through shared memory */
     uint8_t *stage; /* a host bounce buffer for local device memory (the lanes' own) */
 } kvb_op_t;
 
@@ -143,8 +142,8 @@ struct kvb_transport_ops {
      * peer->rlist, peer->attrs, peer->link_tokens and peer->tp. */
     int (*connect)(kvb_transport_t *tp, kvb_peer_t *peer, uint64_t deadline);
     /* Sends ops (linked through op->next) to the peer as request frames: with their payload, or
-     * for op->shm just the address. Never blocks on the network; ops that cannot be sent end at
-     * once through kvb__op_done. */
+     * for the shm path (op->path) just the address. Never blocks on the network; ops that cannot be
+     * sent end at once through kvb__op_done. */
     void (*submit)(kvb_transport_t *tp, kvb_peer_t *peer, kvb_op_t *ops);
     /* Closes the peer's connections; ops still held end with `error`. Frees peer->tp later. */
     void (*disconnect)(kvb_transport_t *tp, kvb_peer_t *peer, int error);
@@ -165,9 +164,10 @@ struct kvb_transport_ops {
  * (they travel in the handshake), attaches those that reach a peer once its control connection
  * is up, and gives every op to the first provider in the engine's path order that reaches it. */
 struct kvb_provider_ops {
-    const char *name; /* in stats, logs and `protocol` lists */
-    uint8_t id;       /* KVB_PATH_* */
-    bool device_only; /* it never carries a request between host memory on both sides */
+    const char *name;   /* in stats, logs and `protocol` lists */
+    uint8_t id;         /* KVB_PATH_* */
+    bool device_only;   /* it never carries a request between host memory on both sides */
+    bool remote_region; /* its reaches() looks at op->rregion (the engine finds it only then) */
     /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
      * without it). NULL: the path needs none. */
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);

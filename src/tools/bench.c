@@ -158,8 +158,7 @@ static uint8_t *engine_buffer(kvb_engine_t *e, const bench_opts_t *o, uint64_t l
                     kvb_strerror(rc));
         return p;
     }
-    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
+    return kvb_cli_populated(len);
 }
 
 static void engine_buffer_free(const bench_opts_t *o, uint8_t *p, uint64_t len, bool gpu)
@@ -189,10 +188,7 @@ static int fill_buffer(uint8_t *buf, uint64_t len, uint64_t seed, bool gpu)
 
 static uint8_t *alloc_buffer(uint64_t len)
 {
-    /* Populated up front: first-touch page faults would otherwise be timed as transfer cost. */
-    void *p =
-        mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
+    return kvb_cli_populated(len);
 }
 
 /* ---- target

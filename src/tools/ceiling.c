@@ -29,13 +29,13 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/copy.h"
 #include "tools/cli.h"
 
 #define CONN_MAX    16
 #define THREADS_MAX 16
 
-/* A populated buffer of private anonymous memory, as the TCP runs use. */
-static uint8_t *private_buffer(uint64_t len)
+uint8_t *kvb_cli_populated(uint64_t len)
 {
     void *p =
         mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -136,7 +136,7 @@ static void *send_main(void *arg)
 /* The sender process: its own buffer, one thread per connection; ends when they break. */
 static void sender(const struct sockaddr_in *sa, int conns, uint64_t buffer, uint64_t block)
 {
-    uint8_t *buf = private_buffer(buffer);
+    uint8_t *buf = kvb_cli_populated(buffer);
     stream_t s[CONN_MAX];
     pthread_t t[CONN_MAX];
     if (!buf)
@@ -181,7 +181,7 @@ static double tcp_once(int conns, uint64_t buffer, uint64_t block, double secs)
         sender(&sa, conns, buffer, block);
     }
     double gbps = -1;
-    uint8_t *buf = pid > 0 ? private_buffer(buffer) : NULL;
+    uint8_t *buf = pid > 0 ? kvb_cli_populated(buffer) : NULL;
     stream_t s[CONN_MAX];
     pthread_t t[CONN_MAX];
     int n = 0;
@@ -231,15 +231,6 @@ typedef struct {
     uint64_t bytes;
 } copier_t;
 
-static void copy_movsb(uint8_t *dst, const uint8_t *src, uint64_t n)
-{
-#if defined(__x86_64__)
-    __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
-#else
-    memcpy(dst, src, n);
-#endif
-}
-
 static void *copy_main(void *arg)
 {
     copier_t *c = arg;
@@ -247,7 +238,7 @@ static void *copy_main(void *arg)
         for (int k = 0; k < 16; k++, i += c->step) { /* 16 blocks between clock reads */
             uint64_t off = (i % c->nblocks) * c->block;
             if (c->movsb)
-                copy_movsb(c->dst + off, c->src + off, c->block);
+                kvb__copy_movsb(c->dst + off, c->src + off, c->block);
             else
                 memcpy(c->dst + off, c->src + off, c->block);
             c->bytes += c->block;

@@ -30,6 +30,9 @@ typedef struct {
 } kvb_ceiling_t;
 int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
                 int runs, kvb_ceiling_t *out);
+/* A buffer of private anonymous memory, populated up front (first-touch page faults would
+ * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
+uint8_t *kvb_cli_populated(uint64_t len);
 /* The size of the largest CPU cache of cpu0 (sysfs), 0 if unknown. */
 uint64_t kvb_llc_bytes(void);
 

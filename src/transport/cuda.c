@@ -74,22 +74,6 @@ typedef struct {
     int ndev;
 } cuda_path_t;
 
-/* ---- contexts on application threads -------------------------------------------------------- */
-
-/* Opening and closing IPC handles and asking for allocation ranges need a device's context current;
- * on the application's threads we put back whatever context it had. */
-static kvb_cu_ctx_t ctx_enter(void)
-{
-    kvb_cu_ctx_t prev = NULL;
-    kvb__cuda()->CtxGetCurrent(&prev);
-    return prev;
-}
-
-static void ctx_leave(kvb_cu_ctx_t prev)
-{
-    kvb__cuda()->CtxSetCurrent(prev);
-}
-
 /* ---- registration -----------------------------------------------------------------------------
  */
 
@@ -101,7 +85,7 @@ static int cuda_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t 
     if (reg->kind != KVB_MEM_CUDA)
         return KVB_ERR_UNSUPPORTED;
     int rc, dev = reg->device;
-    kvb_cu_ctx_t prev = ctx_enter();
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     cuda_key_t k;
     memset(&k, 0, sizeof k);
     rc = kvb__cuda_range(reg->addr, &k.base, &k.size);
@@ -120,7 +104,7 @@ static int cuda_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t 
     }
     if (rc == KVB_OK)
         rc = kvb__cuda_bus_id(dev, k.bus, sizeof k.bus);
-    ctx_leave(prev);
+    kvb__cuda_ctx_restore(prev);
     if (rc)
         return rc;
     if (why) { /* device memory the other paths still serve, but no one handle reaches */
@@ -156,12 +140,12 @@ static void cuda_detach(kvb_peer_t *p)
     if (!cpp)
         return;
     if (cpp->n) {
-        kvb_cu_ctx_t prev = ctx_enter();
+        kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
         for (size_t i = 0; i < cpp->n; i++)
             if (cpp->maps[i].mapped && kvb__cuda_use(cpp->maps[i].dev) == KVB_OK)
                 kvb__cuda_status(kvb__cuda()->IpcCloseMemHandle(cpp->maps[i].mapped),
                                  "cuIpcCloseMemHandle");
-        ctx_leave(prev);
+        kvb__cuda_ctx_restore(prev);
     }
     free(cpp->maps);
     pthread_mutex_destroy(&cpp->mu);
@@ -203,13 +187,13 @@ static const cuda_map_t *map_of(cuda_peer_t *cpp, const kvb_peer_t *p, const cud
     int rc = kvb__cuda_device_by_bus_id(k->bus, &m->dev);
     const char *why = rc == KVB_ERR_NOT_FOUND ? "its GPU is not visible here" : NULL;
     if (rc == KVB_OK) {
-        kvb_cu_ctx_t prev = ctx_enter();
+        kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
         rc = kvb__cuda_use(m->dev);
         kvb_cu_result_t r = KVB_CUDA_SUCCESS;
         if (rc == KVB_OK)
             r = kvb__cuda()->IpcOpenMemHandle(&m->mapped, k->handle,
                                               KVB_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-        ctx_leave(prev);
+        kvb__cuda_ctx_restore(prev);
         if (r != KVB_CUDA_SUCCESS) {
             m->mapped = 0;
             why = kvb__cuda_errstr(r);
@@ -419,9 +403,9 @@ static int cuda_progress(kvb_batch_t *b, uint64_t deadline)
     pthread_mutex_unlock(&cp->mu);
     if (!mine)
         return KVB_ERR_BUSY;
-    kvb_cu_ctx_t prev = ctx_enter();
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     run_jobs(cp, mine);
-    ctx_leave(prev);
+    kvb__cuda_ctx_restore(prev);
     pthread_mutex_lock(&cp->mu);
     if (--cp->driving == 0 && cp->stop)
         pthread_cond_broadcast(&cp->cv);
@@ -477,13 +461,13 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
     pthread_cond_init(&cp->cv, NULL);
     /* A blocking stream per device (ordered after the legacy default stream's work), shared by
      * the worker and waiting threads; stream handles may be used from any thread. */
-    kvb_cu_ctx_t prev = ctx_enter();
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     for (int d = 0; cp->streams && d < cp->ndev; d++)
         if (kvb__cuda_use(d) != KVB_OK ||
             kvb__cuda_status(kvb__cuda()->StreamCreate(&cp->streams[d], KVB_CU_STREAM_DEFAULT),
                              "cuStreamCreate"))
             cp->streams[d] = NULL;
-    ctx_leave(prev);
+    kvb__cuda_ctx_restore(prev);
     if (!cp->streams || pthread_create(&cp->worker, NULL, worker, cp)) {
         pthread_mutex_destroy(&cp->mu);
         pthread_cond_destroy(&cp->cv);
@@ -506,17 +490,18 @@ static void cuda_destroy(kvb_provider_t *pv)
         pthread_cond_wait(&cp->cv, &cp->mu);
     pthread_mutex_unlock(&cp->mu);
     pthread_join(cp->worker, NULL);
-    kvb_cu_ctx_t prev = ctx_enter();
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     for (int d = 0; d < cp->ndev; d++)
         if (cp->streams[d] && kvb__cuda_use(d) == KVB_OK)
             kvb__cuda()->StreamDestroy(cp->streams[d]);
-    ctx_leave(prev);
+    kvb__cuda_ctx_restore(prev);
     path_put(cp);
 }
 
 const kvb_provider_ops_t kvb__cuda_provider = {
     .name = "cuda",
     .id = KVB_PATH_CUDA,
+    .remote_region = true,
     .device_only = true,
     .create = cuda_create,
     .destroy = cuda_destroy,

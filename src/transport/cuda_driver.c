@@ -343,6 +343,20 @@ int kvb__cuda_use(int device)
     return kvb__cuda_status(api.CtxSetCurrent(ctx), "cuCtxSetCurrent");
 }
 
+kvb_cu_ctx_t kvb__cuda_ctx_save(void)
+{
+    kvb_cu_ctx_t ctx = NULL;
+    if (kvb__cuda_available())
+        api.CtxGetCurrent(&ctx);
+    return ctx;
+}
+
+void kvb__cuda_ctx_restore(kvb_cu_ctx_t ctx)
+{
+    if (kvb__cuda_available())
+        api.CtxSetCurrent(ctx);
+}
+
 int kvb__cuda_pointer(uint64_t addr, bool *is_device, int *device)
 {
     if (!kvb__cuda_available()) {

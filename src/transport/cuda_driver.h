@@ -201,6 +201,12 @@ int kvb__cuda_status(kvb_cu_result_t r, const char *what);
  * KVB_ERR_DEVICE if the driver fails. */
 int kvb__cuda_use(int device);
 
+/* The calling thread's current context, to be put back with kvb__cuda_ctx_restore after
+ * kvb__cuda_use (on an application's thread: its own context stays as it was). NULL (no context)
+ * when the driver is unavailable. */
+kvb_cu_ctx_t kvb__cuda_ctx_save(void);
+void kvb__cuda_ctx_restore(kvb_cu_ctx_t ctx);
+
 /* Where `addr` lives: *is_device true and *device its ordinal for device (and managed) memory;
  * false and -1 for anything else - pageable or pinned host memory, unknown addresses, and every
  * address when the driver is unavailable (always KVB_OK then). Outputs are set only on KVB_OK;

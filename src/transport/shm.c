@@ -1075,9 +1075,7 @@ static bool path_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
 
 static void path_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
-    (void)pv;
-    for (kvb_op_t *op = ops; op; op = op->next)
-        op->shm = true;
+    (void)pv; /* op->path tells the control plane to send addresses, not bytes */
     p->engine->tp_ops->submit(p->engine->tp, p, ops);
 }
 
@@ -1089,6 +1087,7 @@ static int path_progress(kvb_batch_t *b, uint64_t deadline)
 const kvb_provider_ops_t kvb__shm_provider = {
     .name = "shm",
     .id = KVB_PATH_SHM,
+    .remote_region = true,
     .create = path_create,
     .attach = path_attach,
     .detach = path_detach,

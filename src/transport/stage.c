@@ -49,12 +49,11 @@ static bool grow(int c)
         return false;
     /* Pinned memory belongs to a context; PORTABLE makes it pinned for every one. */
     const kvb__cuda_api_t *api = kvb__cuda();
-    kvb_cu_ctx_t prev = NULL;
-    api->CtxGetCurrent(&prev);
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     void *p = NULL;
     bool ok = kvb__cuda_use(0) == KVB_OK &&
               api->MemHostAlloc(&p, SLAB, KVB_CU_MEMHOSTALLOC_PORTABLE) == KVB_CUDA_SUCCESS;
-    api->CtxSetCurrent(prev);
+    kvb__cuda_ctx_restore(prev);
     if (!ok)
         return false;
     slab_class[nslabs] = c;
@@ -181,8 +180,7 @@ static int queue_copy(kvb_stage_queue_t **qp, uint64_t dst, uint64_t src, size_t
     kvb_stage_queue_t *q = *qp;
     if (dev < 0 || dev >= q->ndev || dev >= 64)
         return KVB_ERR_INVALID_ARG;
-    kvb_cu_ctx_t prev = NULL;
-    api->CtxGetCurrent(&prev);
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     int rc = kvb__cuda_use(dev);
     if (rc == KVB_OK && !q->st[dev])
         rc = kvb__cuda_status(api->StreamCreate(&q->st[dev], KVB_CU_STREAM_DEFAULT),
@@ -194,7 +192,7 @@ static int queue_copy(kvb_stage_queue_t **qp, uint64_t dst, uint64_t src, size_t
                  : kvb__cuda_status(
                        api->MemcpyHtoDAsync(dst, (const void *)(uintptr_t)src, len, q->st[dev]),
                        "cuMemcpyHtoDAsync (staging device memory in)");
-    api->CtxSetCurrent(prev);
+    kvb__cuda_ctx_restore(prev);
     if (rc == KVB_OK)
         q->used |= 1ull << dev;
     else if (!q->err)
@@ -219,8 +217,7 @@ int kvb__stage_wait(kvb_stage_queue_t *q)
     if (!q || (!q->used && !q->err))
         return KVB_OK;
     const kvb__cuda_api_t *api = kvb__cuda();
-    kvb_cu_ctx_t prev = NULL;
-    api->CtxGetCurrent(&prev);
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     int rc = q->err;
     for (int d = 0; d < q->ndev && q->used; d++)
         if (q->used & (1ull << d)) {
@@ -229,7 +226,7 @@ int kvb__stage_wait(kvb_stage_queue_t *q)
                 r = kvb__cuda_status(api->StreamSynchronize(q->st[d]), "cuStreamSynchronize");
             rc = rc ? rc : r;
         }
-    api->CtxSetCurrent(prev);
+    kvb__cuda_ctx_restore(prev);
     q->used = 0;
     q->err = 0;
     return rc;
@@ -264,12 +261,11 @@ void kvb__stage_queue_free(kvb_stage_queue_t *q)
         return;
     kvb__stage_wait(q);
     const kvb__cuda_api_t *api = kvb__cuda();
-    kvb_cu_ctx_t prev = NULL;
-    api->CtxGetCurrent(&prev);
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     for (int d = 0; d < q->ndev; d++)
         if (q->st[d] && kvb__cuda_use(d) == KVB_OK)
             api->StreamDestroy(q->st[d]);
-    api->CtxSetCurrent(prev);
+    kvb__cuda_ctx_restore(prev);
     free(q->st);
     free(q);
 }

@@ -613,7 +613,7 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
         op->next = NULL;
         op->wire_id = c->next_id++;
         kvb_frame_hdr_t h = {.type = type_of[op->kind],
-                             .flags = op->shm ? KVB_FRAME_F_SHM : 0,
+                             .flags = op->path == KVB_PATH_SHM ? KVB_FRAME_F_SHM : 0,
                              .id = op->wire_id,
                              .addr = op->remote,
                              .len = op->len};
@@ -624,7 +624,8 @@ static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
             op = next;
             continue;
         }
-        if (op->shm) { /* the payload is our address; the target copies the data itself */
+        if (op->path ==
+            KVB_PATH_SHM) { /* the payload is our address; the target copies the data itself */
             tcp_frame_t *f = c->txq_tail;
             for (int i = 0; i < 8; i++)
                 f->inl[i] = (uint8_t)((uintptr_t)op->local >> (8 * i));
@@ -989,7 +990,7 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     kvb_op_t *op = c->inflight_head; /* stays valid: only this thread retires in-flight ops */
     pthread_mutex_unlock(&c->mu);
     if (!op || h->id != op->wire_id || h->type != resp_of[op->kind] ||
-        !(h->flags & KVB_FRAME_F_SHM) != !op->shm)
+        ((h->flags & KVB_FRAME_F_SHM) != 0) != (op->path == KVB_PATH_SHM))
         return KVB_ERR_PROTOCOL;
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && h->len != op->len)
         return KVB_ERR_PROTOCOL;
@@ -1894,7 +1895,7 @@ static void lane_append(tcp_conn_t *c, kvb_op_t *head)
 /* What an op puts on its lane: its data, or for a same-host op just a header and an address. */
 static uint64_t wire_bytes(const kvb_op_t *op)
 {
-    return KVB_WIRE_HDR_SIZE + (op->shm ? 8 : op->len);
+    return KVB_WIRE_HDR_SIZE + (op->path == KVB_PATH_SHM ? 8 : op->len);
 }
 
 static void hint_release(void *hint)
