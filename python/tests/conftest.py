@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test harness: the package under test is python/ (not an installed copy); each test has a
+timeout (faulthandler dumps every thread's stack and exits the run when it passes, since
+pytest-timeout is not in Debian); peers are real processes started through peer.py and killed at
+teardown."""
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+TEST_TIMEOUT = float(os.environ.get("KVB_PY_TEST_TIMEOUT", "30"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+class Peer:
+    """A peer process; run(code) executes code there and returns its `result`."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "peer.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1, env=dict(os.environ))
+
+    def run(self, code: str):
+        self.proc.stdin.write(json.dumps({"code": code}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited (status {self.proc.poll()})")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError("peer failed:\n" + reply["error"])
+        return reply["result"]
+
+    def send(self, code: str) -> None:
+        """Starts code without waiting for its answer (collect it with answer())."""
+        self.proc.stdin.write(json.dumps({"code": code}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self):
+        reply = json.loads(self.proc.stdout.readline())
+        if not reply["ok"]:
+            raise RuntimeError("peer failed:\n" + reply["error"])
+        return reply["result"]
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def spawn():
+    """Starts peers; every one is killed when the test ends."""
+    peers = []
+
+    def start() -> Peer:
+        p = Peer()
+        peers.append(p)
+        return p
+
+    yield start
+    for p in peers:
+        p.kill()
+
+
+# A native peer with a registered 4 MiB buffer holding pattern(1); `name`, `addr`, `size`.
+NATIVE_TARGET = """
+import kvbridge, numpy as np
+eng = kvbridge.Engine(protocol={protocol!r})
+buf = pattern(1, {size})
+eng.register(buf)
+result = {{"name": eng.name, "addr": addr(buf), "size": buf.nbytes}}
+"""
+
+MOONCAKE_TARGET = """
+import numpy as np
+from kvbridge.mooncake import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = pattern(1, {size})
+assert te.register_memory(addr(buf), buf.nbytes) == 0
+result = {{"name": "127.0.0.1:%d" % te.get_rpc_port(), "addr": addr(buf), "size": buf.nbytes}}
+"""
+
+
+@pytest.fixture
+def target(spawn):
+    """A native peer process (protocol auto) with 4 MiB of pattern(1) registered."""
+    p = spawn()
+    info = p.run(NATIVE_TARGET.format(protocol="auto", size=4 << 20))
+    info["peer"] = p
+    return info
+
+
+def start_target(spawn, kind="native", protocol="auto", size=4 << 20):
+    p = spawn()
+    code = NATIVE_TARGET if kind == "native" else MOONCAKE_TARGET
+    info = p.run(code.format(protocol=protocol, size=size))
+    info["peer"] = p
+    return info
+
+
+def dead_port() -> int:
+    """A loopback port nothing listens on (bound to port 0, then closed)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_for(cond, timeout=5.0, step=0.01):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()

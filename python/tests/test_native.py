@@ -1,0 +1,333 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The native API (kvbridge.Engine, Segment, Batch, notifications, stats) against peers in real
+processes: every byte verified, failures (unknown segment, bad addresses, a stopped peer, a peer
+killed mid-transfer, timeouts), 8 threads at once."""
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge import Engine, Op, ReqState, Request, errors
+from conftest import dead_port, start_target, wait_for
+from helpers import addr, digest, pattern
+
+
+def test_status_names_and_classes():
+    assert kvbridge.status_name(-100) == "ERR_PEER_LOST"
+    assert "peer lost" in kvbridge.strerror(-100)
+    e = errors.make_error(-100, "ctx")
+    assert isinstance(e, errors.PeerLostError) and isinstance(e, kvbridge.PeerError)
+    assert (e.status, e.name) == (-100, "ERR_PEER_LOST") and "ctx" in str(e)
+    assert isinstance(errors.make_error(-4), TimeoutError)
+    assert isinstance(errors.make_error(-200), kvbridge.RemoteError)
+    assert type(errors.make_error(-77)) is kvbridge.LocalError  # a code this version lacks
+    assert kvbridge.library_path()
+
+
+def test_engine_config_and_lifetime():
+    with Engine(lanes=1, timeout_ms=2000, segment_name="py-test-seg", secret=b"s" * 16) as e:
+        assert e.name == "py-test-seg" and e.port > 0 and not e.closed
+        assert "py-test-seg" in repr(e)
+    assert e.closed
+    e.close()  # idempotent
+    with pytest.raises(errors.ShutdownError):
+        e.register(1, 1)
+    with pytest.raises(TypeError):
+        Engine(no_such_option=1)
+    with pytest.raises(errors.InvalidArgError):
+        Engine(bind_addr="0.0.0.0")  # not loopback and no secret
+    with pytest.raises(errors.InvalidArgError):
+        Engine(lanes=99)
+
+
+def test_register_forms():
+    with Engine() as e:
+        arr = np.zeros(8192, np.uint8)
+        assert e.register(arr) == (addr(arr), 8192)
+        with pytest.raises(errors.OverlapError):
+            e.register(addr(arr) + 100, 10)
+        e.unregister(arr)
+        ba = bytearray(4096)
+        a, n = e.register(ba, access=kvbridge.ACCESS_READ)
+        assert n == 4096
+        e.unregister(a)
+
+        class FakeTensor:  # what torch.Tensor offers
+            def __init__(self, a):
+                self.a = a
+
+            def data_ptr(self):
+                return addr(self.a)
+
+            nbytes = property(lambda self: self.a.nbytes)
+
+        t = FakeTensor(np.zeros(1000, np.float32))
+        assert e.register(t) == (addr(t.a), 4000)
+        e.unregister(addr(t.a))
+        ro = np.zeros(100, np.uint8)
+        ro.setflags(write=False)
+        assert e.register(ro)[1] == 100
+        e.unregister(ro)
+        with pytest.raises(ValueError):
+            e.register(b"read-only bytes")
+        with pytest.raises(ValueError):
+            e.register(np.zeros((4, 4), np.uint8)[:, 1])  # not contiguous
+        with pytest.raises(errors.NotFoundError):
+            e.unregister(12345)
+        with pytest.raises(errors.InvalidArgError):
+            e.register(addr(arr), 10, location="tpu:0")
+        p = e.alloc(1 << 20)
+        v = kvbridge.view(p, 1 << 20)
+        v[:4] = b"abcd"
+        e.register(p, 1 << 20)
+        with pytest.raises(errors.BusyError):
+            e.free(p)
+        e.unregister(p)
+        e.free(p)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_read_write_every_byte(spawn, protocol):
+    t = start_target(spawn, protocol=protocol)
+    n = t["size"]
+    with Engine(protocol=protocol) as e:
+        local = np.zeros(n, np.uint8)
+        e.register(local)
+        with e.open_segment(t["name"]) as seg:
+            assert seg.transport == ("tcp" if protocol == "tcp" else "shm")
+            assert seg.regions() == [kvbridge.RegionInfo(t["addr"], n, 3, "cpu")]
+            # READ everything in uneven pieces
+            cuts = [0, 1, 4095, 70000, 1 << 20, n]
+            reqs = [Request(Op.READ, addr(local) + a, seg, t["addr"] + a, b - a)
+                    for a, b in zip(cuts, cuts[1:])]
+            with e.submit(reqs) as b:
+                assert b.wait(10) and len(b) == 5
+                assert [s.state for s in b.statuses()] == [ReqState.COMPLETED] * 5
+                assert sum(s.bytes for s in b.statuses()) == n
+            assert np.array_equal(local, pattern(1, n))
+            # WRITE a new pattern, the peer checks every byte
+            src = pattern(2, n)
+            e.register(src)
+            e.transfer([Request(Op.WRITE, addr(src), seg, t["addr"], n)], timeout=10)
+            assert t["peer"].run("result = digest(buf)") == digest(src)
+            e.write(seg, addr(src) + 5, t["addr"] + 5, 7)
+            e.read(seg, addr(local), t["addr"], n)
+            assert np.array_equal(local, src)
+            st = e.stats()
+            assert st.requests_completed == 8 and st.requests_failed == 0
+            assert st.bytes("tcp" if protocol == "tcp" else "shm") >= 3 * n
+
+
+def test_unknown_segment_and_bad_addresses(target):
+    with Engine() as e:
+        with pytest.raises(errors.ConnectError):
+            e.open_segment(f"127.0.0.1:{dead_port()}")
+        with pytest.raises(errors.ResolveError):
+            e.open_segment("no-such-host.invalid:1")
+        local = np.zeros(4096, np.uint8)
+        e.register(local)
+        seg = e.open_segment(target["name"])
+        with pytest.raises(errors.RemoteNotRegisteredError):
+            e.read(seg, addr(local), target["addr"] + target["size"] - 10, 100)
+        # the bad request fails alone; the good one in the same batch completes
+        with e.submit([(Op.READ, addr(local), seg, 8, 16),
+                       (Op.READ, addr(local) + 16, seg, target["addr"], 16)]) as b:
+            with pytest.raises(errors.RemoteNotRegisteredError):
+                b.wait(5)
+            assert b.status(0).state == ReqState.FAILED
+            assert b.status(0).error_name == "ERR_REMOTE_NOT_REGISTERED"
+            assert b.status(1).state == ReqState.COMPLETED
+        assert np.array_equal(local[16:32], pattern(1, 16))
+        with pytest.raises(errors.LocalNotRegisteredError):
+            e.submit([(Op.READ, 4096, seg, target["addr"], 16)])
+        with pytest.raises(errors.BadSegmentError):
+            e.submit([(Op.READ, addr(local), 9999, target["addr"], 16)])
+        with pytest.raises(errors.InvalidArgError):
+            e.submit([])
+        seg.close()
+        seg.close()  # idempotent
+        with pytest.raises(errors.BadSegmentError):
+            e.read(seg, addr(local), target["addr"], 16)
+
+
+def test_stopped_peer_wait_timeout_cancel_deadline(spawn):
+    t = start_target(spawn, protocol="tcp")
+    with Engine(protocol="tcp") as e:
+        local = np.zeros(t["size"], np.uint8)
+        e.register(local)
+        seg = e.open_segment(t["name"])
+        t["peer"].signal(signal.SIGSTOP)
+        try:
+            b = e.submit([(Op.READ, addr(local), seg, t["addr"], t["size"])], timeout=20)
+            t0 = time.monotonic()
+            assert b.wait(0.2) is False  # still pending
+            assert 0.15 < time.monotonic() - t0 < 2
+            assert b.status(0).state == ReqState.PENDING and not b.done
+            b.cancel()
+            assert b.status(0).state == ReqState.CANCELED
+            b.close()
+            with e.submit([(Op.READ, addr(local), seg, t["addr"], 4096)], timeout=0.3) as b2:
+                with pytest.raises(errors.TimedOutError):
+                    b2.wait()
+                assert b2.status(0).state == ReqState.TIMEOUT
+            assert e.stats().requests_failed == 1
+        finally:
+            t["peer"].signal(signal.SIGCONT)
+        e.read(seg, addr(local), t["addr"], t["size"], timeout=10)  # the peer serves again
+        assert np.array_equal(local, pattern(1, t["size"]))
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_peer_killed_mid_transfer(spawn, protocol):
+    t = start_target(spawn, protocol=protocol, size=16 << 20)
+    with Engine(protocol=protocol) as e:
+        local = np.zeros(t["size"], np.uint8)
+        e.register(local)
+        seg = e.open_segment(t["name"])
+        t["peer"].signal(signal.SIGSTOP)  # requests are in flight and stay there
+        reqs = [(Op.READ, addr(local) + i * (1 << 20), seg, t["addr"] + i * (1 << 20), 1 << 20)
+                for i in range(16)]
+        b = e.submit(reqs, timeout=20)
+        assert b.wait(0.1) is False
+        t["peer"].proc.kill()
+        t0 = time.monotonic()
+        with pytest.raises(kvbridge.PeerError) as ei:
+            b.wait(10)
+        assert time.monotonic() - t0 < 3
+        assert ei.value.name in ("ERR_PEER_LOST", "ERR_SHM_COPY")
+        assert all(s.state == ReqState.FAILED for s in b.statuses())
+        b.close()
+        with pytest.raises(kvbridge.Error):
+            e.read(seg, addr(local), t["addr"], 16, timeout=5)  # fails at once now
+
+
+def test_notifications(target):
+    p = target["peer"]
+    with Engine() as e:
+        src = pattern(3, 1 << 20)
+        e.register(src)
+        seg = e.open_segment(target["name"])
+        # a batch's notification arrives after its data: the peer checks the bytes on receipt
+        b = e.submit([(Op.WRITE, addr(src), seg, target["addr"], src.nbytes)], notify=b"req-1")
+        assert b.wait(10)
+        b.close()
+        got = p.run("n = eng.notify_recv(5); result = [n.sender, n.data.decode(), "
+                    "digest(buf[:%d])]" % src.nbytes)
+        assert got == [e.name, "req-1", digest(src)]
+        e.notify_send(seg, "hello", timeout=5)
+        e.notify_send(seg, b"\x00\xffbin")
+        assert p.run("result = [eng.notify_recv(5).data.hex() for _ in range(2)]") == \
+            [b"hello".hex(), b"\x00\xffbin".hex()]
+        e.notify_send(seg, "ping")
+        p.run("n = eng.notify_recv(5); eng.notify_reply(n, b'pong:' + n.data)")
+        n = e.notify_recv(5)
+        assert (n.sender, n.data) == (target["name"], b"pong:ping")
+        assert e.notify_recv(0) is None
+        t0 = time.monotonic()
+        assert e.notify_recv(0.1) is None and time.monotonic() - t0 >= 0.09
+        with pytest.raises(errors.TooLargeError):
+            e.notify_send(seg, b"x" * (kvbridge.NOTIFY_MAX + 1))
+
+
+def test_segment_attrs_refresh_incarnation(target):
+    p = target["peer"]
+    p.run("eng.set_attr('model', 'llama'); buf2 = np.zeros(4096, np.uint8); eng.register(buf2)")
+    with Engine() as e:
+        seg = e.open_segment(target["name"])
+        assert seg.attr("model") == b"llama" and seg.attr("nope") is None
+        inc = seg.incarnation
+        assert len(seg.regions()) == 2
+        p.run("eng.set_attr('model', None); eng.unregister(buf2)")
+        seg.refresh()
+        assert seg.attr("model") is None and len(seg.regions()) == 1
+        assert len(seg.regions(refresh=True)) == 1 and seg.incarnation == inc
+        seg2 = e.open_segment(target["name"])  # another reference to the same handle
+        assert seg2.handle == seg.handle
+        seg2.close()
+        assert seg.regions()  # still open
+
+
+def test_eight_threads(target):
+    n = target["size"]
+    with Engine() as e:
+        seg = e.open_segment(target["name"])
+        errs = []
+
+        def worker(k):
+            try:
+                rng = np.random.default_rng(100 + k)
+                part = n // 8
+                mine = np.zeros(part, np.uint8)
+                e.register(mine)
+                for _ in range(10):
+                    off = int(rng.integers(0, part - 1))
+                    ln = int(rng.integers(1, part - off + 1))
+                    data = rng.integers(0, 256, ln, dtype=np.uint8)
+                    mine[:ln] = data
+                    e.write(seg, addr(mine), target["addr"] + k * part + off, ln, timeout=10)
+                    mine[:ln] = 0
+                    e.read(seg, addr(mine), target["addr"] + k * part + off, ln, timeout=10)
+                    assert np.array_equal(mine[:ln], data)
+                e.unregister(mine)
+            except BaseException as ex:  # reported below
+                errs.append(ex)
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errs, errs
+        assert e.stats().requests_completed == 160
+
+
+def test_blocking_calls_release_the_gil():
+    with Engine() as e:
+        ticks = []
+        done = threading.Event()
+
+        def counter():
+            while not done.is_set():
+                ticks.append(1)
+                time.sleep(0.001)
+
+        th = threading.Thread(target=counter)
+        th.start()
+        assert e.notify_recv(0.3) is None  # blocks in C for 300 ms
+        done.set()
+        th.join()
+        assert len(ticks) > 50
+
+
+def test_close_wakes_receiver():
+    e = Engine()
+    res = []
+    th = threading.Thread(target=lambda: res.append(_recv_or_error(e)))
+    th.start()
+    time.sleep(0.1)
+    e.close()
+    th.join(5)
+    assert not th.is_alive()
+
+
+def _recv_or_error(e):
+    try:
+        return e.notify_recv(None)
+    except kvbridge.Error as ex:
+        return ex
+
+
+def test_torch_tensors(target):
+    torch = pytest.importorskip("torch", reason="torch is not installed (Debian python3-torch)")
+    with Engine() as e:
+        t = torch.zeros(target["size"], dtype=torch.uint8)
+        assert e.register(t) == (t.data_ptr(), target["size"])
+        seg = e.open_segment(target["name"])
+        e.read(seg, t.data_ptr(), target["addr"], target["size"])
+        assert np.array_equal(t.numpy(), pattern(1, target["size"]))
+        with pytest.raises(ValueError):
+            e.register(torch.zeros(4, 4)[:, 1])
