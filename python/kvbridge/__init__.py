@@ -11,13 +11,13 @@ from .engine import (ACCESS_READ, ACCESS_RW, ACCESS_WRITE, NOTIFY_MAX, Batch, En
                      Notification, Op, RegionInfo, ReqState, Request, RequestStatus, Segment,
                      Stats, buffer_info, set_log_level, view)
 from .errors import Error, LocalError, PeerError, RemoteError, status_name, strerror
-from ._lib import library_path
+from ._lib import has_fabric, library_path
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCESS_READ", "ACCESS_RW", "ACCESS_WRITE", "NOTIFY_MAX", "Batch", "Engine", "Error",
     "LocalError", "Notification", "Op", "PeerError", "RegionInfo", "RemoteError", "ReqState",
-    "Request", "RequestStatus", "Segment", "Stats", "buffer_info", "library_path",
+    "Request", "RequestStatus", "Segment", "Stats", "buffer_info", "has_fabric", "library_path",
     "set_log_level", "status_name", "strerror", "view",
 ]

@@ -53,6 +53,22 @@ class Config(Structure):
     ]
 
 
+class ConfigFabric(Structure):
+    """kvb_config_t of libraries with the libfabric data path (they export
+    kvb_engine_fabric_provider): the same fields plus fabric_provider at the end."""
+    _fields_ = Config._fields_ + [("fabric_provider", c_char_p)]
+
+
+def config_type() -> type:
+    """The kvb_config_t layout the loaded library knows (the struct only grows at its end)."""
+    return ConfigFabric if has_fabric() else Config
+
+
+def has_fabric() -> bool:
+    """True if the loaded library has the libfabric data path (fabric_provider in its config)."""
+    return hasattr(load(), "kvb_engine_fabric_provider")
+
+
 class PathStats(Structure):
     _fields_ = [("name", c_char * 16), ("ops", c_uint64), ("bytes", c_uint64)]
 
@@ -127,8 +143,8 @@ P = c_void_p  # opaque handles (engine, batch, agent, link, xfer)
 _PROTOS = {
     "kvb_strerror": (c_char_p, [c_int]),
     "kvb_status_name": (c_char_p, [c_int]),
-    "kvb_config_init_v": (None, [POINTER(Config), c_size_t]),
-    "kvb_engine_create": (c_int, [POINTER(Config), POINTER(P)]),
+    "kvb_config_init_v": (None, [c_void_p, c_size_t]),  # Config or ConfigFabric
+    "kvb_engine_create": (c_int, [c_void_p, POINTER(P)]),
     "kvb_engine_destroy": (None, [P]),
     "kvb_engine_stats": (c_int, [P, POINTER(Stats)]),
     "kvb_engine_segment_name": (c_char_p, [P]),
@@ -240,6 +256,9 @@ def load() -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.restype = res
                 fn.argtypes = args
+            if hasattr(lib, "kvb_engine_fabric_provider"):  # optional: newer libraries only
+                lib.kvb_engine_fabric_provider.restype = c_char_p
+                lib.kvb_engine_fabric_provider.argtypes = [P]
             _path = getattr(lib, "_name", cand)
             _lib = lib
             return lib

@@ -168,7 +168,8 @@ class Stats:
 _CONFIG_INT = ("port", "port_max", "progress_threads", "lanes", "timeout_ms", "connect_timeout_ms",
                "copy_threads", "metadata_ttl_ms", "peer_timeout_ms", "max_connections",
                "shm_map_max")
-_CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster")
+_CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster",
+               "fabric_provider")
 
 
 class Engine:
@@ -181,20 +182,21 @@ class Engine:
     progress_threads, lanes, timeout_ms, connect_timeout_ms, protocol ("auto", "tcp", "shm",
     "shm,tcp", ...), copy_threads, cluster, metadata_ttl_ms, secret (bytes or str, 16..4096 bytes;
     None: the file named by KVB_SECRET_FILE, if set), insecure, peer_timeout_ms, max_connections,
-    shm_map_max. Other keywords that name a field of kvb_config_t (one a newer library added) are
-    set too; unknown ones raise TypeError.
+    shm_map_max, and fabric_provider where the library has the libfabric path
+    (kvbridge.has_fabric()). Unknown keywords raise TypeError.
 
     Every method is thread-safe; blocking ones release the GIL. Use as a context manager or call
     close(); the engine must outlive its segments' use, and batches stay valid after close()."""
 
     def __init__(self, **config: Any):
         lib = _lib.load()
-        cfg = _lib.Config()
+        ctype = _lib.config_type()
+        cfg = ctype()
         lib.kvb_config_init_v(ctypes.byref(cfg), ctypes.sizeof(cfg))
         keep: List[Any] = []
         secret = config.pop("secret", None)
         insecure = config.pop("insecure", False)
-        names = {f[0] for f in _lib.Config._fields_}
+        names = {f[0] for f in ctype._fields_}
         for key, value in config.items():
             if value is None:
                 continue
@@ -236,6 +238,15 @@ class Engine:
     def handle(self) -> int:
         """The kvb_engine_t pointer, for code that calls the C library itself."""
         return self._handle()
+
+    @property
+    def fabric_provider(self) -> str:
+        """The libfabric provider the fabric data path runs on; "" when it does not run here
+        (or the library has no such path)."""
+        fn = getattr(self._lib, "kvb_engine_fabric_provider", None)
+        if fn is None:
+            return ""
+        return (fn(self._handle()) or b"").decode()
 
     @property
     def closed(self) -> bool:

@@ -39,8 +39,9 @@ SUPPORT_CUDA = False
 
 DEVIATIONS = """\
 - initialize(): `protocol` "tcp" (and "", None) selects kvbridge's "auto" data paths (same-host
-  shared memory, else TCP); "rdma" and "efa" select the libfabric path where this library has one,
-  else "auto" with one warning; other Mooncake protocols (nvlink, hip, ...) fail (-1).
+  shared memory, else TCP); "rdma" and "efa" add the libfabric path where the library has one and a
+  provider runs here ("efa" names the provider), else they run on TCP/shared memory with one
+  warning; other Mooncake protocols (nvlink, hip, ...) fail (-1).
   `device_name` is ignored. A bare metadata address means etcd, as in Mooncake.
 - Peers authenticate with the cluster secret: set KVB_SECRET_FILE (or TransferEngine(secret=...))
   on every process; binding a non-loopback local_hostname without one fails (-1) unless
@@ -107,12 +108,13 @@ def _dec(b: bytes) -> str:
 class TransferEngine:
     """Mooncake's TransferEngine on kvbridge. Construct, then initialize(...).
 
-    Keyword arguments (kvbridge's, not Mooncake's; all optional) go to kvbridge.Engine: secret,
-    insecure, lanes, progress_threads, timeout_ms, ... They override what initialize() derives."""
+    Keyword arguments are kvbridge's, not Mooncake's, and all optional: `transfer_timeout`
+    (seconds; replaces MC_TRANSFER_TIMEOUT's base), and the rest go to kvbridge.Engine (secret,
+    insecure, lanes, progress_threads, ...), overriding what initialize() derives."""
 
     TransferOpcode = TransferOpcode
 
-    def __init__(self, **engine_options: Any):
+    def __init__(self, transfer_timeout: Optional[float] = None, **engine_options: Any):
         self._opts = dict(engine_options)
         self._engine: Optional[Engine] = None
         self._lock = threading.RLock()
@@ -124,6 +126,8 @@ class TransferEngine:
         self._large: Dict[int, int] = {}  # address -> length
         timeout = os.environ.get("MC_TRANSFER_TIMEOUT")
         self._timeout_ns = max(5, int(timeout)) * 10**9 if timeout else 30 * 10**9
+        if transfer_timeout is not None:
+            self._timeout_ns = int(transfer_timeout * 1e9)
 
     # ---- set-up ------------------------------------------------------------------------------
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
@@ -151,6 +155,9 @@ class TransferEngine:
                 opts = self._config(local_hostname, metadata_server, protocol, metadata_type)
                 opts.update(self._opts)
                 self._engine = Engine(**opts)
+                if (protocol or "").lower() in ("rdma", "efa") and \
+                        not self._engine.fabric_provider:
+                    self._warn_no_rdma(protocol)
             except (Error, ValueError, TypeError) as e:
                 log.error("initialize(%r, %r, %r) failed: %s", local_hostname, metadata_server,
                           protocol, e)
@@ -175,26 +182,30 @@ class TransferEngine:
         else:
             opts["metadata"] = f"{metadata_type}://{metadata_server}"
             opts["segment_name"] = local_hostname  # Mooncake names the segment after the host
-        opts["protocol"] = self._protocol(protocol)
+        opts.update(self._protocol(protocol))
         return opts
 
     @staticmethod
-    def _protocol(protocol: Optional[str]) -> str:
+    def _protocol(protocol: Optional[str]) -> Dict[str, Any]:
+        """Engine options for a Mooncake protocol name."""
         p = (protocol or "tcp").lower()
         if p in ("tcp", "auto"):
-            return "auto"
+            return {"protocol": "auto"}
         if p in ("rdma", "efa"):
-            names = {f[0] for f in _lib.Config._fields_}
-            if "fabric_provider" in names:  # a library built with the libfabric path
-                return "auto"
-            if not TransferEngine._warned_rdma:
-                TransferEngine._warned_rdma = True
-                warnings.warn(f"kvbridge: protocol {protocol!r}: this build has no RDMA path; "
-                              "using TCP and same-host shared memory", RuntimeWarning,
-                              stacklevel=5)
-            return "auto"
+            if _lib.has_fabric():
+                # "auto" tries shm, then the fabric path, then TCP; "efa" names its provider.
+                return {"protocol": "auto", "fabric_provider": "efa" if p == "efa" else None}
+            return {"protocol": "auto"}  # initialize() warns that no RDMA path runs
         raise ValueError(f"protocol {protocol!r} is not supported by kvbridge "
                          "(use tcp, rdma or efa)")
+
+    @staticmethod
+    def _warn_no_rdma(protocol: str) -> None:
+        if TransferEngine._warned_rdma:
+            return
+        TransferEngine._warned_rdma = True
+        warnings.warn(f"kvbridge: protocol {protocol!r}: no RDMA path runs here; using TCP and "
+                      "same-host shared memory", RuntimeWarning, stacklevel=4)
 
     _warned_rdma = False
 

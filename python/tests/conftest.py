@@ -62,7 +62,22 @@ class Peer:
         return reply["result"]
 
     def signal(self, sig: int) -> None:
+        """Sends `sig`; for SIGSTOP returns only once every thread of the peer has stopped (the
+        signal is asynchronous: a progress thread could otherwise still serve a request)."""
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            assert wait_for(self._stopped, timeout=5), "peer did not stop"
+
+    def _stopped(self) -> bool:
+        task = f"/proc/{self.proc.pid}/task"
+        try:
+            for tid in os.listdir(task):
+                with open(f"{task}/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+        except FileNotFoundError:
+            return False
+        return True
 
     def kill(self) -> None:
         if self.proc.poll() is None:
