@@ -1031,7 +1031,10 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 }
 
 /* Moves up to `n` payload bytes from src (or the socket, when src is NULL) into the current
- * sink. Returns bytes consumed, 0 on EAGAIN, or a negative status. */
+ * sink. Returns bytes consumed, 0 on EAGAIN, or a negative status. Reading from the socket, the
+ * payload lands in place and the next frame's header, if it is already there, lands in the empty
+ * rxbuf in the same recvmsg: a run of large frames then takes one syscall and one copy per frame
+ * (a plain read-ahead into rxbuf would pull the next payload through rxbuf, a second copy). */
 static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
 {
     uint8_t *dst = NULL;
@@ -1061,9 +1064,18 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
         memcpy(dst, src, n);
         got = (ssize_t)n;
     } else {
-        got = recv(c->fd, dst, n, MSG_DONTWAIT);
+        struct iovec iov[2] = {{.iov_base = dst, .iov_len = n},
+                               {.iov_base = c->rxbuf, .iov_len = KVB_WIRE_HDR_SIZE}};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = c->rx_pos == c->rx_len ? 2 : 1};
+        if (m.msg_iovlen == 2)
+            c->rx_pos = c->rx_len = 0;
+        got = recvmsg(c->fd, &m, MSG_DONTWAIT);
         if (got > 0)
             atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
+        if (got > (ssize_t)n) { /* the next header came along */
+            c->rx_len = (size_t)got - n;
+            got = (ssize_t)n;
+        }
     }
     if (op_locked)
         kvb__op_dst_unlock(c->rx_op);
@@ -1142,8 +1154,8 @@ static void read_frames(tcp_conn_t *c)
                 n = sink_bytes(c, c->rxbuf + c->rx_pos, avail < want ? avail : (size_t)want);
                 if (n > 0)
                     c->rx_pos += (size_t)n;
-            } else if (want < SMALL_RECV) {
-                goto fill; /* small remainder: read it with what follows, in one syscall */
+            } else if (c->rx_plen < SMALL_RECV) {
+                goto fill; /* a small payload: read it with what follows, in one syscall */
             } else {
                 if (budget-- == 0)
                     break;
@@ -1182,6 +1194,8 @@ static void read_frames(tcp_conn_t *c)
             c->rx_pos = 0;
         }
         size_t space = RXBUF_SIZE - c->rx_len;
+        if (c->rx_plen >= SMALL_RECV && c->rx_len < KVB_WIRE_HDR_SIZE)
+            space = KVB_WIRE_HDR_SIZE - c->rx_len; /* see sink_bytes: large frames come in place */
         ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, space, MSG_DONTWAIT);
         if (n > 0) {
             atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
