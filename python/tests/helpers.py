@@ -17,3 +17,28 @@ def digest(arr) -> str:
 
 def addr(arr: np.ndarray) -> int:
     return int(arr.ctypes.data)
+
+
+LAYERS, BLOCKS, TOKENS, HEADS, HEAD_BYTES = 3, 16, 4, 2, 8
+BLOCK_BYTES = HEADS * TOKENS * HEAD_BYTES
+
+
+def kv_cache(seed, dtype=None):
+    """A GQA KV cache of LAYERS layers (K and V, HND) in numpy arrays: returns (layout, arrays)
+    where arrays[(layer, kind)] has BLOCKS blocks. seed None: zeros, else pattern(seed + ...)."""
+    from kvbridge import kv
+    arrays, slots = {}, []
+    for layer in range(LAYERS):
+        for kind in (kv.SlotKind.K, kv.SlotKind.V):
+            n = BLOCKS * BLOCK_BYTES
+            a = np.zeros(n, np.uint8) if seed is None else pattern(seed + 10 * layer + kind, n)
+            arrays[(layer, int(kind))] = a
+            slots.append(kv.Slot(layer, kind, addr(a), n, BLOCK_BYTES, BLOCKS, HEADS, HEAD_BYTES,
+                                 kv.Order.HND))
+    layout = kv.Layout("test-model", dtype or kv.DType.FP16, TOKENS, kv.Attn.GQA, HEADS, LAYERS,
+                       slots)
+    return layout, arrays
+
+
+def block(arr, i):
+    return arr[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES]
