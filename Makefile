@@ -9,10 +9,11 @@ WERROR     ?= ON
 
 BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev \
               libhiredis-dev libssl-dev
-TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server
+TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server python3-pytest python3-numpy
 DEMO_PKGS  := $(BUILD_PKGS)
 
-.PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan test-gpu demo bench clean format
+.PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan test-gpu demo bench clean format \
+        python
 
 all: build
 
@@ -66,6 +67,18 @@ demo: deps-build build
 # The benchmark suite (about 8 minutes): writes bench/results/ (CSV, Markdown, PNG).
 bench: deps-bench build
 	bench/run.sh
+
+# The Python package (python/) for the interpreter the Python tests use (Debian's): builds and
+# installs the library (cmake --install, default prefix /usr/local), then installs the package
+# offline (its build backend is in-tree: nothing is downloaded). PYTHON=... picks another one.
+PYTHON ?= /usr/bin/python3
+python: deps-build build
+	@scripts/install-deps.sh python3-pip
+	cmake --install $(BUILD) >/dev/null
+	-ldconfig
+	PIP_BREAK_SYSTEM_PACKAGES=1 $(PYTHON) -m pip install --no-index --no-deps --force-reinstall \
+		--root-user-action=ignore ./python
+	cd / && $(PYTHON) -c "import kvbridge; print('kvbridge', kvbridge.__version__, 'on', kvbridge.library_path())"
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
