@@ -8,7 +8,7 @@ JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
 BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev \
-              libhiredis-dev libssl-dev
+              libhiredis-dev libssl-dev libfabric-dev
 TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server python3-pytest python3-numpy
 DEMO_PKGS  := $(BUILD_PKGS)
 

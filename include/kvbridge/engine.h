@@ -46,10 +46,10 @@ typedef struct {
     uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */
     /* The data paths requests may take, in the order they are tried: "auto" (default) is every
-     * path that runs here, best first (shm, then tcp); or a comma-separated list such as "tcp",
-     * "shm" or "shm,tcp", each path of which must reach every peer opened (else the open fails).
-     * A request goes to the first listed path that can carry it; the TCP lanes come last either
-     * way, since they carry the control plane. */
+     * path that runs here, best first (shm, fabric, then tcp); or a comma-separated list such as
+     * "tcp", "shm" or "shm,tcp", each path of which must reach every peer opened (else the open
+     * fails). A request goes to the first listed path that can carry it; the TCP lanes come last
+     * either way, since they carry the control plane. */
     const char *protocol;
     int copy_threads;    /* extra threads splitting large same-host copies; default 1, max 16 */
     const char *cluster; /* namespace of this engine's keys in a metadata store; default
@@ -67,6 +67,12 @@ typedef struct {
     uint32_t max_connections; /* connections this engine accepts at once; default 4096 */
     uint64_t shm_map_max;     /* bytes of one same-host peer's memory this engine maps at most;
                                * default 64 GiB */
+    /* The libfabric provider of the `fabric` data path (one-sided RDMA READ/WRITE): "verbs;ofi_rxm"
+     * (InfiniBand, RoCE), "efa", "cxi", or for testing "tcp;ofi_rxm" and "shm". NULL (default):
+     * the first of verbs;ofi_rxm, efa, cxi that works here, else the path does not run. A named
+     * provider that is not available fails kvb_engine_create (KVB_ERR_INVALID_ARG); it is never
+     * replaced by another. With protocol "auto" the path is tried after shm and before tcp. */
+    const char *fabric_provider;
 } kvb_config_t;
 
 /* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
@@ -132,6 +138,10 @@ KVB_API const char *kvb_engine_segment_name(const kvb_engine_t *engine);
 
 /* The TCP port the engine listens on. */
 KVB_API uint16_t kvb_engine_port(const kvb_engine_t *engine);
+
+/* The libfabric provider the engine's fabric data path runs on (such as "verbs;ofi_rxm" or
+ * "tcp;ofi_rxm"), or "" when that path does not run here. Valid while the engine is. */
+KVB_API const char *kvb_engine_fabric_provider(const kvb_engine_t *engine);
 
 /* Access rights granted to peers on a registered region. */
 enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };

@@ -80,7 +80,7 @@ static int copy_str(char *dst, size_t cap, const char *src)
  * control plane, so a request no listed path reaches goes there. */
 static int parse_paths(kvb_engine_t *e, const char *protocol)
 {
-    static const uint8_t builtin[] = {KVB_PATH_CUDA, KVB_PATH_SHM, KVB_PATH_TCP};
+    static const uint8_t builtin[] = {KVB_PATH_CUDA, KVB_PATH_SHM, KVB_PATH_FABRIC, KVB_PATH_TCP};
     _Static_assert(sizeof builtin == KVB_PATHS, "every path has a place in the default order");
     e->norder = 0;
     e->required = 0;
@@ -101,8 +101,9 @@ static int parse_paths(kvb_engine_t *e, const char *protocol)
             id = kvb__provider_id(name);
         }
         if (id < 0 || (seen & (1u << id))) {
-            KVB_ERROR("protocol '%s': '%.*s' is %s (paths: auto, or a list of tcp, shm, cuda)",
-                      protocol, (int)n, p, id < 0 ? "not a data path" : "named twice");
+            KVB_ERROR(
+                "protocol '%s': '%.*s' is %s (paths: auto, or a list of tcp, shm, cuda, fabric)",
+                protocol, (int)n, p, id < 0 ? "not a data path" : "named twice");
             return KVB_ERR_INVALID_ARG;
         }
         seen |= 1u << id;
@@ -312,7 +313,9 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
         shm_path = shm_path || e->order[i] == KVB_PATH_SHM;
     if ((rc = kvb__shm_create(e, shm_path, cfg.copy_threads, &e->shm)))
         goto fail_registry;
-    if ((rc = paths_create(e)))
+    rc = paths_create(e);
+    e->cfg.fabric_provider = NULL; /* the caller's string; the fabric path keeps what it uses */
+    if (rc)
         goto fail_paths;
     e->registry.release = region_release;
     e->registry.release_ctx = e;
@@ -448,6 +451,13 @@ const char *kvb_engine_segment_name(const kvb_engine_t *e)
 uint16_t kvb_engine_port(const kvb_engine_t *e)
 {
     return e ? e->tp_ops->port(e->tp) : 0;
+}
+
+const char *kvb_engine_fabric_provider(const kvb_engine_t *e)
+{
+    return e && (e->paths & (1u << KVB_PATH_FABRIC))
+               ? kvb__fabric_provider_name(e->path_state[KVB_PATH_FABRIC])
+               : "";
 }
 
 /* Lets every running path prepare the region and make its key blob. Memory that only some paths

@@ -29,7 +29,7 @@ typedef enum { KVB_OPK_READ = 0, KVB_OPK_WRITE = 1, KVB_OPK_NOTIFY = 2 } kvb_op_
 
 /* The data paths built in, by id: an op's path, a key blob's tag on the wire, the order of
  * kvb_engine_stats' list. Each is a provider (kvb_provider_ops_t) named in transports.c. */
-enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATH_CUDA = 2, KVB_PATHS = 3 };
+enum { KVB_PATH_TCP = 0, KVB_PATH_SHM = 1, KVB_PATH_CUDA = 2, KVB_PATH_FABRIC = 3, KVB_PATHS = 4 };
 _Static_assert(KVB_PATHS <= KVB_PATHS_MAX, "path ids fit the registry's per-path slots");
 
 /* One unit of work on one lane: a whole request, a chunk of one, or a batch's notification. The
@@ -205,6 +205,9 @@ struct kvb_provider_ops {
 const kvb_provider_ops_t *kvb__provider(unsigned id);
 /* The id of the provider called `name`, or -1. */
 int kvb__provider_id(const char *name);
+/* The libfabric provider the fabric path runs on ("tcp;ofi_rxm"), from transport/fabric.c; ""
+ * when pv is NULL or the path is compiled out. */
+const char *kvb__fabric_provider_name(const kvb_provider_t *pv);
 
 /* The built-in transport named `name` (NULL: the default), from transport/transports.c. */
 const kvb_transport_ops_t *kvb__transport_find(const char *name);

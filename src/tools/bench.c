@@ -39,6 +39,8 @@ typedef struct {
     char ceiling_method[192];
     uint64_t area_bytes;  /* the registered buffer each side used */
     const char *protocol; /* tcp, shm or auto */
+    const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
+    char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
     const char *kv_model; /* --kv: the KV-shaped workload instead */
     const char *metadata; /* --metadata URI: segments found through a store */
     const char *cluster, *name;
@@ -123,7 +125,7 @@ static int64_t check_pattern(const uint8_t *buf, uint64_t off, uint64_t len, uin
 /* "auto", or a comma-separated list of distinct data path names (the engine's `protocol`). */
 static bool protocol_ok(const char *s)
 {
-    static const char *const paths[] = {"tcp", "shm", "cuda"};
+    static const char *const paths[] = {"tcp", "shm", "cuda", "fabric"};
     if (!strcmp(s, "auto"))
         return true;
     unsigned seen = 0;
@@ -235,6 +237,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     cfg.insecure = o->insecure;
     cfg.port = (uint16_t)o->port;
     cfg.protocol = o->protocol;
+    cfg.fabric_provider = o->fabric_provider;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
     cfg.metadata = o->metadata;
@@ -444,6 +447,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf(")\n");
     printf("  metadata %s: segment %s opened in %.1f ms\n", o->metadata ? o->metadata : "p2p",
            o->segment, o->open_ms);
+    if (o->fabric_in_use[0])
+        printf("  fabric path on libfabric provider %s\n", o->fabric_in_use);
     if (o->ceiling_gbps > 0) {
         uint64_t llc = kvb_llc_bytes();
         double ratio = gbps / o->ceiling_gbps;
@@ -483,6 +488,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             verified < 0 ? json_null() : json_boolean(verified));
         json_object_set_new(j, "metadata", json_string(o->metadata ? o->metadata : "p2p"));
         json_object_set_new(j, "open_ms", json_real(o->open_ms));
+        if (o->fabric_in_use[0])
+            json_object_set_new(j, "fabric_provider", json_string(o->fabric_in_use));
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
             json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
@@ -523,6 +530,7 @@ static int run_initiator(bench_opts_t *o)
     cfg.bind_addr = o->bind;
     cfg.insecure = o->insecure;
     cfg.protocol = o->protocol;
+    cfg.fabric_provider = o->fabric_provider;
     cfg.lanes = (int)o->lanes;
     cfg.progress_threads = (int)o->progress;
     cfg.metadata = o->metadata;
@@ -546,6 +554,7 @@ static int run_initiator(bench_opts_t *o)
     }
     o->open_ms = (double)(kvb__now_ns() - t_open) / 1e6;
     kvb_segment_transport(e, seg, &o->path);
+    snprintf(o->fabric_in_use, sizeof o->fabric_in_use, "%s", kvb_engine_fabric_provider(e));
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
         goto out;
@@ -711,6 +720,7 @@ static int run_latency(bench_opts_t *o)
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.protocol = o->protocol;
+    cfg.fabric_provider = o->fabric_provider;
     cfg.metadata = o->metadata;
     cfg.cluster = o->cluster;
     kvb_engine_t *e;
@@ -886,7 +896,11 @@ static void usage(FILE *f)
            "  --duration S              seconds to run (default 5)\n"
            "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
            "  --protocol P              data paths in the order tried: tcp (default), shm, a list\n"
-           "                            such as shm,tcp, or auto (every path, best first)\n"
+           "                            such as shm,tcp, or auto (every path, best first);\n"
+           "                            fabric: one-sided RDMA through libfabric\n"
+           "  --fabric-provider NAME    libfabric provider of the fabric path: verbs;ofi_rxm,\n"
+           "                            efa, cxi, or tcp;ofi_rxm / shm for testing (default:\n"
+           "                            the first RDMA provider found; never a slower one)\n"
            "  --lanes N                 connections per peer (default 2)\n"
            "  --progress-threads N      engine progress threads (default 1)\n"
            "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -917,6 +931,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"duration", 1, 0, 'd'},
                                           {"buffer-size", 1, 0, 'z'},
                                           {"protocol", 1, 0, 'P'},
+                                          {"fabric-provider", 1, 0, 'W'},
                                           {"verify", 0, 0, 'v'},
                                           {"loopback", 0, 0, 'l'},
                                           {"json", 0, 0, 'j'},
@@ -1002,7 +1017,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             if (!protocol_ok(optarg)) {
                 fprintf(stderr,
                         "kvbridge bench: protocol '%s' is not auto or a list of data paths "
-                        "(tcp, shm, cuda), such as shm,tcp\n",
+                        "(tcp, shm, cuda, fabric), such as shm,tcp\n",
                         optarg);
                 return 2;
             }
@@ -1061,6 +1076,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             break;
         case 'I':
             o->insecure = true;
+            break;
+        case 'W':
+            o->fabric_provider = optarg;
             break;
         case 'h':
             usage(stdout);

@@ -7,7 +7,8 @@
 #include "engine/internal.h"
 
 extern const kvb_transport_ops_t kvb__tcp_ops;
-extern const kvb_provider_ops_t kvb__tcp_provider, kvb__shm_provider, kvb__cuda_provider;
+extern const kvb_provider_ops_t kvb__tcp_provider, kvb__shm_provider, kvb__cuda_provider,
+    kvb__fabric_provider;
 
 static const kvb_transport_ops_t *const transports[] = {&kvb__tcp_ops};
 
@@ -15,6 +16,7 @@ static const kvb_provider_ops_t *const providers[KVB_PATHS] = {
     [KVB_PATH_TCP] = &kvb__tcp_provider,
     [KVB_PATH_SHM] = &kvb__shm_provider,
     [KVB_PATH_CUDA] = &kvb__cuda_provider,
+    [KVB_PATH_FABRIC] = &kvb__fabric_provider,
 };
 
 const kvb_transport_ops_t *kvb__transport_find(const char *name)
