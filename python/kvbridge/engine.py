@@ -9,10 +9,10 @@ import ctypes
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
-from .errors import Error, check, make_error
+from .errors import check, make_error
 
 ACCESS_READ = 1
 ACCESS_WRITE = 2
@@ -515,7 +515,8 @@ class Segment:
 
 class Batch:
     """A submitted batch. wait() for it, read status() per request, cancel(); close() (or the
-    context manager, or garbage collection) frees it, cancelling what is still pending."""
+    context manager, or garbage collection) frees it, cancelling what is still pending. Several
+    threads may wait on, poll or cancel one batch at once, but close() must come after them."""
 
     def __init__(self, lib: Any, handle: int, size: int):
         self._lib = lib

@@ -505,18 +505,17 @@ class TransferEngine:
     def transfer_check_status(self, batch_id: int) -> int:
         """Polls the first request of a batch: 1 completed, 0 pending, -1 failed, -2 timed out.
         A completed or failed batch is freed (the id is then unknown: -1)."""
-        with self._lock:
+        with self._lock:  # held while polling: another thread may free the batch otherwise
             entry = self._batches.get(int(batch_id))
-        if entry is None:
-            return -1
-        st = entry[0].status(0).state
-        if st == ReqState.PENDING:
-            return 0
-        if st == ReqState.TIMEOUT:
-            return -2
-        b = self._take(batch_id)
-        if b is not None:
-            b.close()
+            if entry is None:
+                return -1
+            st = entry[0].status(0).state
+            if st == ReqState.PENDING:
+                return 0
+            if st == ReqState.TIMEOUT:
+                return -2
+            del self._batches[int(batch_id)]
+        entry[0].close()
         return 1 if st == ReqState.COMPLETED else -1
 
     # ---- peers -------------------------------------------------------------------------------

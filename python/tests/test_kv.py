@@ -6,7 +6,6 @@ checked and every other block checked untouched, a refused link, a peer killed m
 import numpy as np
 import pytest
 
-import kvbridge
 from kvbridge import Engine, Op, errors, kv
 from helpers import BLOCK_BYTES, BLOCKS, LAYERS, block, kv_cache, pattern
 

@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 
-import kvbridge
 from kvbridge import mooncake
 from kvbridge.mooncake import TransferEngine, TransferNotify, TransferOpcode
 from conftest import MOONCAKE_TARGET, dead_port, start_target, wait_for

@@ -12,7 +12,7 @@ import pytest
 
 import kvbridge
 from kvbridge import Engine, Op, ReqState, Request, errors
-from conftest import dead_port, start_target, wait_for
+from conftest import dead_port, start_target
 from helpers import addr, digest, pattern
 
 
