@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Test harness: the package under test is python/ (not an installed copy); each test has a
-timeout (faulthandler dumps every thread's stack and exits the run when it passes, since
-pytest-timeout is not in Debian); peers are real processes started through peer.py and killed at
-teardown."""
+timeout of its own (pytest-timeout is not in Debian): SIGALRM fails the test, and faulthandler
+dumps every thread's stack and ends the run if that does not stop it; peers are real processes
+started through peer.py, killed at teardown and whenever the test process dies."""
 
 import faulthandler
 import json
@@ -22,12 +22,43 @@ sys.path.insert(0, HERE)
 TEST_TIMEOUT = float(os.environ.get("KVB_PY_TEST_TIMEOUT", "30"))
 
 
+class TestTimeout(Exception):
+    """A test ran past TEST_TIMEOUT."""
+
+
+def _alarm(signum, frame):
+    raise TestTimeout(f"test ran past its timeout of {TEST_TIMEOUT:g} s")
+
+
+_real_stderr = None
+
+
+def _stderr(config):
+    """The terminal's stderr (pytest's capture has fd 2 while a test runs), for the hard stop."""
+    global _real_stderr
+    if _real_stderr is None:
+        fd = 2
+        try:  # pytest keeps the original fd 2 here while it captures
+            capman = config.pluginmanager.getplugin("capturemanager")
+            fd = capman._global_capturing.err.targetfd_save
+        except Exception:
+            pass
+        _real_stderr = os.fdopen(os.dup(fd), "w")
+    return _real_stderr
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+    # Soft: SIGALRM raises in the test (it fails with its traceback; fixtures kill the peers).
+    # Hard, for a thread stuck where no signal handler runs: every stack to the terminal, exit.
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT + 15, exit=True, file=_stderr(item.config))
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
         faulthandler.cancel_dump_traceback_later()
 
 
