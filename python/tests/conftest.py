@@ -47,6 +47,11 @@ def _stderr(config):
     return _real_stderr
 
 
+def pytest_unconfigure(config):
+    if _real_stderr is not None:
+        _real_stderr.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     # Soft: SIGALRM raises in the test (it fails with its traceback; fixtures kill the peers).
@@ -125,9 +130,7 @@ class Peer:
                 pass
 
 
-@pytest.fixture
-def spawn():
-    """Starts peers; every one is killed when the test ends."""
+def _spawner():
     peers = []
 
     def start() -> Peer:
@@ -135,9 +138,34 @@ def spawn():
         peers.append(p)
         return p
 
+    return start, peers
+
+
+@pytest.fixture
+def spawn():
+    """Starts peers; every one is killed when the test ends."""
+    start, peers = _spawner()
     yield start
     for p in peers:
         p.kill()
+
+
+@pytest.fixture(scope="module")
+def spawn_shared():
+    """Starts peers shared by a module's tests (killed when the module ends)."""
+    start, peers = _spawner()
+    yield start
+    for p in peers:
+        p.kill()
+
+
+RESET = """
+buf[:] = pattern(1, buf.nbytes)
+if "eng" in globals():
+    while eng.notify_recv(0): pass
+else:
+    te.get_notifies()
+"""
 
 
 # A native peer with a registered 4 MiB buffer holding pattern(1); `name`, `addr`, `size`.
@@ -160,12 +188,22 @@ result = {{"name": "127.0.0.1:%d" % te.get_rpc_port(), "addr": addr(buf), "size"
 """
 
 
+_shared = {}
+
+
 @pytest.fixture
-def target(spawn):
-    """A native peer process (protocol auto) with 4 MiB of pattern(1) registered."""
-    p = spawn()
-    info = p.run(NATIVE_TARGET.format(protocol="auto", size=4 << 20))
-    info["peer"] = p
+def target(spawn_shared):
+    """A native peer process (protocol auto) with 4 MiB of pattern(1) registered, shared by the
+    module's tests and reset for each."""
+    return shared_target(spawn_shared, "native")
+
+
+def shared_target(spawn_shared, kind):
+    info = _shared.get((spawn_shared, kind))
+    if info is None or info["peer"].proc.poll() is not None:
+        info = start_target(spawn_shared, kind=kind)
+        _shared[(spawn_shared, kind)] = info
+    info["peer"].run(RESET)
     return info
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvbridge import mooncake
 from kvbridge.mooncake import TransferEngine, TransferNotify, TransferOpcode
-from conftest import MOONCAKE_TARGET, dead_port, start_target, wait_for
+from conftest import MOONCAKE_TARGET, dead_port, shared_target, start_target, wait_for
 from helpers import addr, digest, pattern
 
 
@@ -26,9 +26,10 @@ def te():
 
 
 @pytest.fixture(params=["mooncake", "native"])
-def peer(request, spawn):
-    """A target process running either API, 4 MiB of pattern(1) registered."""
-    return start_target(spawn, kind=request.param)
+def peer(request, spawn_shared):
+    """A target process running either API, 4 MiB of pattern(1) registered (shared by the
+    module's tests, reset for each)."""
+    return shared_target(spawn_shared, request.param)
 
 
 def test_module_surface():
