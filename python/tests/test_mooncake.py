@@ -57,7 +57,7 @@ def test_initialize_variants(caplog):
     p = dead_port()
     e2 = TransferEngine()
     assert e2.initialize(f"127.0.0.1:{p}", "P2PHANDSHAKE", "tcp", "") == 0
-    assert e2.get_rpc_port() == p
+    assert p <= e2.get_rpc_port() <= p + 1000  # p itself unless another process took it since
     e2.close()
     e3 = TransferEngine()  # a store that is not there: create fails
     assert e3.initialize_ext("127.0.0.1", f"127.0.0.1:{dead_port()}", "tcp", "", "http") == -1
@@ -187,7 +187,7 @@ def test_pending_timeout_and_peer_killed(spawn):
     code = MOONCAKE_TARGET.replace('"127.0.0.1", "P2PHANDSHAKE"',
                                    f'"127.0.0.1:{port}", "P2PHANDSHAKE"')
     info = p2.run(code.format(size=1 << 20))
-    assert info["name"] == name
+    assert info["name"] == name, "the old port was taken by another process meanwhile"
     assert te.send_probe(name) == 0
     assert te.get_first_buffer_address(name) == info["addr"]
     assert te.transfer_sync_read(name, addr(local), info["addr"], 1 << 20) == 0
