@@ -52,6 +52,13 @@ DEVIATIONS = """\
 - allocate_managed_buffer() hands out kvb_alloc (memfd) memory from size-class pools of 64 MiB
   slabs (Mooncake: 2 GiB), so same-host peers copy with one memcpy; sizes over 64 MiB get their own
   allocation.
+- unregister_memory() waits until no transfer uses the memory (kvb_unregister) before returning.
+- get_batch_transfer_status() waits for every batch (each bounded by its deadline) instead of
+  returning at the first failure with the others still in flight; it frees them all either way.
+- get_first_buffer_address() is the peer's lowest-addressed region (Mooncake: its first
+  registered one); the C API lists regions sorted by address.
+- transport_hint is accepted and ignored; the CUDA-stream calls (transfer_*_on_cuda), shared
+  segments and the RPC interface are not provided.
 - get_engine() / get_engine_ptr() raise NotImplementedError (there is no Mooncake engine object);
   get_local_topology() returns "{}"; warmup_efa_segment() is a no-op returning 0.
 - Timeouts: MC_TRANSFER_TIMEOUT (seconds, at least 5; default 30) plus one second per GB, as in
