@@ -331,3 +331,16 @@ def test_torch_tensors(target):
         assert np.array_equal(t.numpy(), pattern(1, target["size"]))
         with pytest.raises(ValueError):
             e.register(torch.zeros(4, 4)[:, 1])
+
+
+def test_cluster_secret(spawn):
+    p = spawn()
+    name = p.run("import kvbridge\neng = kvbridge.Engine(secret=b'A' * 32)\nresult = eng.name")
+    with Engine(secret=b"B" * 32) as e:
+        with pytest.raises(errors.AuthError):
+            e.open_segment(name)
+    with Engine() as e:  # no secret at all
+        with pytest.raises(errors.AuthError):
+            e.open_segment(name)
+    with Engine(secret="A" * 32) as e:  # str secrets are UTF-8 bytes
+        assert e.open_segment(name).incarnation
