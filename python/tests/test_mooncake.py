@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import kvbridge
 from kvbridge import mooncake
 from kvbridge.mooncake import TransferEngine, TransferNotify, TransferOpcode
 from conftest import MOONCAKE_TARGET, dead_port, shared_target, start_target, wait_for
@@ -310,3 +311,29 @@ def test_install():
                 sys.modules.pop(k, None)
             else:
                 sys.modules[k] = v
+
+
+def test_rdma_on_the_fabric_path(spawn):
+    """Where the library has the libfabric path, protocol "rdma" uses it (here over libfabric's
+    tcp;ofi_rxm provider, which stands in for verbs) and does not warn."""
+    if not kvbridge.has_fabric():
+        pytest.skip("this libkvbridge.so has no libfabric data path")
+    opts = dict(fabric_provider="tcp;ofi_rxm", protocol="fabric")
+    te = TransferEngine(**opts)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") != 0:
+            pytest.skip("libfabric's tcp;ofi_rxm provider is not available here")
+    p = spawn()
+    info = p.run("from kvbridge.mooncake import TransferEngine\n"
+                 "te = TransferEngine(fabric_provider='tcp;ofi_rxm', protocol='fabric')\n"
+                 "assert te.initialize('127.0.0.1', 'P2PHANDSHAKE', 'rdma', '') == 0\n"
+                 "buf = pattern(1, 1 << 20)\nassert te.register_memory(addr(buf), buf.nbytes) == 0\n"
+                 "result = [te.get_session_id(), addr(buf)]")
+    local = np.zeros(1 << 20, np.uint8)
+    assert te.register_memory(addr(local), local.nbytes) == 0
+    assert te.transfer_sync_read(info[0], addr(local), info[1], local.nbytes) == 0
+    assert np.array_equal(local, pattern(1, 1 << 20))
+    assert te.get_kvbridge_engine().stats().bytes("fabric") == 1 << 20
+    te.close()

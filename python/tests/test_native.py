@@ -344,3 +344,30 @@ def test_cluster_secret(spawn):
             e.open_segment(name)
     with Engine(secret="A" * 32) as e:  # str secrets are UTF-8 bytes
         assert e.open_segment(name).incarnation
+
+
+def _fabric_engine(**kw):
+    if not kvbridge.has_fabric():
+        pytest.skip("this libkvbridge.so has no libfabric data path")
+    try:
+        return Engine(fabric_provider="tcp;ofi_rxm", protocol="fabric", **kw)
+    except errors.InvalidArgError:
+        pytest.skip("libfabric's tcp;ofi_rxm provider is not available here")
+
+
+def test_fabric_path(spawn):
+    with _fabric_engine() as e:
+        assert e.fabric_provider == "tcp;ofi_rxm"
+        p = spawn()
+        t = p.run("import kvbridge\n"
+                  "eng = kvbridge.Engine(protocol='fabric', fabric_provider='tcp;ofi_rxm')\n"
+                  "buf = pattern(1, 4 << 20)\neng.register(buf)\n"
+                  "result = {'name': eng.name, 'addr': addr(buf), 'size': buf.nbytes}")
+        name = t["name"]
+        seg = e.open_segment(name)
+        assert seg.transport == "fabric"
+        local = np.zeros(t["size"], np.uint8)
+        e.register(local)
+        e.read(seg, addr(local), t["addr"], t["size"], timeout=10)
+        assert np.array_equal(local, pattern(1, t["size"]))
+        assert e.stats().bytes("fabric") == t["size"]
