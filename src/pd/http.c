@@ -2,6 +2,7 @@
 /* HTTP helpers of the PD servers: body gathering under a limit and JSON/text/error answers. */
 #include "pd/http.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,4 +94,29 @@ enum MHD_Result kvb__http_error(struct MHD_Connection *conn, unsigned status, co
     json_t *o = json_pack("{s:{s:s,s:s}}", "error", "message", msg ? msg : "error", "type",
                           kvb__http_error_type(status));
     return kvb__http_json(conn, status, o);
+}
+
+enum MHD_Result kvb__http_error_ex(struct MHD_Connection *conn, unsigned status, const char *msg,
+                                   const char *reason, unsigned retry_after_s)
+{
+    json_t *o = json_pack("{s:{s:s,s:s,s:s*}}", "error", "message", msg ? msg : "error", "type",
+                          kvb__http_error_type(status), "reason", reason);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s)
+        return kvb__http_error(conn, status, msg);
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(s), s, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(s);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    if (retry_after_s) {
+        char ra[16];
+        snprintf(ra, sizeof ra, "%u", retry_after_s);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, ra);
+    }
+    enum MHD_Result ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
 }

@@ -31,6 +31,11 @@ enum MHD_Result kvb__http_text(struct MHD_Connection *conn, unsigned status, con
 /* Answers {"error": {"message": msg, "type": <by status>}} with `status`. */
 enum MHD_Result kvb__http_error(struct MHD_Connection *conn, unsigned status, const char *msg);
 
+/* The same with a machine-readable "reason" in the error object (when not NULL) and, when
+ * retry_after_s > 0, a Retry-After header. */
+enum MHD_Result kvb__http_error_ex(struct MHD_Connection *conn, unsigned status, const char *msg,
+                                   const char *reason, unsigned retry_after_s);
+
 /* The error "type" the protocol gives a status ("invalid_request_error", ...). Static. */
 const char *kvb__http_error_type(unsigned status);
 

@@ -32,6 +32,8 @@ static enum MHD_Result respond(struct MHD_Connection *c, unsigned status, const 
     if (!r)
         return MHD_NO;
     MHD_add_response_header(r, "Content-Type", type);
+    if (status == 503) /* every 503 of ours is worth a retry: busy instances, none yet */
+        MHD_add_response_header(r, "Retry-After", "1");
     enum MHD_Result ret = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
     return ret;
@@ -47,7 +49,8 @@ static enum MHD_Result respond_json(struct MHD_Connection *c, unsigned status, j
 
 static enum MHD_Result respond_err(struct MHD_Connection *c, const kvb__pxy_err_t *e)
 {
-    json_t *j = json_pack("{s:{s:s, s:s}}", "error", "message", e->msg, "type", e->type);
+    json_t *j = json_pack("{s:{s:s, s:s, s:s*}}", "error", "message", e->msg, "type", e->type,
+                          "reason", e->reason[0] ? e->reason : NULL);
     enum MHD_Result ret = respond_json(c, e->status, j);
     json_decref(j);
     return ret;

@@ -194,6 +194,23 @@ kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill)
     return u;
 }
 
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t * not )
+{
+    kvb__upset_t *s = prefill ? &px->prefill : &px->decode;
+    atomic_uint_fast64_t *rr = prefill ? &px->rr_prefill : &px->rr_decode;
+    pthread_mutex_lock(&px->up_mu);
+    kvb__upstream_t *u = NULL;
+    for (size_t i = 0; !u && i < s->n; i++) {
+        u = s->v[atomic_fetch_add(rr, 1) % s->n];
+        if (u == not || (not &&!strcmp(u->url, not ->url)))
+            u = NULL;
+    }
+    if (u)
+        kvb__pxy_upstream_ref(u);
+    pthread_mutex_unlock(&px->up_mu);
+    return u;
+}
+
 kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n)
 {
     pthread_mutex_lock(&px->up_mu);

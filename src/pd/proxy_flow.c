@@ -30,6 +30,7 @@ static void set_err(kvb__pxy_err_t *err, unsigned status, const char *type, cons
 static void set_err(kvb__pxy_err_t *err, unsigned status, const char *type, const char *fmt, ...)
 {
     err->status = status;
+    err->reason[0] = '\0';
     kvb__pxy_fmt(err->type, sizeof err->type, "%s", type);
     va_list ap;
     va_start(ap, fmt);
@@ -132,6 +133,7 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
         json_t *e = json_object_get(root, "error");
         const char *msg = json_string_value(json_object_get(e, "message"));
         const char *type = json_string_value(json_object_get(e, "type"));
+        const char *reason = json_string_value(json_object_get(e, "reason"));
         /* 4xx carry the instance's verdict (a refused pair is 409 with the guard's reason):
          * pass them through; 503/504 too; any other failure of theirs is a bad gateway. */
         unsigned st = rs->status < 500 || rs->status == 503 || rs->status == 504
@@ -139,6 +141,7 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
                           : 502u;
         set_err(err, st, type ? type : "upstream_error", "%s %s%s: HTTP %ld: %s", who, u->url, path,
                 rs->status, msg && *msg ? msg : "(no reason given)");
+        kvb__pxy_fmt(err->reason, sizeof err->reason, "%s", reason ? reason : "");
         json_decref(root);
     } else if (rs->timed_out) {
         set_err(err, 504, "timeout", "%s %s%s: no answer before the deadline", who, u->url, path);
@@ -167,6 +170,8 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
     kvb__pxy_res_t rs;
     int rc = kvb__pxy_call(&rq, &rs);
     free(text);
+    job->busy_status = !rc && rs.status == 503 ? 503 : 0;
+    job->busy_prefill = u->prefill;
     json_t *ans = !rc && rs.status == 200 && rs.body ? json_loads(rs.body, 0, NULL) : NULL;
     if (!json_is_object(ans)) {
         json_decref(ans);
@@ -293,8 +298,9 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
                     kvb__pxy_err_t *err)
 {
     json_t *psegs = json_object_get(pinfo, "segments");
-    json_t *b = json_pack("{s:s, s:s, s:O, s:i}", "request_id", job->rid, "prompt", rq->prompt,
-                          "prefill_segments", psegs, "timeout_ms", left_ms(job));
+    json_t *b = json_pack("{s:s, s:s, s:O, s:i, s:i}", "request_id", job->rid, "prompt", rq->prompt,
+                          "prefill_segments", psegs, "timeout_ms", left_ms(job), "max_tokens",
+                          (int)rq->max_tokens);
     json_t *res = b ? call(job, job->d, "/pd/reserve", b, job->deadline, err) : NULL;
     if (!res)
         return -1;
@@ -310,6 +316,60 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
     if (prefill(job, b, err))
         return -1;
     return decode_body(job, rq, psegs, NULL, err);
+}
+
+/* One attempt with the job's pair: the pull or push sequence up to the decode call. */
+static int attempt(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, kvb__pxy_err_t *err)
+{
+    kvb_pd_proxy_t *px = job->px;
+    json_t *pinfo = info_of(job, job->p, err);
+    json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
+    int rc = -1;
+    if (dinfo) {
+        job->mode = mode_of(px, pinfo);
+        rc = job->mode == KVB_PD_KV_PUSH ? run_push(job, rq, pinfo, dinfo, err)
+                                         : run_pull(job, rq, pinfo, dinfo, err);
+    }
+    json_decref(pinfo);
+    json_decref(dinfo);
+    if (rc)
+        kvb__pxy_abort(job);
+    return rc;
+}
+
+/* After a 503 (the instance could not admit the request: its queue is full, or the request
+ * waited there until its deadline): another instance of the role that answered it, if the set
+ * has one not tried yet and the deadline allows. Returns whether the job has a new pair. */
+static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tried_d)
+{
+    kvb_pd_proxy_t *px = job->px;
+    bool pre = job->busy_prefill;
+    if (job->busy_status != 503 || kvb__now_ns() + 1000000ull >= job->deadline)
+        return false;
+    pthread_mutex_lock(&px->up_mu);
+    size_t n = pre ? px->prefill.n : px->decode.n;
+    pthread_mutex_unlock(&px->up_mu);
+    uint32_t *tried = pre ? tried_p : tried_d;
+    if (*tried >= n)
+        return false;
+    kvb__upstream_t **slot = pre ? &job->p : &job->d;
+    kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, *slot);
+    if (!u)
+        return false;
+    KVB_INFO("proxy %s: %s %s is busy (503); trying %s", job->rid, pre ? "prefill" : "decode",
+             (*slot)->url, u->url);
+    kvb__pxy_upstream_unref(*slot);
+    *slot = u;
+    (*tried)++;
+    job->retries++;
+    json_decref(job->prefill_reply);
+    job->prefill_reply = NULL;
+    free(job->decode_body);
+    job->decode_body = NULL;
+    /* A new id: an aborted push reservation keeps the old one on its decode until it drains. */
+    size_t k = strcspn(job->rid, ".");
+    kvb__pxy_fmt(job->rid + k, sizeof job->rid - k, ".%u", job->retries);
+    return true;
 }
 
 int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
@@ -331,18 +391,10 @@ int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job
                 uri ? ")" : "");
         return -1;
     }
-    json_t *pinfo = info_of(job, job->p, err);
-    json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
-    int rc = -1;
-    if (dinfo) {
-        job->mode = mode_of(px, pinfo);
-        rc = job->mode == KVB_PD_KV_PUSH ? run_push(job, rq, pinfo, dinfo, err)
-                                         : run_pull(job, rq, pinfo, dinfo, err);
-    }
-    json_decref(pinfo);
-    json_decref(dinfo);
-    if (rc)
-        kvb__pxy_abort(job);
+    uint32_t tried_p = 1, tried_d = 1;
+    int rc;
+    while ((rc = attempt(job, rq, err)) && other_instance(job, &tried_p, &tried_d))
+        ;
     return rc;
 }
 

@@ -162,6 +162,7 @@ struct kvb_pd_proxy {
 typedef struct {
     unsigned status;
     char type[32];
+    char reason[32]; /* an instance's admission refusal ("queue_full", "deadline", ...) or "" */
     char msg[KVB_PD_ERR_MAX];
 } kvb__pxy_err_t;
 
@@ -189,6 +190,9 @@ typedef struct {
     struct json_t *prefill_reply;
     char decode_url[300];
     char *decode_body; /* JSON text */
+    long busy_status;  /* the last upstream call's 503 (the instance could not admit it), else 0 */
+    bool busy_prefill; /* ... and whether a prefill instance answered it */
+    unsigned retries;  /* requests sent to another instance after a 503 */
 } kvb__pxy_job_t;
 
 /* Validates a client body; fills *out (whose root the caller frees with json_decref) or *err. */
@@ -238,6 +242,10 @@ void kvb__pxy_upstream_unref(kvb__upstream_t *u);
 int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap);
 /* The next instance of a set in turn, with a reference for the caller; NULL when it is empty. */
 kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
+/* The next instance of a set in turn other than `not` (compared by URL too), referenced; NULL
+ * when the set has no other. */
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill,
+                                     const kvb__upstream_t * not );
 /* A referenced copy of both sets (prefill first) in a malloc'd array; *n its length. Release
  * with kvb__pxy_snapshot_free. */
 kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n);

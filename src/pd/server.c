@@ -138,6 +138,16 @@ enum MHD_Result kvb__pd_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *c
     return kvb__http_error(conn, status, msg);
 }
 
+enum MHD_Result kvb__pd_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                    const kvb__pd_refusal_t *ref)
+{
+    kvb__pd_metric_failure(srv);
+    if (ref->status >= 500)
+        KVB_WARN("answering %u (%s): %s", ref->status, ref->reason, ref->msg);
+    return kvb__http_error_ex(conn, ref->status, ref->msg, ref->reason,
+                              ref->status == 503 ? ref->retry_after_s : 0);
+}
+
 static enum MHD_Result route_post(kvb_pd_server_t *srv, struct MHD_Connection *conn,
                                   const char *url, json_t *body)
 {
@@ -296,6 +306,9 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
         srv->opts.blocks = KVB_PD_SERVER_BLOCKS;
     if (!srv->opts.lease_ms)
         srv->opts.lease_ms = KVB_PD_SERVER_LEASE_MS;
+    if (!srv->opts.max_queue)
+        srv->opts.max_queue = KVB_PD_SERVER_MAX_QUEUE;
+    srv->max_queue = srv->opts.max_queue;
     srv->tp = o->tp;
     srv->tpb = KVB_PD_TOKENS_PER_BLOCK;
     srv->total_blocks = srv->opts.blocks;
@@ -349,6 +362,7 @@ int kvb_pd_server_create(const kvb_pd_server_opts_t *opts, kvb_pd_server_t **out
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&srv->cv, &ca);
+    pthread_cond_init(&srv->adm_cv, &ca);
     pthread_condattr_destroy(&ca);
     rc = start_all(srv, reason, reason_cap);
     if (rc) {
@@ -374,8 +388,9 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
 {
     if (!srv)
         return;
-    kvb__pd_reg_close(srv); /* withdrawn first: proxies stop routing here before HTTP stops */
-    if (srv->httpd)         /* joins the connection threads: no handler runs after this */
+    kvb__pd_reg_close(srv);  /* withdrawn first: proxies stop routing here before HTTP stops */
+    kvb__pd_admit_stop(srv); /* queued requests answer 503 now rather than at their deadline */
+    if (srv->httpd)          /* joins the connection threads: no handler runs after this */
         MHD_stop_daemon(srv->httpd);
     pthread_mutex_lock(&srv->mu);
     srv->stop = true;
@@ -392,6 +407,7 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
     kvb_pd_blocks_destroy(srv->pool);
     kvb_pd_model_free(srv->model);
     pthread_cond_destroy(&srv->cv);
+    pthread_cond_destroy(&srv->adm_cv);
     pthread_mutex_destroy(&srv->mu);
     pthread_mutex_destroy(&srv->links_mu);
     pthread_mutex_destroy(&srv->fwd_mu);

@@ -20,6 +20,7 @@ typedef enum { KVB_PD_KV_PULL = 1, KVB_PD_KV_PUSH } kvb_pd_kv_mode_t;
 #define KVB_PD_SERVER_TIMEOUT_MS 30000u     /* default deadline of a request */
 #define KVB_PD_SERVER_MAX_TOKENS 4096u
 #define KVB_PD_SERVER_META_MS    3000u /* deadline of each metadata store call */
+#define KVB_PD_SERVER_MAX_QUEUE  256u  /* default bound of the admission queue */
 
 /* What `kvbridge serve` takes; zero-initialise, then fill. */
 typedef struct {
@@ -28,15 +29,15 @@ typedef struct {
     const char *model; /* preset name or weight file */
     uint64_t seed;     /* preset weights' seed */
     uint32_t tp;       /* ranks, 1..KVB_PD_SERVER_TP_MAX */
+    /* Address of HTTP and the engines; NULL: "127.0.0.1". */
     const char *bind;
-    bool insecure;
-    /* engines may bind a non-loopback address without a cluster secret */ /* address for HTTP
-                                                                              and the engines;
-                                                                              NULL: "127.0.0.1"
-                                                                            */
+    bool insecure;     /* engines may bind a non-loopback address without a cluster secret */
     uint16_t port;     /* HTTP port; 0: any free one (see kvb_pd_server_port) */
     uint64_t blocks;   /* blocks per rank; 0: KVB_PD_SERVER_BLOCKS */
     uint32_t lease_ms; /* pull lease; 0: KVB_PD_SERVER_LEASE_MS */
+    /* Requests that may wait for KV blocks at once (FIFO, each until its deadline); one more is
+     * answered 503 with Retry-After. 0: KVB_PD_SERVER_MAX_QUEUE. */
+    uint32_t max_queue;
     /* A metadata store ("etcd://h:p[,h:p]", "redis://[:pw@]h:p[/db]", "http://h:p[/prefix]"),
      * or NULL, "" or "p2p" for none. With one, every rank's engine publishes its segment there
      * and the instance registers itself under kvbridge/<cluster>/instances/<addr>:<port> (see

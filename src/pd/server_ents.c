@@ -54,6 +54,7 @@ void kvb__pd_ent_remove(kvb_pd_server_t *srv, kvb__pd_ent_t *e)
             break;
         }
     kvb_pd_seq_release(&e->seq, srv->pool);
+    kvb__pd_admit_wake(srv);
     free(e->toks);
     free(e->segs);
     free(e);
@@ -86,6 +87,7 @@ void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, ui
         return;
     }
     kvb_pd_seq_release(&e->seq, srv->pool);
+    kvb__pd_admit_wake(srv);
     e->kind = KVB_PD_ENT_DRAIN;
     e->pending_mask = mask;
     e->deadline_ns = deadline;
@@ -110,6 +112,7 @@ static size_t collect(kvb_pd_server_t *srv, job_t *jobs)
         if (e->kind == KVB_PD_ENT_RESERVED && now >= e->deadline_ns) {
             KVB_WARN("reservation of request %s expired unused; freeing its blocks", e->id);
             kvb_pd_seq_release(&e->seq, srv->pool);
+            kvb__pd_admit_wake(srv);
             e->kind = KVB_PD_ENT_DRAIN;
         }
         bool waits = e->kind == KVB_PD_ENT_LEASE || e->kind == KVB_PD_ENT_DRAIN;
@@ -192,5 +195,14 @@ void kvb__pd_ents_clear(kvb_pd_server_t *srv)
     pthread_mutex_lock(&srv->mu);
     while (srv->ents)
         kvb__pd_ent_remove(srv, srv->ents);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+void kvb__pd_ents_count(kvb_pd_server_t *srv, uint64_t counts[5])
+{
+    memset(counts, 0, 5 * sizeof *counts);
+    pthread_mutex_lock(&srv->mu);
+    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next)
+        counts[e->kind < 5 ? e->kind : 0]++;
     pthread_mutex_unlock(&srv->mu);
 }

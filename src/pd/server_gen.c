@@ -142,6 +142,7 @@ static void gen_free(kvb__pd_gen_t *g)
         kvb__pd_metric_timing(srv, (double)(g->t_first - g->t_start) / 1e9, tpot, g->n_out > 1);
     }
     kvb_pd_seq_release(&g->seq, srv->pool);
+    kvb__pd_admit_wake_locked(srv);
     if (g->req_id[0])
         kvb__pd_ent_done(srv, g->req_id);
     free(g->prompt);
@@ -151,15 +152,25 @@ static void gen_free(kvb__pd_gen_t *g)
     free(g);
 }
 
+static int nomem(kvb__pd_refusal_t *ref)
+{
+    ref->status = 500;
+    ref->reason = "out_of_memory";
+    ref->retry_after_s = 0;
+    snprintf(ref->msg, sizeof ref->msg, "out of memory");
+    return KVB_ERR_NOMEM;
+}
+
 int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_params_t *p,
                        uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
-                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out)
+                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out, kvb__pd_refusal_t *ref)
 {
     kvb__pd_gen_t *g = calloc(1, sizeof *g);
     if (!g) {
         kvb_pd_seq_release(seq, srv->pool);
+        kvb__pd_admit_wake_locked(srv);
         free(prompt);
-        return KVB_ERR_NOMEM;
+        return nomem(ref);
     }
     g->srv = srv;
     snprintf(g->req_id, sizeof g->req_id, "%s", req_id ? req_id : "");
@@ -178,11 +189,13 @@ int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_p
     g->created = (long long)time(NULL);
     g->out = calloc(p->max_tokens, sizeof *g->out);
     g->logits = calloc(kvb_pd_model_config(srv->model)->vocab, sizeof *g->logits);
-    /* Every position the answer can need, now: a stream never fails for want of blocks. */
+    /* Every position the answer can need, now (waiting for them in the admission queue): a
+     * stream never fails for want of blocks. Callers that reserved them already wait for
+     * nothing here. */
     uint64_t positions = (uint64_t)n_prompt + p->max_tokens - 1;
-    int rc = g->out && g->logits ? KVB_OK : KVB_ERR_NOMEM;
+    int rc = g->out && g->logits ? KVB_OK : nomem(ref);
     if (!rc)
-        rc = kvb_pd_seq_reserve(&g->seq, srv->pool, srv->tpb, positions);
+        rc = kvb__pd_admit(srv, &g->seq, positions, g->deadline, ref);
     if (rc) {
         g->req_id[0] = '\0'; /* the caller answers the error and drops the entry */
         gen_free(g);
@@ -427,20 +440,12 @@ enum MHD_Result kvb__pd_completions(kvb_pd_server_t *srv, struct MHD_Connection 
     size_t n = 0;
     if (kvb__pd_tokenize(p.prompt, p.prompt_len, &toks, &n))
         return kvb__pd_http_fail(srv, conn, 500, "out of memory tokenizing the prompt");
-    uint64_t need = kvb_pd_blocks_for(n + p.max_tokens - 1, srv->tpb);
-    if (need > srv->total_blocks) {
-        free(toks);
-        return kvb__pd_http_fail(srv, conn, 400,
-                                 "prompt (%zu tokens) and max_tokens need %llu KV blocks; this "
-                                 "instance has %llu",
-                                 n, (unsigned long long)need,
-                                 (unsigned long long)srv->total_blocks);
-    }
     kvb_pd_seq_t seq;
     kvb_pd_seq_init(&seq);
     kvb__pd_gen_t *g = NULL;
-    int rc = kvb__pd_gen_create(srv, NULL, &p, toks, n, &seq, false, 0, t_start, &g);
+    kvb__pd_refusal_t ref;
+    int rc = kvb__pd_gen_create(srv, NULL, &p, toks, n, &seq, false, 0, t_start, &g, &ref);
     if (rc)
-        return kvb__pd_http_fail(srv, conn, 503, "not enough free KV blocks: %s", kvb_strerror(rc));
+        return kvb__pd_http_refuse(srv, conn, &ref);
     return kvb__pd_gen_respond(g, conn);
 }

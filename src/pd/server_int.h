@@ -68,6 +68,17 @@ typedef struct {
     uint64_t buckets[KVB_PD_HIST_N];
 } kvb__pd_hist_t;
 
+/* Why a request was not admitted: the HTTP status, a machine-readable reason ("queue_full",
+ * "deadline", "too_large", "stopping") and the seconds a client should wait before retrying. */
+typedef struct {
+    unsigned status;
+    const char *reason; /* static */
+    unsigned retry_after_s;
+    char msg[512];
+} kvb__pd_refusal_t;
+
+struct kvb__pd_waiter;
+
 struct kvb_pd_server {
     kvb_pd_server_opts_t opts;
     char addr[64];
@@ -97,6 +108,14 @@ struct kvb_pd_server {
     pthread_t reaper;
     bool reaper_started;
     atomic_ulong req_counter;
+
+    /* Admission (server_admit.c), under mu: the FIFO of requests waiting for blocks. */
+    pthread_cond_t adm_cv; /* broadcast when blocks come back or the head changes */
+    struct kvb__pd_waiter *q_head, *q_tail;
+    uint32_t q_len, max_queue;
+    bool adm_stop;
+    uint64_t m_admitted, m_waited, m_rej_full, m_rej_deadline; /* m_waited: had to queue */
+    kvb__pd_hist_t m_wait;
 
     uint64_t m_requests, m_failures, m_kv_bytes;
     double m_kv_seconds;
@@ -135,8 +154,30 @@ int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n);
  * when mask is 0. Caller holds srv->mu. */
 void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, uint64_t deadline);
 void *kvb__pd_reaper_main(void *arg);
+/* Counts the entries by kind: counts[KVB_PD_ENT_ACTIVE] ... counts[KVB_PD_ENT_DRAIN]. */
+void kvb__pd_ents_count(kvb_pd_server_t *srv, uint64_t counts[5]);
 /* Frees every entry's blocks (at shutdown). */
 void kvb__pd_ents_clear(kvb_pd_server_t *srv);
+
+/* ---- server_admit.c: admission ------------------------------------------------------------ */
+
+/* Reserves blocks for `tokens` positions in seq, waiting in the instance's FIFO queue while they
+ * are not free, until deadline_ns. Returns KVB_OK; KVB_ERR_TOO_LARGE (400: more blocks than the
+ * instance has, refused at once) or KVB_ERR_BUSY (503: queue full, deadline passed, stopping)
+ * with *ref filled. */
+int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint64_t deadline_ns,
+                  kvb__pd_refusal_t *ref);
+/* Wakes the queue after blocks went back to the pool; caller holds srv->mu. */
+void kvb__pd_admit_wake(kvb_pd_server_t *srv);
+/* The same, taking srv->mu. */
+void kvb__pd_admit_wake_locked(kvb_pd_server_t *srv);
+/* Fails every waiter and every later admission (the server is stopping). */
+void kvb__pd_admit_stop(kvb_pd_server_t *srv);
+/* The /health "queue" object. */
+json_t *kvb__pd_admit_health(kvb_pd_server_t *srv);
+/* Answers a refusal: the error JSON with its "reason", Retry-After on a 503. Counts a failure. */
+enum MHD_Result kvb__pd_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                    const kvb__pd_refusal_t *ref);
 
 /* ---- server_reg.c: registration with a metadata store ------------------------------------- */
 
@@ -186,11 +227,12 @@ int kvb__pd_params_parse(json_t *body, kvb__pd_params_t *p, bool need_prompt, ch
                          size_t cap);
 
 /* Creates a generation over `seq` (taken over: the generation releases its blocks) holding
- * n_prompt cached positions (or, when colocated, none yet: the first step runs the prompt).
- * has_t0: t0 is the first token, already sampled by a prefill. */
+ * n_prompt cached positions (or, when colocated, none yet: the first step runs the prompt),
+ * admitting it for every position it can need (waiting in the queue until the deadline).
+ * has_t0: t0 is the first token, already sampled by a prefill. On an error *ref says why. */
 int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_params_t *p,
                        uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
-                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out);
+                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out, kvb__pd_refusal_t *ref);
 /* Records the KV transfer of this request (for the answer's stats). */
 void kvb__pd_gen_set_kv(kvb__pd_gen_t *g, uint64_t bytes, double seconds);
 /* Answers: the whole completion as JSON, or an SSE stream. Frees `g` (now or when the stream
@@ -214,6 +256,7 @@ enum MHD_Result kvb__pd_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn,
 
 /* ---- server_metrics.c ----------------------------------------------------------------------- */
 
+void kvb__pd_hist_add(kvb__pd_hist_t *h, double v);
 void kvb__pd_metric_request(kvb_pd_server_t *srv);
 void kvb__pd_metric_failure(kvb_pd_server_t *srv);
 void kvb__pd_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot);

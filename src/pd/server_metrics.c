@@ -12,7 +12,7 @@
 static const double bounds[KVB_PD_HIST_N - 1] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                                  0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
 
-static void hist_add(kvb__pd_hist_t *h, double v)
+void kvb__pd_hist_add(kvb__pd_hist_t *h, double v)
 {
     size_t i = 0;
     while (i < KVB_PD_HIST_N - 1 && v > bounds[i])
@@ -39,9 +39,9 @@ void kvb__pd_metric_failure(kvb_pd_server_t *srv)
 void kvb__pd_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot)
 {
     pthread_mutex_lock(&srv->mu);
-    hist_add(&srv->m_ttft, ttft_s);
+    kvb__pd_hist_add(&srv->m_ttft, ttft_s);
     if (has_tpot)
-        hist_add(&srv->m_tpot, tpot_s);
+        kvb__pd_hist_add(&srv->m_tpot, tpot_s);
     pthread_mutex_unlock(&srv->mu);
 }
 
@@ -107,6 +107,12 @@ static void put_counter(text_t *t, const char *name, const char *help, const cha
         v);
 }
 
+static void put_gauge(text_t *t, const char *name, const char *help, const char *role, double v)
+{
+    put(t, "# HELP %s %s\n# TYPE %s gauge\n%s{role=\"%s\"} %.17g\n", name, help, name, name, role,
+        v);
+}
+
 enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn)
 {
     const char *role = kvb_pd_role_name(srv->opts.role);
@@ -125,7 +131,26 @@ enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *con
                 (double)srv->m_kv_bytes);
     put_counter(&t, "kvbridge_kv_transfer_seconds_total", "Time spent moving KV caches.", role,
                 srv->m_kv_seconds);
+    put_gauge(&t, "kvbridge_queue_depth", "Requests waiting for KV blocks.", role,
+              (double)srv->q_len);
+    put_hist(&t, "kvbridge_queue_wait_seconds", "Time admitted requests waited for KV blocks.",
+             role, &srv->m_wait);
+    put(&t,
+        "# HELP kvbridge_queue_rejected_total Requests refused by admission.\n"
+        "# TYPE kvbridge_queue_rejected_total counter\n"
+        "kvbridge_queue_rejected_total{role=\"%s\",reason=\"queue_full\"} %llu\n"
+        "kvbridge_queue_rejected_total{role=\"%s\",reason=\"deadline\"} %llu\n",
+        role, (unsigned long long)srv->m_rej_full, role, (unsigned long long)srv->m_rej_deadline);
     pthread_mutex_unlock(&srv->mu);
+    uint64_t n[5];
+    kvb__pd_ents_count(srv, n);
+    put_gauge(&t, "kvbridge_kv_free_blocks", "KV blocks free.", role,
+              (double)kvb_pd_blocks_available(srv->pool));
+    put_gauge(&t, "kvbridge_kv_total_blocks", "KV blocks in all.", role, (double)srv->total_blocks);
+    put_gauge(&t, "kvbridge_leases", "Pull leases held (prefill).", role,
+              (double)n[KVB_PD_ENT_LEASE]);
+    put_gauge(&t, "kvbridge_reservations", "Push reservations held (decode).", role,
+              (double)n[KVB_PD_ENT_RESERVED]);
     if (!t.s)
         return kvb__http_error(conn, 500, "out of memory");
     enum MHD_Result ret =
@@ -146,6 +171,15 @@ enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn
                   "tp", (int)srv->tp, "kv_mode", kvb_pd_kv_mode_name(srv->opts.kv_mode),
                   "free_blocks", (json_int_t)kvb_pd_blocks_available(srv->pool), "total_blocks",
                   (json_int_t)srv->total_blocks, "links", links);
+    uint64_t n[5];
+    kvb__pd_ents_count(srv, n);
+    if (o) {
+        json_object_set_new(o, "queue", kvb__pd_admit_health(srv));
+        json_object_set_new(o, "active", json_integer((json_int_t)n[KVB_PD_ENT_ACTIVE]));
+        json_object_set_new(o, "leases", json_integer((json_int_t)n[KVB_PD_ENT_LEASE]));
+        json_object_set_new(o, "reservations", json_integer((json_int_t)n[KVB_PD_ENT_RESERVED]));
+        json_object_set_new(o, "draining", json_integer((json_int_t)n[KVB_PD_ENT_DRAIN]));
+    }
     kvb__pd_reg_health(srv, o);
     return kvb__http_json(conn, 200, o);
 }

@@ -32,6 +32,8 @@ typedef struct {
     uint64_t t_start;
     unsigned status; /* 0, or the failure's HTTP status */
     char why[1024];
+    kvb__pd_refusal_t ref; /* when status came from admission: answered with its reason */
+    bool refused;
 } pdreq_t;
 
 static int req_fail(pdreq_t *q, unsigned status, const char *fmt, ...)
@@ -69,7 +71,10 @@ static void req_free(pdreq_t *q)
 static enum MHD_Result req_answer(pdreq_t *q, struct MHD_Connection *conn, json_t *ok)
 {
     enum MHD_Result ret;
-    if (q->status || !ok) {
+    if (q->refused) {
+        ret = kvb__pd_http_refuse(q->srv, conn, &q->ref);
+        json_decref(ok);
+    } else if (q->status || !ok) {
         ret = kvb__pd_http_fail(q->srv, conn, q->status ? q->status : 500, "%s",
                                 q->status ? q->why : "out of memory");
         json_decref(ok);
@@ -189,17 +194,21 @@ static int prepare(pdreq_t *q, bool link)
     return 0;
 }
 
-static int reserve_prompt(pdreq_t *q)
+/* Takes blocks for `tokens` positions into the entry, waiting in the admission queue until the
+ * request's deadline while they are not free. */
+static int admit(pdreq_t *q, uint64_t tokens)
 {
     kvb_pd_server_t *srv = q->srv;
-    if (q->nb > srv->total_blocks)
-        return req_fail(q, 400, "the prompt needs %llu KV blocks; this instance has %llu",
-                        (unsigned long long)q->nb, (unsigned long long)srv->total_blocks);
-    if (kvb_pd_seq_reserve(&q->ent->seq, srv->pool, srv->tpb, q->ntoks))
-        return req_fail(q, 503, "not enough free KV blocks (%llu needed, %llu free)",
-                        (unsigned long long)q->nb,
-                        (unsigned long long)kvb_pd_blocks_available(srv->pool));
-    return 0;
+    uint64_t deadline = q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
+    if (!kvb__pd_admit(srv, &q->ent->seq, tokens, deadline, &q->ref))
+        return 0;
+    q->refused = true;
+    return req_fail(q, q->ref.status, "%s", q->ref.msg);
+}
+
+static int reserve_prompt(pdreq_t *q)
+{
+    return admit(q, q->ntoks);
 }
 
 static json_t *segs_json(kvb_pd_server_t *srv)
@@ -434,7 +443,9 @@ enum MHD_Result kvb__pd_prefill(kvb_pd_server_t *srv, struct MHD_Connection *con
 static json_t *reserve(pdreq_t *q)
 {
     kvb_pd_server_t *srv = q->srv;
-    if (reserve_prompt(q))
+    /* Every position the generation will need, now: blocks taken later could wait behind
+     * requests that wait for this one's. */
+    if (admit(q, q->ntoks + q->p.max_tokens - 1))
         return NULL;
     uint64_t mask = 0;
     size_t n = q->nsegs;
@@ -512,10 +523,11 @@ static enum MHD_Result decode_generate(pdreq_t *q, struct MHD_Connection *conn, 
     q->ent->seq.len = (uint32_t)q->ntoks;
     kvb__pd_gen_t *g = NULL;
     int rc = kvb__pd_gen_create(srv, q->id, &q->p, q->toks, q->ntoks, &q->ent->seq, true, q->t0,
-                                q->t_start, &g);
+                                q->t_start, &g, &q->ref);
     q->toks = NULL; /* taken over, even on error */
     if (rc) {
-        req_fail(q, 503, "not enough free KV blocks to generate %u tokens", q->p.max_tokens);
+        q->refused = true;
+        req_fail(q, q->ref.status, "%s", q->ref.msg);
         return req_answer(q, conn, NULL);
     }
     kvb__pd_metric_kv(srv, bytes, secs);
@@ -542,7 +554,7 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
         return req_answer(q, conn, NULL);
     }
     kvb_kv_xfer_t **xs = calloc(srv->tp * q->nsegs, sizeof *xs);
-    if (!xs || reserve_prompt(q)) {
+    if (!xs || admit(q, q->ntoks + q->p.max_tokens - 1)) {
         if (!xs)
             req_fail(q, 500, "out of memory");
         free(xs);
@@ -642,12 +654,6 @@ enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn
     if (get_segs(&q, body, "prefill_segments") || get_blocks(&q, body, "prefill_blocks") ||
         prepare(&q, true))
         return req_answer(&q, conn, NULL);
-    uint64_t need = kvb_pd_blocks_for(q.ntoks + q.p.max_tokens - 1, srv->tpb);
-    if (need > srv->total_blocks) {
-        req_fail(&q, 400, "prompt and max_tokens need %llu KV blocks; this instance has %llu",
-                 (unsigned long long)need, (unsigned long long)srv->total_blocks);
-        return req_answer(&q, conn, NULL);
-    }
     return decode_pull(&q, conn);
 }
 

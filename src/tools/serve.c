@@ -13,7 +13,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
-            "                      [--blocks N] [--lease-ms N]\n"
+            "                      [--blocks N] [--lease-ms N] [--max-queue N]\n"
             "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
             "                      [--secret-file PATH] [--insecure]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
@@ -26,6 +26,9 @@ static void usage(FILE *f)
             "  --kv-mode M     pull (default) or push\n"
             "  --blocks N      KV blocks of 16 tokens per rank (default %u)\n"
             "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u)\n"
+            "  --max-queue N   requests that may wait for KV blocks at once, first come first\n"
+            "                  served, each until its deadline (default %u); one more, or one\n"
+            "                  whose deadline passes, gets 503 with Retry-After and a reason\n"
             "  --metadata URI  a metadata store: etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or\n"
             "                  http://H:P[/PREFIX] (kvbridge metadata-server). The engines\n"
             "                  publish their segments there, and once HTTP serves the instance\n"
@@ -39,7 +42,7 @@ static void usage(FILE *f)
             "  --insecure      allow a non-loopback --bind without a secret (warns)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
-            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS);
+            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS, KVB_PD_SERVER_MAX_QUEUE);
 }
 
 static int bad(const char *what, const char *arg)
@@ -79,6 +82,10 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
             return bad("bad --lease-ms", val);
         o->lease_ms = (uint32_t)v;
+    } else if (!strcmp(opt, "--max-queue")) {
+        if (kvb_cli_parse_uint(val, 1000000, &v) || !v)
+            return bad("bad --max-queue (1..1000000)", val);
+        o->max_queue = (uint32_t)v;
     } else if (!strcmp(opt, "--metadata")) {
         if (!kvb_pd_store_uri_valid(val))
             return bad("bad --metadata (want etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or "

@@ -24,184 +24,7 @@
 #include "common/clock.h"
 #include "pd/proxy.h"
 #include "pd/proxy_internal.h"
-
-#define MAX_PROCS 8
-
-/* ---- Processes ------------------------------------------------------------------------------- */
-
-typedef struct {
-    pid_t pid;
-    uint16_t port;
-    char url[64];
-    char log[96];
-} inst_t;
-
-static pid_t procs[MAX_PROCS];
-
-static void track(pid_t pid)
-{
-    for (int i = 0; i < MAX_PROCS; i++)
-        if (!procs[i]) {
-            procs[i] = pid;
-            return;
-        }
-}
-
-/* SIGTERM, then SIGKILL after 3 s; reaps. */
-static void stop_pid(pid_t pid)
-{
-    if (pid <= 0)
-        return;
-    kill(pid, SIGTERM);
-    for (int i = 0; i < 300; i++) {
-        pid_t r = waitpid(pid, NULL, WNOHANG);
-        if (r == pid || (r < 0 && errno == ECHILD)) /* ECHILD: reaped already */
-            goto reaped;
-        usleep(10000);
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-reaped:
-    for (int i = 0; i < MAX_PROCS; i++)
-        if (procs[i] == pid)
-            procs[i] = 0;
-}
-
-static void stop_all(void)
-{
-    for (int i = 0; i < MAX_PROCS; i++)
-        stop_pid(procs[i]);
-}
-
-static uint16_t free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
-static const char *bin(void)
-{
-    const char *b = getenv("KVB_BIN");
-    return b && *b ? b : NULL;
-}
-
-/* Runs `$KVB_BIN args` with output discarded; its exit code or -1. */
-static int run_quiet(const char *const *args)
-{
-    const char *argv[16] = {bin()};
-    int n = 1;
-    for (; args[n - 1] && n < 15; n++)
-        argv[n] = args[n - 1];
-    argv[n] = NULL;
-    pid_t pid = fork();
-    if (pid == 0) {
-        int fd = open("/dev/null", O_WRONLY);
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    int st;
-    if (pid < 0 || waitpid(pid, &st, 0) != pid)
-        return -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-/* Skips the test unless the binary has a working `serve` (the instance servers exist). */
-static void need_serve(void)
-{
-    if (!bin())
-        cr_skip_test("KVB_BIN is not set (run through ctest)");
-    if (run_quiet((const char *const[]){"serve", "--help", NULL}) != 0)
-        cr_skip_test("`kvbridge serve` is not available yet");
-}
-
-static void print_log(const inst_t *in)
-{
-    char buf[4096];
-    FILE *f = fopen(in->log, "r");
-    if (!f)
-        return;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    buf[n] = '\0';
-    fclose(f);
-    cr_log_error("%s log:\n%s", in->url, buf);
-}
-
-static bool healthy(const inst_t *in)
-{
-    char url[96];
-    snprintf(url, sizeof url, "%s/health", in->url);
-    char *body = NULL;
-    long st = kvb_pd_http(url, NULL, 500, &body, NULL, 0);
-    free(body);
-    return st == 200;
-}
-
-/* Reads the port from the server's ready line ("serving ROLE on http://ADDR:PORT ...") once it
- * is in the log; false until then. */
-static bool ready_port(inst_t *in)
-{
-    FILE *f = fopen(in->log, "r");
-    char line[256];
-    unsigned port = 0;
-    while (f && !port && fgets(line, sizeof line, f)) {
-        const char *at = strstr(line, "on http://");
-        const char *colon = at ? strchr(at + strlen("on http://"), ':') : NULL;
-        if (colon && sscanf(colon + 1, "%u", &port) == 1 && port > 0 && port < 65536) {
-            in->port = (uint16_t)port;
-            snprintf(in->url, sizeof in->url, "http://127.0.0.1:%u", port);
-        }
-    }
-    if (f)
-        fclose(f);
-    return in->port != 0;
-}
-
-/* Forks `kvbridge serve` and waits (10 s at most) until its /health answers. The child dies with
- * the test process (PDEATHSIG), so a test that times out leaves nothing behind. */
-static void serve(inst_t *in, const char *role, const char *model, int tp, const char *mode)
-{
-    static unsigned seq;
-    char tps[8];
-    memset(in, 0, sizeof *in);
-    snprintf(tps, sizeof tps, "%d", tp);
-    snprintf(in->log, sizeof in->log, "/tmp/kvb_proxy_test_%d_%u.log", (int)getpid(), seq++);
-    /* Port 0: the server binds a free port itself and says which on its ready line. (A port
-     * found free here and bound later by the child can be taken in between by any process on
-     * the machine - a parallel test's connection, say: seen as "Address already in use".) */
-    const char *argv[] = {bin(), "serve",  "--role", role,        "--model", model, "--tp",
-                          tps,   "--port", "0",      "--kv-mode", mode,      NULL};
-    pid_t parent = getpid();
-    in->pid = fork();
-    cr_assert_geq(in->pid, 0);
-    if (in->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent)
-            _exit(1);
-        int fd = open(in->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    track(in->pid);
-    uint64_t dl = kvb__deadline_ms(10000);
-    while (!(in->port || ready_port(in)) || !healthy(in)) {
-        int st;
-        if (waitpid(in->pid, &st, WNOHANG) == in->pid || kvb__now_ns() > dl) {
-            print_log(in);
-            cr_assert_fail("%s %s tp %d did not come up", role, model, tp);
-        }
-        usleep(20000);
-    }
-    unlink(in->log);
-}
+#include "pd_procs.h"
 
 /* ---- Proxy in this process ------------------------------------------------------------------- */
 
@@ -349,12 +172,12 @@ Test(proxy, silent_upstream_hits_deadline)
 /* ---- A scripted fake instance (role both) for the relay's behavior ----------------------------
  */
 
-enum { FAKE_OK, FAKE_BREAK, FAKE_ERROR_EVENT, FAKE_STALL, FAKE_REFUSE };
+enum { FAKE_OK, FAKE_BREAK, FAKE_ERROR_EVENT, FAKE_STALL, FAKE_REFUSE, FAKE_BUSY, FAKE_BUSY_ONCE };
 
 static struct {
     struct MHD_Daemon *mhd;
     int mode;
-    atomic_int aborts, reserves;
+    atomic_int aborts, reserves, prefills;
     atomic_bool stop;
     char url[64];
 } fake;
@@ -443,6 +266,11 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
         return fake_json(c, 200, "{}");
     }
     if (!strcmp(url, "/pd/prefill")) {
+        int n = atomic_fetch_add(&fake.prefills, 1);
+        if (fake.mode == FAKE_BUSY || (fake.mode == FAKE_BUSY_ONCE && n == 0))
+            return fake_json(c, 503,
+                             "{\"error\":{\"message\":\"admission queue full\","
+                             "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
         if (fake.mode == FAKE_REFUSE)
             return fake_json(c, 409,
                              "{\"error\":{\"message\":\"link refused: model ids differ\","
@@ -496,6 +324,24 @@ static void fake_up(int mode, kvb_pd_kv_mode_t kv, uint32_t timeout_ms)
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(fake.mhd, MHD_DAEMON_INFO_BIND_PORT);
     snprintf(fake.url, sizeof fake.url, "http://127.0.0.1:%u", (unsigned)di->port);
     proxy_up(fake.url, fake.url, kv, timeout_ms);
+}
+
+/* The fake twice in the prefill set: as 127.0.0.1 and as localhost (two instances to the proxy). */
+static void fake_up_two_prefills(int mode)
+{
+    fake_up(mode, KVB_PD_KV_PULL, 5000);
+    kvb_pd_proxy_stop(px);
+    char other[64];
+    snprintf(other, sizeof other, "http://localhost:%s", strrchr(fake.url, ':') + 1);
+    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){fake.url, other},
+                             .n_prefill = 2,
+                             .decode = (const char *const[]){fake.url},
+                             .n_decode = 1,
+                             .kv_mode = KVB_PD_KV_PULL,
+                             .timeout_ms = 5000};
+    char why[256];
+    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
+    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
 }
 
 static void fake_fini(void)
@@ -581,6 +427,31 @@ Test(proxy, stalled_stream_ends_by_deadline, .fini = fake_fini)
     cr_expect(c.error[0], "an error event");
     cr_expect_lt(ms, 3000.0, "answered after %.0f ms", ms);
     kvb_pd_completion_free(&c);
+}
+
+/* An instance that cannot admit a request (503) is not the end: another of its role is tried. */
+Test(proxy, busy_prefill_tries_another, .fini = fake_fini)
+{
+    atomic_store(&fake.prefills, 0);
+    fake_up_two_prefills(FAKE_BUSY_ONCE);
+    kvb_pd_completion_t c;
+    complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
+    cr_expect(c.ok, "status %ld: %s", c.status, c.error);
+    cr_expect_eq(atomic_load(&fake.prefills), 2, "the second prefill answered");
+    kvb_pd_completion_free(&c);
+}
+
+/* Every instance busy: the client gets the 503 with its reason and Retry-After, each tried once. */
+Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
+{
+    atomic_store(&fake.prefills, 0);
+    fake_up_two_prefills(FAKE_BUSY);
+    answer_t a;
+    post_raw(kvb_pd_proxy_port(px), "/v1/completions", "{\"prompt\": \"abc\"}", &a);
+    cr_expect_eq(a.status, 503, "%s", a.body);
+    cr_expect_str_eq(a.reason, "queue_full", "%s", a.body);
+    cr_expect(a.retry_after[0], "Retry-After on a 503");
+    cr_expect_eq(atomic_load(&fake.prefills), 2, "each prefill tried once");
 }
 
 Test(proxy, refusal_reason_reaches_client, .fini = fake_fini)
