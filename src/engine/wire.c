@@ -92,10 +92,22 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
         return fail(why, why_len, KVB_ERR_PROTOCOL, "unknown frame type %llu", h.type);
     bool data_frame = h.type == KVB_FRAME_READ_REQ || h.type == KVB_FRAME_READ_RESP ||
                       h.type == KVB_FRAME_WRITE_REQ || h.type == KVB_FRAME_WRITE_ACK;
-    if ((h.flags & ~KVB_FRAME_F_SHM) || (h.flags && !data_frame) || get_u32(in + 12) != 0)
+    if ((h.flags & ~(KVB_FRAME_F_SHM | KVB_FRAME_F_RUN)) || (h.flags && !data_frame) ||
+        get_u32(in + 12) != 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "reserved bits set (flags 0x%llx)", h.flags);
     if (h.status > 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "positive status %llu", (unsigned)h.status);
+    if (h.flags & KVB_FRAME_F_RUN) {
+        if (!(h.flags & KVB_FRAME_F_SHM) || h.status != 0 ||
+            (h.type != KVB_FRAME_READ_RESP && h.type != KVB_FRAME_WRITE_ACK))
+            return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run on frame type %llu",
+                        h.type);
+        if (h.addr == 0 || h.addr > KVB_WIRE_MAX_RUN || h.len > h.addr * KVB_WIRE_MAX_DATA)
+            return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run of %llu requests",
+                        (unsigned long long)h.addr);
+        *out = h; /* no payload: `len` only totals what the requests asked */
+        return KVB_OK;
+    }
     uint64_t limit = 0;
     switch (h.type) {
     case KVB_FRAME_HELLO:

@@ -12,7 +12,7 @@
 #include "kvbridge/engine.h"
 
 #define KVB_WIRE_MAGIC    0x3142564Bu /* "KVB1" read as little-endian */
-#define KVB_WIRE_VERSION  2           /* 2: mutual authentication; version-1 peers are refused */
+#define KVB_WIRE_VERSION  3 /* 2: mutual authentication; 3: answer runs. Older peers are refused */
 #define KVB_WIRE_HDR_SIZE 40
 
 /* Limits on what a peer may announce; anything larger is a protocol error. */
@@ -45,6 +45,12 @@ typedef enum {
 /* Header flag: the data moves through shared memory, not this connection (same host). Requests
  * then carry 8 payload bytes, the initiator's local address; answers carry none. */
 #define KVB_FRAME_F_SHM 0x1u
+/* Header flag on a successful same-host answer (READ_RESP or WRITE_ACK with F_SHM, status 0):
+ * it answers `addr` requests at once (1..KVB_WIRE_MAX_RUN), ids id .. id+addr-1, all of this
+ * type, `len` their total length. A KV cache moves as thousands of small copies; one answer per
+ * copy cost both sides more than the copies' own bookkeeping. */
+#define KVB_FRAME_F_RUN  0x2u
+#define KVB_WIRE_MAX_RUN 4096u
 
 typedef struct {
     uint8_t type;

@@ -32,6 +32,10 @@ static const kv_model_t MODELS[] = {
 };
 
 #define TOKENS_PER_BLOCK 16
+/* The pool a prompt's blocks are drawn from is this many times the prompt: a serving instance
+ * holds many prompts at once, so a prompt's blocks are scattered over far more memory than the
+ * prompt itself, and beyond the last-level cache. */
+#define POOL_FACTOR 4
 
 typedef struct {
     kvb_engine_t *engine;
@@ -42,6 +46,7 @@ typedef struct {
     kvb_kv_agent_t *agent;
 } side_t;
 
+/* Block sizes are multiples of 8 bytes (the fill and the check go word by word). */
 static uint64_t block_bytes(const kv_model_t *m)
 {
     return m->attn == KVB_KV_ATTN_MLA ? (uint64_t)TOKENS_PER_BLOCK * m->latent_bytes
@@ -117,11 +122,13 @@ static void side_fini(side_t *s, const char *protocol)
     free(s->slots);
 }
 
-/* The byte at `off` of a block: a function of (slot index, block id) so moves can be checked. */
-static uint8_t block_byte(size_t slot, uint64_t block, uint64_t off)
+/* The 8 bytes at word `w` of a block: a function of (slot index, block id, w) so moves can be
+ * checked. Word-wise: pools are gigabytes, and a byte-wise fill took seconds. */
+static uint64_t block_word(size_t slot, uint64_t block, uint64_t w)
 {
-    uint64_t x = (slot * 0x9E3779B97F4A7C15ull) ^ (block << 20) ^ off;
-    return (uint8_t)((x * 0xBF58476D1CE4E5B9ull) >> 56);
+    uint64_t x = (slot * 0x9E3779B97F4A7C15ull) ^ (block << 24) ^ w;
+    x *= 0xBF58476D1CE4E5B9ull;
+    return x ^ (x >> 31);
 }
 
 static void fill_blocks(side_t *s)
@@ -130,8 +137,10 @@ static void fill_blocks(side_t *s)
         const kvb_kv_slot_t *sl = &s->slots[i];
         uint8_t *p = (uint8_t *)(uintptr_t)sl->base;
         for (uint64_t b = 0; b < sl->num_blocks; b++)
-            for (uint64_t o = 0; o < sl->block_bytes; o++)
-                p[b * sl->block_bytes + o] = block_byte(i, b, o);
+            for (uint64_t w = 0; w < sl->block_bytes / 8; w++) {
+                uint64_t v = block_word(i, b, w);
+                memcpy(p + b * sl->block_bytes + w * 8, &v, 8);
+            }
     }
 }
 
@@ -142,8 +151,11 @@ static uint64_t check_blocks(const side_t *s, const uint64_t *src, const uint64_
         const kvb_kv_slot_t *sl = &s->slots[i];
         const uint8_t *p = (const uint8_t *)(uintptr_t)sl->base;
         for (size_t k = 0; k < n; k++)
-            for (uint64_t o = 0; o < sl->block_bytes; o++)
-                bad += p[dst[k] * sl->block_bytes + o] != block_byte(i, src[k], o);
+            for (uint64_t w = 0; w < sl->block_bytes / 8; w++) {
+                uint64_t v;
+                memcpy(&v, p + dst[k] * sl->block_bytes + w * 8, 8);
+                bad += v != block_word(i, src[k], w);
+            }
     }
     return bad;
 }
@@ -289,15 +301,26 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
         fprintf(stderr, "kvbridge bench: --tokens must be 1..1048576\n");
         return 2;
     }
-    /* The ceiling for this path, measured now on a working set as large as the pool: a raw
-     * socket stream over as many connections as the engine's lanes for TCP, the best copy with
-     * the copy path's threads otherwise. */
+    uint64_t n = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK, pool = n * POOL_FACTOR;
+    uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
+    uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
+    /* The ceiling for this path, measured now on the same working set - a buffer as large as
+     * the pool, moved in blocks of the KV block size: a raw socket stream over as many
+     * connections as the engine's lanes for TCP, the best copy with the copy path's threads
+     * otherwise. */
     kvb_ceiling_t c;
-    uint64_t ws = 256ull << 20;
-    double ceiling =
-        kvb_ceiling(strcmp(protocol, "tcp") ? "copy" : "tcp", ws, 1 << 20, 2, 0.5, 3, &c) ? -1
-                                                                                          : c.gbps;
-    uint64_t pool = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK + 64;
+    double ceiling = kvb_ceiling(strcmp(protocol, "tcp") ? "copy" : "tcp", ws, block_bytes(m), 2,
+                                 0.5, 3, &c)
+                         ? -1
+                         : c.gbps;
+    uint64_t llc = kvb_llc_bytes();
+    char cache[32] = "unknown (sysfs has none)";
+    if (llc)
+        snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));
+    printf("bench --kv: pool of %llu blocks per slot (%dx the prompt), %llu MiB per side; "
+           "last-level cache %s\n  ceiling: %s\n",
+           (unsigned long long)pool, POOL_FACTOR, (unsigned long long)(ws >> 20), cache,
+           ceiling > 0 ? c.method : "not measured");
     int name_pipe[2], life[2];
     if (pipe(name_pipe) || pipe(life))
         return 1;

@@ -100,6 +100,12 @@ typedef struct {
     uint8_t *dst;
     const uint8_t *src;
     size_t len;
+} copy_seg_t;
+
+/* A queued share of one kvb__shm_run: a run of copies taken by one thread under one lock. */
+typedef struct {
+    const copy_seg_t *segs;
+    size_t n;
     atomic_int *left;
 } copy_part_t;
 
@@ -245,34 +251,56 @@ static bool pool_take(kvb_shm_t *s)
     s->qhead = (s->qhead + 1) % s->qcap;
     s->qcount--;
     pthread_mutex_unlock(&s->pool_mu);
-    kvb__copy(p.dst, p.src, p.len);
+    for (size_t i = 0; i < p.n; i++)
+        kvb__copy(p.segs[i].dst, p.segs[i].src, p.segs[i].len);
     pthread_mutex_lock(&s->pool_mu);
     if (atomic_fetch_sub(p.left, 1) == 1)
         pthread_cond_broadcast(&s->done_cv);
     return true;
 }
 
-/* Queues a copy, cut into parts so that every thread gets a share of a large one. Caller holds
- * s->pool_mu; if the queue is full the caller's thread copies instead. */
-static void pool_put(kvb_shm_t *s, uint8_t *dst, const uint8_t *src, size_t len, atomic_int *left)
+/* Queues segs[0..n) as two parts per thread (the caller's included), cut at segment boundaries
+ * into shares of about equal bytes: a thread takes the pool lock once per share, not once per
+ * copy - with a KV cache's thousands of 16-64 KiB blocks, a lock per copy was a tenth of the
+ * copying threads' time. Caller holds s->pool_mu; if the queue is full the caller copies. */
+static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t total,
+                     atomic_int *left)
+{
+    /* Two shares per thread: one that wakes late finds the other's second share to take. */
+    uint64_t share = total / (2 * ((uint64_t)s->nthreads + 1)) + 1, acc = 0;
+    for (size_t first = 0, i = 0; i < n; i++) {
+        acc += segs[i].len;
+        if (acc < share && i + 1 < n)
+            continue;
+        copy_part_t part = {.segs = segs + first, .n = i + 1 - first, .left = left};
+        if (s->qcount == s->qcap) {
+            pthread_mutex_unlock(&s->pool_mu);
+            for (size_t k = 0; k < part.n; k++)
+                kvb__copy(part.segs[k].dst, part.segs[k].src, part.segs[k].len);
+            pthread_mutex_lock(&s->pool_mu);
+        } else {
+            s->queue[(s->qhead + s->qcount++) % s->qcap] = part;
+            atomic_fetch_add(left, 1);
+        }
+        first = i + 1;
+        acc = 0;
+    }
+}
+
+/* Appends the copy of `len` bytes as segments, a large one cut so that every thread gets a share
+ * of it. Returns the new count. */
+static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, uint8_t *dst,
+                       const uint8_t *src, size_t len)
 {
     size_t parts = len >= SPLIT_MIN ? len / SPLIT_PART_MIN : 1;
     if (parts > (size_t)s->nthreads + 1)
         parts = (size_t)s->nthreads + 1;
     size_t each = parts > 1 ? (len / parts + 63) & ~(size_t)63 : len;
-    for (size_t off = 0; off < len;) {
-        size_t n = len - off < each ? len - off : each;
-        if (s->qcount == s->qcap) {
-            pthread_mutex_unlock(&s->pool_mu);
-            kvb__copy(dst + off, src + off, n);
-            pthread_mutex_lock(&s->pool_mu);
-        } else {
-            s->queue[(s->qhead + s->qcount++) % s->qcap] =
-                (copy_part_t){.dst = dst + off, .src = src + off, .len = n, .left = left};
-            atomic_fetch_add(left, 1);
-        }
-        off += n;
-    }
+    for (size_t off = 0; off < len; off += each)
+        segs[n++] = (copy_seg_t){.dst = dst + off,
+                                 .src = src + off,
+                                 .len = len - off < each ? len - off : each};
+    return n;
 }
 
 /* The mapping of the initiator's [theirs, theirs+len), or NULL. Caller holds p->lock. */
@@ -308,20 +336,27 @@ void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n
 {
     atomic_int left;
     atomic_init(&left, 0);
+    size_t nsegs = 0;
+    uint64_t total = 0;
+    copy_seg_t *segs = calloc(n * ((size_t)s->nthreads + 1), sizeof *segs);
     /* Shared: an unshare waits until these copies are done with its mapping. */
     pthread_rwlock_rdlock(&p->lock);
-    pthread_mutex_lock(&s->pool_mu);
     for (size_t i = 0; i < n; i++) {
         kvb_shm_job_t *j = &jobs[i];
         if (j->status != KVB_OK)
             continue;
         uint8_t *at = resolve(p, j->theirs, j->len);
-        if (!at) {
+        uint8_t *dst = j->to_peer ? at : j->mine;
+        const uint8_t *src = j->to_peer ? j->mine : at;
+        if (!at)
             j->status = KVB_ERR_AGAIN; /* cross-memory attach, below, outside the pool lock */
-            continue;
-        }
-        pool_put(s, j->to_peer ? at : j->mine, j->to_peer ? j->mine : at, j->len, &left);
+        else if (segs)
+            nsegs = add_segs(s, segs, nsegs, dst, src, j->len), total += j->len;
+        else
+            kvb__copy(dst, src, j->len); /* no memory for the plan: copy here, alone */
     }
+    pthread_mutex_lock(&s->pool_mu);
+    pool_put(s, segs, nsegs, total, &left);
     pthread_cond_broadcast(&s->pool_cv);
     while (pool_take(s)) /* this thread copies too */
         ;
@@ -329,6 +364,7 @@ void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n
         pthread_cond_wait(&s->done_cv, &s->pool_mu);
     pthread_mutex_unlock(&s->pool_mu);
     pthread_rwlock_unlock(&p->lock);
+    free(segs);
     for (size_t i = 0; i < n; i++)
         if (jobs[i].status == KVB_ERR_AGAIN)
             jobs[i].status = p->cma_ok ? cma_copy(p->pid, jobs[i].to_peer, jobs[i].theirs,

@@ -126,6 +126,7 @@ struct tcp_conn {
     kvb_region_t *rx_pin;
     uint8_t *rx_stage; /* a WRITE to device memory lands here first */
     kvb_op_t *rx_op;   /* SINK_OP */
+    uint64_t rx_run;   /* ROLE_INIT: requests the answer run being read answers */
     /* Device memory through bounce buffers: copies queued during a read pass, waited for once at
      * its end (or before any answer that must follow them). ROLE_TARGET: requests answered then,
      * in order; ROLE_INIT: READ answers whose bytes go into local device memory. */
@@ -869,18 +870,30 @@ static void flush_jobs(tcp_conn_t *c)
     kvb_engine_t *e = c->th->tp->engine;
     if (c->shm_peer) /* else every job already carries its error */
         kvb__shm_run(e->shm, c->shm_peer, c->jobs, c->njobs);
-    for (size_t i = 0; i < c->njobs; i++) {
+    for (size_t i = 0; i < c->njobs; i++)
+        if (c->job_pin[i]) {
+            kvb__region_unpin(c->registry, c->job_pin[i]);
+            c->job_pin[i] = NULL;
+        }
+    /* Successes answer in runs: consecutive ids of one type (an initiator numbers its requests
+     * in order, so a batch's copies make one run); a failure answers alone. */
+    for (size_t i = 0, k; i < c->njobs; i = k) {
         const kvb_frame_hdr_t *h = &c->job_hdr[i];
         int st = c->jobs[i].status;
-        if (c->job_pin[i])
-            kvb__region_unpin(c->registry, c->job_pin[i]);
-        c->job_pin[i] = NULL;
+        uint64_t total = h->len;
+        for (k = i + 1; st == KVB_OK && k < c->njobs && c->jobs[k].status == KVB_OK &&
+                        c->job_hdr[k].type == h->type && c->job_hdr[k].id == h->id + (k - i);
+             k++)
+            total += c->job_hdr[k].len;
         kvb_frame_hdr_t r = {.type = h->type == KVB_FRAME_READ_REQ ? KVB_FRAME_READ_RESP
                                                                    : KVB_FRAME_WRITE_ACK,
-                             .flags = KVB_FRAME_F_SHM,
+                             .flags = KVB_FRAME_F_SHM | (st ? 0 : KVB_FRAME_F_RUN),
                              .status = st,
                              .id = h->id,
-                             .len = st ? 0 : h->len};
+                             .addr = st ? 0 : k - i,
+                             .len = total};
+        if (st)
+            r.len = 0;
         if (queue_frame(c, &r, NULL, NULL, NULL) != KVB_OK)
             conn_fail(c, KVB_ERR_NOMEM, "out of memory for an answer");
     }
@@ -972,6 +985,27 @@ static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     }
 }
 
+/* Initiator side: an answer run (KVB_FRAME_F_RUN) must name the next `addr` requests in flight
+ * exactly - their ids, all same-host requests of its type, their total length - checked before
+ * any of them ends. */
+static int check_run(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+{
+    int want = h->type == KVB_FRAME_READ_RESP ? KVB_OPK_READ : KVB_OPK_WRITE;
+    uint64_t total = 0, k = 0;
+    pthread_mutex_lock(&c->mu); /* submitters append behind the tail meanwhile */
+    for (kvb_op_t *op = c->inflight_head; op && k < h->addr; op = op->next, k++) {
+        if (op->wire_id != h->id + k || (int)op->kind != want || op->path != KVB_PATH_SHM)
+            break;
+        total += op->len;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (k != h->addr || total != h->len)
+        return KVB_ERR_PROTOCOL;
+    c->rx_run = h->addr;
+    c->rx_sink = SINK_DRAIN; /* nothing follows the header */
+    return KVB_OK;
+}
+
 /* Initiator side: a response header arrived; it must answer the oldest request in flight. */
 static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
@@ -986,6 +1020,8 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         c->rx_sink = SINK_BUF;
         return KVB_OK;
     }
+    if (h->flags & KVB_FRAME_F_RUN)
+        return check_run(c, h);
     pthread_mutex_lock(&c->mu);
     kvb_op_t *op = c->inflight_head; /* stays valid: only this thread retires in-flight ops */
     pthread_mutex_unlock(&c->mu);
@@ -1014,6 +1050,24 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         free(c->rx_dst);
         c->rx_dst = NULL;
         c->rx_sink = SINK_DRAIN;
+        return;
+    }
+    if (h->flags & KVB_FRAME_F_RUN) { /* checked whole by check_run */
+        pthread_mutex_lock(&c->mu);
+        kvb_op_t *first = c->inflight_head, *last = first;
+        for (uint64_t k = 1; k < c->rx_run; k++)
+            last = last->next;
+        c->inflight_head = last->next;
+        if (!c->inflight_head)
+            c->inflight_tail = NULL;
+        pthread_mutex_unlock(&c->mu);
+        last->next = NULL;
+        c->rx_run = 0;
+        for (kvb_op_t *op = first, *next; op; op = next) {
+            next = op->next;
+            op->next = NULL;
+            op_end(op, KVB_OK);
+        }
         return;
     }
     pthread_mutex_lock(&c->mu);

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the wire codecs (src/engine/wire.c), protocol version 2: header round trips and
+/* Tests for the wire codecs (src/engine/wire.c), protocol version 3: header round trips and
  * validation, hello, challenge and hello_ack round trips, the handshake MACs, ERROR status mapping,
  * every truncation, every limit and one over, and a seeded mutation fuzz.
  * Inputs are decoded from exact-size heap copies so that AddressSanitizer sees any over-read. */
@@ -389,8 +389,8 @@ Test(wire_hdr, layout_is_fixed_little_endian)
     kvb__wire_encode_hdr(&h, buf);
     const uint8_t magic[4] = {'K', 'V', 'B', '1'};
     cr_assert_arr_eq(buf, magic, 4);
-    cr_assert_eq(KVB_WIRE_VERSION, 2, "protocol version 2: mutual authentication");
-    cr_assert_eq(buf[4], 2);
+    cr_assert_eq(KVB_WIRE_VERSION, 3, "protocol version 3: mutual authentication, answer runs");
+    cr_assert_eq(buf[4], 3);
     cr_assert_eq(buf[5], KVB_FRAME_READ_RESP);
     cr_assert_eq(get16(buf + 6), 0);
     cr_assert_eq((int32_t)get32(buf + 8), -201);
@@ -458,16 +458,17 @@ Test(wire_hdr, bad_magic_rejected)
 
 Test(wire_hdr, wrong_version_is_a_version_error)
 {
-    /* Version 1 peers (no authentication) are refused outright, as is anything newer. */
+    /* Version 1 peers (no authentication) and version 2 ones (no answer runs) are refused
+     * outright, as is anything newer. */
     const uint8_t types[] = {KVB_FRAME_HELLO, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
                              KVB_FRAME_READ_REQ};
     for (size_t t = 0; t < sizeof types; t++) {
         kvb_frame_hdr_t h = mkhdr(types[t], 0, type_min(types[t]));
         uint8_t buf[KVB_WIRE_HDR_SIZE];
         kvb__wire_encode_hdr(&h, buf);
-        cr_assert_eq(buf[4], 2);
-        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 2", types[t]);
-        const uint8_t versions[] = {0, 1, 3, 4, 0x7F, 0x80, 0xFF};
+        cr_assert_eq(buf[4], 3);
+        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 3", types[t]);
+        const uint8_t versions[] = {0, 1, 2, 4, 0x7F, 0x80, 0xFF};
         for (size_t i = 0; i < sizeof versions; i++) {
             buf[4] = versions[i];
             cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "type %u version %u", types[t],
@@ -518,6 +519,45 @@ Test(wire_hdr, flags_set_rejected)
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "type %u without the flag", control[i]);
         h.flags = KVB_FRAME_F_SHM;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", control[i]);
+    }
+}
+
+/* An answer run: only a successful same-host answer, 1..KVB_WIRE_MAX_RUN requests, a total
+ * length the requests could have asked, and no payload. */
+Test(wire_hdr, answer_runs)
+{
+    const uint8_t resp[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK};
+    for (int i = 0; i < 2; i++) {
+        kvb_frame_hdr_t h = mkhdr(resp[i], 0, 128ull << 20), out;
+        h.flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN;
+        h.addr = 128;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "128 answers of 1 MiB");
+        cr_assert_eq(out.addr, 128);
+        cr_assert_eq(kvb__wire_payload_len(&out), 0, "a run carries no data");
+        h.addr = KVB_WIRE_MAX_RUN;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "at the limit");
+        h.addr = KVB_WIRE_MAX_RUN + 1;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "one over the limit");
+        h.addr = 0;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "a run of none");
+        h.addr = 2;
+        h.len = 2 * KVB_WIRE_MAX_DATA + 1;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "more than 2 requests can ask");
+        h.len = 2 * KVB_WIRE_MAX_DATA;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
+        h.status = KVB_ERR_REMOTE_NOT_REGISTERED;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "failures answer alone");
+        h.status = 0;
+        h.flags = KVB_FRAME_F_RUN;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "runs are same-host only");
+    }
+    const uint8_t other[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY,
+                             KVB_FRAME_HELLO_ACK};
+    for (size_t i = 0; i < sizeof other; i++) {
+        kvb_frame_hdr_t h = mkhdr(other[i], 0, 8), out;
+        h.flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN;
+        h.addr = 1;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", other[i]);
     }
 }
 
