@@ -80,6 +80,10 @@ typedef struct {
     double client_total_ms;     /* request sent -> answer complete */
     uint32_t events;            /* token events received (streams) */
     char error[KVB_PD_ERR_MAX]; /* the error message, when !ok */
+    /* When !ok, what kind of failure: the error's "reason" (an instance's admission refusal:
+     * "queue_full", "deadline", "too_large", ...), else "timeout", "no_response",
+     * "stream_error" (an error event), "stream_broken" (no [DONE]) or "" (see status). */
+    char reason[32];
 } kvb_pd_completion_t;
 
 /* POSTs `body` (a JSON text) to base_url + "/v1/completions" and collects the answer, parsing

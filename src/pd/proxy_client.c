@@ -63,6 +63,8 @@ static void read_stats(kvb_pd_completion_t *o, json_t *root)
 static void read_error(kvb_pd_completion_t *o, json_t *root, const char *raw)
 {
     json_t *msg = json_object_get(json_object_get(root, "error"), "message");
+    const char *why = json_string_value(json_object_get(json_object_get(root, "error"), "reason"));
+    kvb__pxy_fmt(o->reason, sizeof o->reason, "%s", why ? why : "");
     if (json_is_string(msg))
         kvb__pxy_fmt(o->error, sizeof o->error, "%s", json_string_value(msg));
     else
@@ -83,6 +85,8 @@ static bool on_event(const char *data, size_t len, void *user)
     json_t *root = json_loads(data, 0, NULL);
     if (!json_is_object(root) || json_object_get(root, "error")) {
         read_error(c->out, root, data);
+        if (!c->out->reason[0])
+            kvb__pxy_fmt(c->out->reason, sizeof c->out->reason, "stream_error");
         c->failed = true;
         json_decref(root);
         return true;
@@ -162,12 +166,19 @@ int kvb_pd_complete(const char *base_url, const char *body, uint32_t timeout_ms,
         rs.len = c.raw_len;
         c.raw = NULL;
     }
-    if (rc && !c.failed)
+    if (rc && !c.failed) {
         kvb__pxy_fmt(out->error, sizeof out->error, "%s", rs.error);
-    else if (rs.content_sse && rs.status == 200) {
+        kvb__pxy_fmt(out->reason, sizeof out->reason, "%s",
+                     rs.timed_out                         ? "timeout"
+                     : rs.status == 0                     ? "no_response"
+                     : rs.content_sse && rs.status == 200 ? "stream_broken"
+                                                          : "");
+    } else if (rs.content_sse && rs.status == 200) {
         out->ok = c.done && !c.failed;
-        if (!c.done && !c.failed)
+        if (!c.done && !c.failed) {
             kvb__pxy_fmt(out->error, sizeof out->error, "stream ended without [DONE]");
+            kvb__pxy_fmt(out->reason, sizeof out->reason, "stream_broken");
+        }
     } else if (!rc) {
         finish_whole(&c, &rs);
     }

@@ -12,13 +12,22 @@
 #include "pd/proxy.h"
 #include "tools/cli.h"
 
-#define CONC_MAX 1024u
+#define CONC_MAX  1024u
+#define KINDS_MAX 16u /* error kinds told apart; more are counted as "other" */
 
 typedef struct {
     const char *url;
+    const char *compare; /* a reference instance, or NULL */
     uint32_t conc, requests, prompt_len, max_tokens, timeout_ms;
     bool stream, json;
 } lg_opts_t;
+
+/* One kind of error ("HTTP 503 queue_full", "timeout", ...), its count and its first message. */
+typedef struct {
+    char name[64];
+    size_t n;
+    char first[KVB_PD_ERR_MAX];
+} lg_kind_t;
 
 typedef struct {
     const lg_opts_t *o;
@@ -27,20 +36,28 @@ typedef struct {
     double *ttft, *tpot; /* ms, one per successful request */
     size_t n_ok, n_err;
     uint64_t tokens;
-    char first_error[KVB_PD_ERR_MAX + 32];
+    lg_kind_t kinds[KINDS_MAX + 1]; /* the last: "other" */
+    size_t n_kinds;
+    size_t compared, differ, ref_err; /* --compare: answers compared, differing, reference failed */
+    char first_differ[256];
 } lg_t;
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvbridge loadgen --url URL --concurrency C --requests N --prompt-len L\n"
-               "                        --max-tokens M [--stream] [--json] [--timeout-ms T]\n\n"
+               "                        --max-tokens M [--stream] [--json] [--timeout-ms T]\n"
+               "                        [--compare REF_URL]\n\n"
                "C threads send N completions in all (prompt of L bytes, M tokens each, greedy).\n"
                "With --stream, TTFT and TPOT are measured here from the events; without it they\n"
-               "are the answers' kvbridge stats. --json adds one JSON object as the last line.\n");
+               "are the answers' kvbridge stats. Errors are counted by kind (HTTP status and the\n"
+               "instance's reason, timeout, no response, broken stream). --compare sends every\n"
+               "prompt to REF_URL too (a colocated instance, not timed) and counts the answers\n"
+               "whose tokens differ. --json adds one JSON object as the last line.\n"
+               "exit status: 0 no error and no difference, 1 otherwise, 2 bad command line\n");
 }
 
 /* Request i's prompt: L printable bytes, different per request so that nothing is cached. */
-static char *body_for(const lg_opts_t *o, uint32_t i)
+static char *body_for(const lg_opts_t *o, uint32_t i, bool stream)
 {
     char *p = malloc((size_t)o->prompt_len + 1);
     if (!p)
@@ -49,19 +66,77 @@ static char *body_for(const lg_opts_t *o, uint32_t i)
         p[k] = (char)('a' + (k * 31 + i * 7) % 26);
     p[o->prompt_len] = '\0';
     json_t *j = json_pack("{s:s, s:i, s:b, s:i}", "prompt", p, "max_tokens", (int)o->max_tokens,
-                          "stream", o->stream, "timeout_ms", (int)o->timeout_ms);
+                          "stream", stream, "timeout_ms", (int)o->timeout_ms);
     free(p);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
 }
 
+/* The kind of a failed completion: "HTTP <status>[ <reason>]", or the reason alone when no
+ * status came (timeout, no_response) or a 200 stream failed. */
+static void kind_of(const kvb_pd_completion_t *c, char *out, size_t cap)
+{
+    if (c->status == 0 || (c->status == 200 && c->reason[0]))
+        snprintf(out, cap, "%s", c->reason[0] ? c->reason : "no_response");
+    else
+        snprintf(out, cap, "HTTP %ld%s%s", c->status, c->reason[0] ? " " : "", c->reason);
+}
+
+/* Caller holds lg->mu. */
+static void count_error(lg_t *lg, const kvb_pd_completion_t *c)
+{
+    char name[64];
+    kind_of(c, name, sizeof name);
+    size_t i = 0;
+    while (i < lg->n_kinds && strcmp(lg->kinds[i].name, name))
+        i++;
+    if (i == lg->n_kinds) {
+        i = lg->n_kinds < KINDS_MAX ? lg->n_kinds++ : KINDS_MAX;
+        if (!lg->kinds[i].n)
+            snprintf(lg->kinds[i].name, sizeof lg->kinds[i].name, "%s",
+                     i == KINDS_MAX ? "other" : name);
+    }
+    if (!lg->kinds[i].n++)
+        snprintf(lg->kinds[i].first, sizeof lg->kinds[i].first, "%s", c->error);
+    lg->n_err++;
+}
+
+static bool same_answer(const kvb_pd_completion_t *a, const kvb_pd_completion_t *b)
+{
+    return a->n_tokens == b->n_tokens && a->n_tokens &&
+           !memcmp(a->tokens, b->tokens, a->n_tokens * sizeof *a->tokens) &&
+           !strcmp(a->text, b->text);
+}
+
+/* --compare: the reference's answer to the same prompt (not streamed, not timed). */
+static void compare(lg_t *lg, uint32_t i, const kvb_pd_completion_t *c)
+{
+    char *body = body_for(lg->o, i, false);
+    kvb_pd_completion_t ref;
+    if (body)
+        kvb_pd_complete(lg->o->compare, body, lg->o->timeout_ms, &ref);
+    else
+        memset(&ref, 0, sizeof ref);
+    free(body);
+    pthread_mutex_lock(&lg->mu);
+    if (!ref.ok) {
+        lg->ref_err++;
+    } else {
+        lg->compared++;
+        if (!same_answer(c, &ref) && !lg->differ++)
+            snprintf(lg->first_differ, sizeof lg->first_differ,
+                     "request %u: %zu tokens, reference %zu", i, c->n_tokens, ref.n_tokens);
+    }
+    pthread_mutex_unlock(&lg->mu);
+    kvb_pd_completion_free(&ref);
+}
+
 static void record(lg_t *lg, const kvb_pd_completion_t *c)
 {
     pthread_mutex_lock(&lg->mu);
     if (!c->ok) {
-        if (!lg->n_err++)
-            snprintf(lg->first_error, sizeof lg->first_error, "HTTP %ld: %s", c->status, c->error);
+        count_error(lg, c);
     } else {
         size_t n = c->n_tokens ? c->n_tokens : c->completion_tokens;
         double ttft = c->streamed ? c->client_ttft_ms : c->ttft_ms;
@@ -81,13 +156,18 @@ static void *worker(void *arg)
     lg_t *lg = arg;
     uint32_t i;
     while ((i = atomic_fetch_add(&lg->next, 1)) < lg->o->requests) {
-        char *body = body_for(lg->o, i);
+        char *body = body_for(lg->o, i, lg->o->stream);
         kvb_pd_completion_t c;
-        if (body)
+        if (body) {
             kvb_pd_complete(lg->o->url, body, lg->o->timeout_ms, &c);
-        else
+        } else {
             memset(&c, 0, sizeof c);
+            snprintf(c.error, sizeof c.error, "out of memory");
+            snprintf(c.reason, sizeof c.reason, "client_nomem");
+        }
         record(lg, &c);
+        if (c.ok && lg->o->compare)
+            compare(lg, i, &c);
         kvb_pd_completion_free(&c);
         free(body);
     }
@@ -109,6 +189,33 @@ static double pct(const double *v, size_t n, double p)
     return v[k ? k - 1 : 0];
 }
 
+/* The summary as one JSON line (jansson escapes the URLs and messages). */
+static void report_json(lg_t *lg, double secs, double t50, double t99, double p50, double p99,
+                        double tps)
+{
+    const lg_opts_t *o = lg->o;
+    json_t *kinds = json_object();
+    for (size_t i = 0; kinds && i <= KINDS_MAX; i++)
+        if (lg->kinds[i].n)
+            json_object_set_new(kinds, lg->kinds[i].name, json_integer((json_int_t)lg->kinds[i].n));
+    json_t *j = json_pack(
+        "{s:s,s:i,s:i,s:i,s:i,s:b,s:I,s:I,s:o*,s:f,s:f,s:f,s:f,s:f,s:f}", "url", o->url,
+        "concurrency", (int)o->conc, "requests", (int)o->requests, "prompt_len", (int)o->prompt_len,
+        "max_tokens", (int)o->max_tokens, "stream", o->stream, "ok", (json_int_t)lg->n_ok, "errors",
+        (json_int_t)lg->n_err, "errors_by_kind", kinds, "seconds", secs, "ttft_ms_p50", t50,
+        "ttft_ms_p99", t99, "tpot_ms_p50", p50, "tpot_ms_p99", p99, "tokens_per_s", tps);
+    if (j && o->compare) {
+        json_object_set_new(j, "compare", json_string(o->compare));
+        json_object_set_new(j, "compared", json_integer((json_int_t)lg->compared));
+        json_object_set_new(j, "differ", json_integer((json_int_t)lg->differ));
+        json_object_set_new(j, "reference_errors", json_integer((json_int_t)lg->ref_err));
+    }
+    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(6)) : NULL;
+    printf("%s\n", s ? s : "{\"error\":\"out of memory\"}");
+    free(s);
+    json_decref(j);
+}
+
 static void report(lg_t *lg, double secs)
 {
     qsort(lg->ttft, lg->n_ok, sizeof *lg->ttft, cmp_double);
@@ -122,16 +229,16 @@ static void report(lg_t *lg, double secs)
     printf("TTFT ms   p50 %8.2f   p99 %8.2f\n", t50, t99);
     printf("TPOT ms   p50 %8.3f   p99 %8.3f\n", p50, p99);
     printf("tokens/s  %.1f\n", tps);
-    if (lg->n_err)
-        printf("first error: %s\n", lg->first_error);
+    for (size_t i = 0; i <= KINDS_MAX; i++)
+        if (lg->kinds[i].n)
+            printf("errors    %zu x %s (first: %s)\n", lg->kinds[i].n, lg->kinds[i].name,
+                   lg->kinds[i].first);
+    if (lg->o->compare)
+        printf("compare   %zu compared with %s, %zu differ, %zu reference errors%s%s\n",
+               lg->compared, lg->o->compare, lg->differ, lg->ref_err, lg->differ ? "; first: " : "",
+               lg->differ ? lg->first_differ : "");
     if (lg->o->json)
-        printf("{\"url\":\"%s\",\"concurrency\":%u,\"requests\":%u,\"prompt_len\":%u,"
-               "\"max_tokens\":%u,\"stream\":%s,\"ok\":%zu,\"errors\":%zu,\"seconds\":%.3f,"
-               "\"ttft_ms_p50\":%.3f,\"ttft_ms_p99\":%.3f,\"tpot_ms_p50\":%.4f,"
-               "\"tpot_ms_p99\":%.4f,\"tokens_per_s\":%.1f}\n",
-               lg->o->url, lg->o->conc, lg->o->requests, lg->o->prompt_len, lg->o->max_tokens,
-               lg->o->stream ? "true" : "false", lg->n_ok, lg->n_err, secs, t50, t99, p50, p99,
-               tps);
+        report_json(lg, secs, t50, t99, p50, p99, tps);
     fflush(stdout);
 }
 
@@ -158,6 +265,8 @@ static int parse(lg_opts_t *o, int argc, char **argv)
         }
         if (!strcmp(a, "--url"))
             o->url = v, rc = v ? 0 : -1;
+        else if (!strcmp(a, "--compare"))
+            o->compare = v, rc = v ? 0 : -1;
         else if (!strcmp(a, "--concurrency"))
             rc = parse_num(a, v, 1, CONC_MAX, &o->conc);
         else if (!strcmp(a, "--requests"))
@@ -209,7 +318,7 @@ static int run(const lg_opts_t *o)
     pthread_mutex_destroy(&lg.mu);
     free(lg.ttft);
     free(lg.tpot);
-    return lg.n_err ? 1 : 0;
+    return lg.n_err || lg.differ || lg.ref_err ? 1 : 0;
 }
 
 int kvb_cmd_loadgen(int argc, char **argv)

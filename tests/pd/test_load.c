@@ -405,3 +405,111 @@ Test(load, too_large_fails_at_once)
     cr_expect_lt(kvb__now_ns() - t, 1000000000ull);
     kvb_pd_completion_free(&c);
 }
+
+/* ---- kvbridge loadgen ------------------------------------------------------------------------ */
+
+/* Runs `$KVB_BIN loadgen args...` and returns its exit status with its last output line parsed
+ * as JSON (--json) in *summary. */
+static int loadgen(const char *const *args, json_t **summary)
+{
+    const char *argv[32] = {bin(), "loadgen"};
+    int n = 2;
+    for (; args[n - 2] && n < 31; n++)
+        argv[n] = args[n - 2];
+    argv[n] = NULL;
+    int po[2];
+    cr_assert_eq(pipe(po), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        dup2(po[1], 1);
+        close(po[0]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(po[1]);
+    static char out[65536];
+    size_t len = 0;
+    ssize_t k;
+    while (len < sizeof out - 1 && (k = read(po[0], out + len, sizeof out - 1 - len)) > 0)
+        len += (size_t)k;
+    out[len] = '\0';
+    close(po[0]);
+    int st = -1;
+    waitpid(pid, &st, 0);
+    while (len && out[len - 1] == '\n')
+        out[--len] = '\0';
+    const char *last = strrchr(out, '\n');
+    *summary = json_loads(last ? last + 1 : out, 0, NULL);
+    cr_log_info("loadgen:\n%s", out);
+    cr_assert(*summary, "no JSON summary line in:\n%s", out);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The count of one error kind in a summary (logging every kind counted). */
+static json_int_t kind_count(json_t *summary, const char *kind)
+{
+    char *all = json_dumps(json_object_get(summary, "errors_by_kind"), JSON_COMPACT);
+    cr_log_info("errors by kind: %s", all ? all : "?");
+    free(all);
+    return json_integer_value(json_object_get(json_object_get(summary, "errors_by_kind"), kind));
+}
+
+/* Through the proxy, compared with a colocated instance: nothing differs, nothing fails. */
+Test(load, loadgen_compare_and_json)
+{
+    need_serve();
+    inst_t ref, pre, dec;
+    serve(&ref, "both", model_path, 1, "pull");
+    serve(&pre, "prefill", model_path, 2, "pull");
+    serve(&dec, "decode", model_path, 1, "pull");
+    proxy_up(pre.url, dec.url, KVB_PD_KV_PULL);
+    json_t *s = NULL;
+    int rc = loadgen((const char *const[]){"--url", px_url, "--compare", ref.url, "--json",
+                                           "--concurrency", "8", "--requests", "16", "--prompt-len",
+                                           "100", "--max-tokens", "4", "--stream", NULL},
+                     &s);
+    cr_expect_eq(rc, 0);
+    cr_expect_eq(num(s, "ok"), 16);
+    cr_expect_eq(num(s, "errors"), 0);
+    cr_expect_eq(num(s, "compared"), 16);
+    cr_expect_eq(num(s, "differ"), 0);
+    cr_expect_eq(json_object_size(json_object_get(s, "errors_by_kind")), 0);
+    json_decref(s);
+    /* Other weights (a preset's seed) as the reference: every answer differs, and the exit
+     * status says so. */
+    inst_t a, b;
+    serve_with(&a, "both", "tiny-gqa", 1, "pull", (const char *const[]){"--seed", "1", NULL});
+    serve_with(&b, "both", "tiny-gqa", 1, "pull", (const char *const[]){"--seed", "2", NULL});
+    rc = loadgen((const char *const[]){"--url", a.url, "--compare", b.url, "--json",
+                                       "--concurrency", "2", "--requests", "4", "--prompt-len",
+                                       "20", "--max-tokens", "8", NULL},
+                 &s);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(num(s, "errors"), 0);
+    cr_expect_eq(num(s, "differ"), 4, "differ %lld", (long long)num(s, "differ"));
+    json_decref(s);
+}
+
+/* Errors are counted by kind: here every prompt needs more blocks than the instance has. */
+Test(load, loadgen_errors_by_kind)
+{
+    need_serve();
+    inst_t in;
+    serve_with(&in, "both", model_path, 1, "pull", (const char *const[]){"--blocks", "4", NULL});
+    json_t *s = NULL;
+    int rc = loadgen((const char *const[]){"--url", in.url, "--json", "--concurrency", "2",
+                                           "--requests", "5", "--prompt-len", "100", NULL},
+                     &s);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(num(s, "errors"), 5);
+    cr_expect_eq(kind_count(s, "HTTP 400 too_large"), 5);
+    json_decref(s);
+    /* Nothing listens: no response. */
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u", (unsigned)free_port());
+    rc = loadgen((const char *const[]){"--url", url, "--json", "--requests", "3", NULL}, &s);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(kind_count(s, "no_response"), 3);
+    json_decref(s);
+}
