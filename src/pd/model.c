@@ -1,17 +1,22 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The forward pass: GQA or MLA attention over the paged cache of every TP rank, SwiGLU MLP, and
- * the lm_head. Ranks run one after the other in the calling thread; each reads only its own cache
- * and computes only its own query heads, and their per-head output contributions are summed in
- * global head order, which is what makes the logits bitwise independent of the TP size. */
+ * the lm_head. A TP-N pass runs its ranks in N threads at once (the caller is rank 0): each writes
+ * and reads only its own cache and computes only its own query heads, and their per-head output
+ * contributions are summed in global head order after a barrier, which is what makes the logits
+ * bitwise independent of the TP size. The MLP and lm_head are shared out among the threads by
+ * token or by output row: every value is still one dot product of the same inputs, so how the
+ * work is split changes no bit either. */
 #include "pd/internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/checked.h"
 
 #define INVAL KVB_ERR_INVALID_ARG
+#define CHUNK 64 /* tokens whose head contributions are held at once */
 
 /* One call's state and scratch buffers. */
 typedef struct {
@@ -25,8 +30,13 @@ typedef struct {
     size_t n;           /* new tokens */
     float *x, *xn;      /* [n][hidden]: residual stream, normed input */
     float *cosv, *sinv; /* [n][rope_dim / 2] */
-    float *q, *qlat, *kv, *scores, *hout, *vout, *sum, *ffn;
-    float *contrib; /* [n_heads][hidden]: each query head's share of the attention output */
+    /* Rank-private scratch (each rank thread has its own). */
+    float *q, *qlat, *kv, *scores, *hout, *vout, *sum, *ffn, *xt;
+    float *contrib; /* [chunk][n_heads][hidden]: each query head's share of the attention output */
+    size_t chunk;   /* tokens whose contributions are held at once */
+    /* Shared by the rank threads of one pass (all NULL/0 when tp is 1). */
+    pthread_barrier_t *bar;
+    float *mlp_xn, *mlp_ffn; /* row-split MLP (fewer tokens than ranks): the normed input, gate */
 } fwd_t;
 
 float kvb__pd_dot(const float *a, const float *b, size_t n)
@@ -123,40 +133,38 @@ static void softmax(float *s, size_t n)
 
 /* ---- Cache writes ---------------------------------------------------------------------------- */
 
-/* GQA: each rank computes and stores the K and V of the KV heads it holds. */
-static void write_gqa(fwd_t *f, uint32_t l)
+/* GQA: rank r computes and stores the K and V of the KV heads it holds. */
+static void write_gqa(fwd_t *f, uint32_t l, uint32_t r)
 {
     const kvb__pd_layer_t *w = &f->m->layers[l];
     uint32_t hd = f->c->head_dim, H = f->c->hidden;
-    for (uint32_t r = 0; r < f->tp; r++) {
-        const kvb_pd_cache_t *c = f->caches[r];
-        for (size_t t = 0; t < f->n; t++) {
-            uint32_t pos = f->pos0 + (uint32_t)t;
-            for (uint32_t j = 0; j < c->heads_held; j++) {
-                size_t g = (size_t)r * c->heads_held + j;
-                float *k = cache_row(f, c, 2 * (size_t)l, pos, j);
-                matvec(k, w->wk + g * hd * H, f->xn + t * H, hd, H);
-                rope(f, k, t);
-                matvec(cache_row(f, c, 2 * (size_t)l + 1, pos, j), w->wv + g * hd * H,
-                       f->xn + t * H, hd, H);
-            }
+    const kvb_pd_cache_t *c = f->caches[r];
+    for (size_t t = 0; t < f->n; t++) {
+        uint32_t pos = f->pos0 + (uint32_t)t;
+        for (uint32_t j = 0; j < c->heads_held; j++) {
+            size_t g = (size_t)r * c->heads_held + j;
+            float *k = cache_row(f, c, 2 * (size_t)l, pos, j);
+            matvec(k, w->wk + g * hd * H, f->xn + t * H, hd, H);
+            rope(f, k, t);
+            matvec(cache_row(f, c, 2 * (size_t)l + 1, pos, j), w->wv + g * hd * H, f->xn + t * H,
+                   hd, H);
         }
     }
 }
 
-/* MLA: the latent and the shared RoPE key, computed once and stored on every rank (replicated
- * compute in a real deployment gives the same bits). */
-static void write_mla(fwd_t *f, uint32_t l)
+/* MLA: the latent and the shared RoPE key of the tokens rank r takes (t = r mod tp), computed
+ * once and stored on every rank (replicated compute in a real deployment gives the same bits). */
+static void write_mla(fwd_t *f, uint32_t l, uint32_t r)
 {
     const kvb__pd_layer_t *w = &f->m->layers[l];
     uint32_t rank = f->c->kv_lora_rank, H = f->c->hidden;
     size_t row = rank + f->c->rope_dim;
-    for (size_t t = 0; t < f->n; t++) {
+    for (size_t t = r; t < f->n; t += f->tp) {
         matvec(f->kv, w->wkv_a, f->xn + t * H, row, H);
         kvb__pd_rmsnorm(f->kv, f->kv, w->kv_norm, rank, f->c->norm_eps);
         rope(f, f->kv + rank, t);
-        for (uint32_t r = 0; r < f->tp; r++)
-            memcpy(cache_row(f, f->caches[r], l, f->pos0 + (uint32_t)t, 0), f->kv,
+        for (uint32_t k = 0; k < f->tp; k++)
+            memcpy(cache_row(f, f->caches[k], l, f->pos0 + (uint32_t)t, 0), f->kv,
                    row * sizeof(float));
     }
 }
@@ -164,8 +172,8 @@ static void write_mla(fwd_t *f, uint32_t l)
 /* ---- Attention heads ------------------------------------------------------------------------- */
 
 /* Query head h of rank r (which holds KV head h / group) for new token t: its output through
- * h's columns of wo, into contrib[h]. */
-static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
+ * h's columns of wo, into `out` (hidden floats). */
+static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, float *out)
 {
     const kvb__pd_layer_t *w = &f->m->layers[l];
     const kvb_pd_cache_t *c = f->caches[r];
@@ -185,14 +193,13 @@ static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
         for (uint32_t d = 0; d < hd; d++)
             f->hout[d] += f->scores[p] * v[d];
     }
-    float *out = f->contrib + (size_t)h * H;
     for (uint32_t i = 0; i < H; i++)
         out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * hd + (size_t)h * hd, f->hout, hd);
 }
 
 /* MLA head h for new token t, in the absorbed form: the query is taken into latent space through
  * wk_b[h], the softmax-weighted latent out through wv_b[h]. */
-static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
+static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, float *out)
 {
     const kvb__pd_layer_t *w = &f->m->layers[l];
     const kvb_pd_cache_t *c = f->caches[r];
@@ -221,73 +228,131 @@ static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t)
             f->hout[k] += f->scores[p] * lat[k];
     }
     matvec(f->vout, w->wv_b + (size_t)h * vd * rank, f->hout, vd, rank);
-    float *out = f->contrib + (size_t)h * H;
     for (uint32_t i = 0; i < H; i++)
         out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * vd + (size_t)h * vd, f->vout, vd);
 }
 
-/* Attention of every new token: every rank computes its query heads, then the contributions are
- * summed in global head order (the TP-invariant "all-reduce") and added to the residual. */
-static void attention(fwd_t *f, uint32_t l)
+/* Waits for every rank thread of the pass (nothing to wait for at TP 1). */
+static void rank_sync(fwd_t *f)
+{
+    if (f->bar)
+        pthread_barrier_wait(f->bar);
+}
+
+/* Attention of every new token: rank r computes its query heads of a chunk of tokens; then, the
+ * chunk complete, each token's contributions are summed in global head order (the TP-invariant
+ * "all-reduce") and added to the residual, the tokens shared out among the ranks. */
+static void attention(fwd_t *f, uint32_t l, uint32_t r)
 {
     uint32_t H = f->c->hidden, nh = f->c->n_heads, per_rank = nh / f->tp;
-    for (size_t t = 0; t < f->n; t++) {
-        for (uint32_t r = 0; r < f->tp; r++)
+    for (size_t c0 = 0; c0 < f->n; c0 += f->chunk) {
+        size_t cn = f->n - c0 < f->chunk ? f->n - c0 : f->chunk;
+        for (size_t t = c0; t < c0 + cn; t++)
             for (uint32_t h = r * per_rank; h < (r + 1) * per_rank; h++) {
+                float *out = f->contrib + ((t - c0) * nh + h) * H;
                 if (f->c->attn == KVB_KV_ATTN_GQA)
-                    head_gqa(f, l, r, h, t);
+                    head_gqa(f, l, r, h, t, out);
                 else
-                    head_mla(f, l, r, h, t);
+                    head_mla(f, l, r, h, t, out);
             }
-        memcpy(f->sum, f->contrib, H * sizeof(float));
-        for (uint32_t h = 1; h < nh; h++)
+        rank_sync(f);
+        for (size_t t = c0 + r; t < c0 + cn; t += f->tp) {
+            const float *ct = f->contrib + (t - c0) * nh * H;
+            memcpy(f->sum, ct, H * sizeof(float));
+            for (uint32_t h = 1; h < nh; h++)
+                for (uint32_t i = 0; i < H; i++)
+                    f->sum[i] += ct[(size_t)h * H + i];
             for (uint32_t i = 0; i < H; i++)
-                f->sum[i] += f->contrib[(size_t)h * H + i];
-        for (uint32_t i = 0; i < H; i++)
-            f->x[t * H + i] += f->sum[i];
+                f->x[t * H + i] += f->sum[i];
+        }
+        rank_sync(f); /* contrib is reused by the next chunk */
     }
 }
 
-static void mlp(fwd_t *f, uint32_t l)
+/* The MLP of token t, whole, in rank-private scratch (xn and ffn are this rank's). */
+static void mlp_token(fwd_t *f, const kvb__pd_layer_t *w, size_t t)
+{
+    uint32_t H = f->c->hidden, F = f->c->ffn;
+    float *gate = f->ffn, *up = f->ffn + F, *x = f->x + t * H;
+    kvb__pd_rmsnorm(f->xt, x, w->ffn_norm, H, f->c->norm_eps);
+    matvec(gate, w->ffn_gate, f->xt, F, H);
+    matvec(up, w->ffn_up, f->xt, F, H);
+    for (uint32_t i = 0; i < F; i++)
+        gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    for (uint32_t i = 0; i < H; i++)
+        x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+}
+
+/* Rows [lo, hi) of `rows` for rank r of tp: an even share, the remainder to the first ranks. */
+static void share(uint32_t rows, uint32_t r, uint32_t tp, uint32_t *lo, uint32_t *hi)
+{
+    uint32_t base = rows / tp, extra = rows % tp;
+    *lo = r * base + (r < extra ? r : extra);
+    *hi = *lo + base + (r < extra);
+}
+
+/* The MLP of token t with its output rows shared out among the ranks (fewer tokens than ranks:
+ * a decode step). */
+static void mlp_rows(fwd_t *f, const kvb__pd_layer_t *w, size_t t, uint32_t r)
+{
+    uint32_t H = f->c->hidden, F = f->c->ffn, lo, hi;
+    float *x = f->x + t * H, *gate = f->mlp_ffn, *up = f->mlp_ffn + F;
+    if (r == 0)
+        kvb__pd_rmsnorm(f->mlp_xn, x, w->ffn_norm, H, f->c->norm_eps);
+    rank_sync(f);
+    share(F, r, f->tp, &lo, &hi);
+    matvec(gate + lo, w->ffn_gate + (size_t)lo * H, f->mlp_xn, hi - lo, H);
+    matvec(up + lo, w->ffn_up + (size_t)lo * H, f->mlp_xn, hi - lo, H);
+    for (uint32_t i = lo; i < hi; i++)
+        gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    rank_sync(f);
+    share(H, r, f->tp, &lo, &hi);
+    for (uint32_t i = lo; i < hi; i++)
+        x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+    rank_sync(f); /* x complete before the next token's norm */
+}
+
+static void mlp(fwd_t *f, uint32_t l, uint32_t r)
 {
     const kvb__pd_layer_t *w = &f->m->layers[l];
-    uint32_t H = f->c->hidden, F = f->c->ffn;
-    float *gate = f->ffn, *up = f->ffn + F;
-    for (size_t t = 0; t < f->n; t++) {
-        float *x = f->x + t * H;
-        kvb__pd_rmsnorm(f->xn, x, w->ffn_norm, H, f->c->norm_eps);
-        matvec(gate, w->ffn_gate, f->xn, F, H);
-        matvec(up, w->ffn_up, f->xn, F, H);
-        for (uint32_t i = 0; i < F; i++)
-            gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        for (uint32_t i = 0; i < H; i++)
-            x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+    if (f->n >= f->tp || !f->mlp_ffn) {
+        for (size_t t = r; t < f->n; t += f->tp)
+            mlp_token(f, w, t);
+    } else {
+        for (size_t t = 0; t < f->n; t++)
+            mlp_rows(f, w, t, r);
     }
 }
 
-static void run(fwd_t *f, const uint32_t *tokens, float *logits, const kvb_pd_hook_t *hook)
+/* Rank r's share of a pass; every rank runs it, rank 0 in the caller's thread. */
+static void run_rank(fwd_t *f, uint32_t r, float *logits, const kvb_pd_hook_t *hook)
 {
     uint32_t H = f->c->hidden;
-    rope_tables(f);
-    for (size_t t = 0; t < f->n; t++)
-        memcpy(f->x + t * H, f->m->tok_embd + (size_t)tokens[t] * H, H * sizeof(float));
     for (uint32_t l = 0; l < f->c->n_layers; l++) {
-        for (size_t t = 0; t < f->n; t++)
+        for (size_t t = r; t < f->n; t += f->tp)
             kvb__pd_rmsnorm(f->xn + t * H, f->x + t * H, f->m->layers[l].attn_norm, H,
                             f->c->norm_eps);
+        rank_sync(f);
         if (f->c->attn == KVB_KV_ATTN_GQA)
-            write_gqa(f, l);
+            write_gqa(f, l, r);
         else
-            write_mla(f, l);
-        if (hook && hook->on_layer_done)
+            write_mla(f, l, r);
+        rank_sync(f);
+        /* Every rank's cache holds the layer: the hook may send it while attention runs. */
+        if (r == 0 && hook && hook->on_layer_done)
             hook->on_layer_done(l, hook->user);
-        attention(f, l);
-        mlp(f, l);
+        attention(f, l, r);
+        mlp(f, l, r);
+        rank_sync(f);
     }
-    if (logits) {
+    if (!logits)
+        return;
+    uint32_t lo, hi;
+    if (r == 0)
         kvb__pd_rmsnorm(f->xn, f->x + (f->n - 1) * H, f->m->out_norm, H, f->c->norm_eps);
-        matvec(logits, f->m->lm_head, f->xn, f->c->vocab, H);
-    }
+    rank_sync(f);
+    share(f->c->vocab, r, f->tp, &lo, &hi);
+    matvec(logits + lo, f->m->lm_head + (size_t)lo * H, f->xn, hi - lo, H);
 }
 
 /* ---- Argument checks and scratch ------------------------------------------------------------- */
@@ -334,16 +399,6 @@ static int check_seq(const kvb_pd_model_t *m, const kvb_pd_cache_t *c0, const kv
     return KVB_OK;
 }
 
-static void scratch_free(fwd_t *f)
-{
-    float **bufs[] = {&f->x,      &f->xn,   &f->cosv, &f->sinv, &f->q,   &f->qlat,   &f->kv,
-                      &f->scores, &f->hout, &f->vout, &f->sum,  &f->ffn, &f->contrib};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
-        free(*bufs[i]);
-        *bufs[i] = NULL;
-    }
-}
-
 /* Allocates `count` floats (at least one) into *p; returns non-zero on overflow or no memory. */
 static int falloc(float **p, size_t a, size_t b)
 {
@@ -354,21 +409,139 @@ static int falloc(float **p, size_t a, size_t b)
     return *p == NULL;
 }
 
-static int scratch_alloc(fwd_t *f)
+static void bufs_free(float **const *bufs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(*bufs[i]);
+        *bufs[i] = NULL;
+    }
+}
+
+#define PRIVATE_BUFS(f)                                                                            \
+    {                                                                                              \
+        &(f)->q, &(f)->qlat, &(f)->kv, &(f)->scores, &(f)->hout, &(f)->vout, &(f)->sum, &(f)->ffn, \
+            &(f)->xt                                                                               \
+    }
+#define SHARED_BUFS(f)                                                                             \
+    {                                                                                              \
+        &(f)->x, &(f)->xn, &(f)->cosv, &(f)->sinv, &(f)->contrib, &(f)->mlp_xn, &(f)->mlp_ffn      \
+    }
+
+static void private_free(fwd_t *f)
+{
+    float **const bufs[] = PRIVATE_BUFS(f);
+    bufs_free(bufs, sizeof bufs / sizeof bufs[0]);
+}
+
+static void shared_free(fwd_t *f)
+{
+    float **const bufs[] = SHARED_BUFS(f);
+    bufs_free(bufs, sizeof bufs / sizeof bufs[0]);
+}
+
+/* What one rank needs for itself. */
+static int private_alloc(fwd_t *f)
 {
     const kvb_pd_config_t *c = f->c;
     size_t qd = c->attn == KVB_KV_ATTN_GQA ? c->head_dim : (size_t)c->nope_dim + c->rope_dim;
     size_t hd = c->attn == KVB_KV_ATTN_GQA ? c->head_dim : c->kv_lora_rank;
-    int bad = falloc(&f->x, f->n, c->hidden) | falloc(&f->xn, f->n, c->hidden) |
-              falloc(&f->cosv, f->n, rope_dim(c) / 2) | falloc(&f->sinv, f->n, rope_dim(c) / 2) |
-              falloc(&f->q, qd, 1) | falloc(&f->qlat, c->kv_lora_rank, 1) |
+    int bad = falloc(&f->q, qd, 1) | falloc(&f->qlat, c->kv_lora_rank, 1) |
               falloc(&f->kv, (size_t)c->kv_lora_rank + c->rope_dim, 1) |
               falloc(&f->scores, (size_t)f->pos0 + f->n, 1) | falloc(&f->hout, hd, 1) |
               falloc(&f->vout, c->v_head_dim, 1) | falloc(&f->sum, c->hidden, 1) |
-              falloc(&f->ffn, c->ffn, 2) | falloc(&f->contrib, c->n_heads, c->hidden);
+              falloc(&f->ffn, c->ffn, 2) | falloc(&f->xt, c->hidden, 1);
     if (bad)
-        scratch_free(f);
+        private_free(f);
     return bad;
+}
+
+/* What the ranks share: the residual stream, normed inputs, RoPE tables, head contributions. */
+static int shared_alloc(fwd_t *f)
+{
+    const kvb_pd_config_t *c = f->c;
+    f->chunk = f->n < CHUNK ? f->n : CHUNK;
+    int bad = falloc(&f->x, f->n, c->hidden) | falloc(&f->xn, f->n, c->hidden) |
+              falloc(&f->cosv, f->n, rope_dim(c) / 2) | falloc(&f->sinv, f->n, rope_dim(c) / 2) |
+              falloc(&f->contrib, f->chunk * c->n_heads, c->hidden) |
+              falloc(&f->mlp_xn, c->hidden, 1) | falloc(&f->mlp_ffn, c->ffn, 2);
+    if (bad)
+        shared_free(f);
+    return bad;
+}
+
+/* ---- Rank threads ---------------------------------------------------------------------------- */
+
+/* A pass's rank threads start together or not at all: each waits at the gate until every one was
+ * created (then they meet at the barrier) or one could not be (then they all leave). */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int state; /* 0 wait, 1 go, -1 leave */
+} gate_t;
+
+typedef struct {
+    fwd_t f; /* the rank's view: shared buffers, its own scratch */
+    uint32_t r;
+    gate_t *gate;
+    float *logits;
+} rank_job_t;
+
+static void *rank_main(void *arg)
+{
+    rank_job_t *j = arg;
+    pthread_mutex_lock(&j->gate->mu);
+    while (!j->gate->state)
+        pthread_cond_wait(&j->gate->cv, &j->gate->mu);
+    int go = j->gate->state > 0;
+    pthread_mutex_unlock(&j->gate->mu);
+    if (go)
+        run_rank(&j->f, j->r, j->logits, NULL);
+    return NULL;
+}
+
+static void gate_open(gate_t *g, int state)
+{
+    pthread_mutex_lock(&g->mu);
+    g->state = state;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Runs ranks 1..tp-1 in threads of their own and rank 0 here. */
+static int run_parallel(fwd_t *f, float *logits, const kvb_pd_hook_t *hook)
+{
+    uint32_t tp = f->tp, started = 0;
+    rank_job_t *jobs = calloc(tp, sizeof *jobs);
+    pthread_t *th = calloc(tp, sizeof *th);
+    pthread_barrier_t bar;
+    gate_t gate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int rc = jobs && th && !pthread_barrier_init(&bar, NULL, tp) ? KVB_OK : KVB_ERR_NOMEM;
+    f->bar = rc ? NULL : &bar;
+    for (uint32_t r = 1; !rc && r < tp; r++) {
+        jobs[r] = (rank_job_t){.f = *f, .r = r, .gate = &gate, .logits = logits};
+        float **const bufs[] = PRIVATE_BUFS(&jobs[r].f);
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            *bufs[i] = NULL;
+        if (private_alloc(&jobs[r].f))
+            rc = KVB_ERR_NOMEM;
+        else if (pthread_create(&th[r], NULL, rank_main, &jobs[r]))
+            rc = KVB_ERR_SYSTEM;
+        else
+            started = r;
+    }
+    gate_open(&gate, rc ? -1 : 1);
+    if (!rc)
+        run_rank(f, 0, logits, hook);
+    for (uint32_t r = 1; r <= started; r++)
+        pthread_join(th[r], NULL);
+    for (uint32_t r = 1; jobs && r < tp; r++)
+        private_free(&jobs[r].f);
+    if (f->bar)
+        pthread_barrier_destroy(&bar);
+    f->bar = NULL;
+    free(jobs);
+    free(th);
+    return rc;
 }
 
 int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, uint32_t tp,
@@ -389,10 +562,24 @@ int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, u
                .tpb = caches[0]->tpb,
                .pos0 = seq->len,
                .n = n_tokens};
-    if (scratch_alloc(&f))
+    if (shared_alloc(&f))
         return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
-    run(&f, tokens, logits, hook);
-    scratch_free(&f);
+    if (private_alloc(&f)) {
+        shared_free(&f);
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
+    }
+    uint32_t H = f.c->hidden;
+    rope_tables(&f);
+    for (size_t t = 0; t < f.n; t++)
+        memcpy(f.x + t * H, f.m->tok_embd + (size_t)tokens[t] * H, H * sizeof(float));
+    if (tp == 1)
+        run_rank(&f, 0, logits, hook);
+    else
+        rc = run_parallel(&f, logits, hook);
+    private_free(&f);
+    shared_free(&f);
+    if (rc)
+        return kvb__fail(r, cap, rc, "cannot start the rank threads of a TP-%u pass", tp);
     seq->len += (uint32_t)n_tokens;
     kvb__reason_clear(r, cap);
     return KVB_OK;

@@ -4,7 +4,7 @@
  * close to an independent naive implementation, the per-layer hook, and refused arguments. */
 #include "pd_fixture.h"
 
-#define MAXTOK 96
+#define MAXTOK 160
 
 TestSuite(model, .timeout = 60);
 
@@ -74,6 +74,20 @@ Test(model, tp_invariant_mini)
     kvb_pd_model_free(mg);
     kvb_pd_model_free(ma);
     kvb_pd_model_free(mh);
+}
+
+/* A TP-N pass runs its ranks in N threads: a prompt of more tokens than the head contributions
+ * held at once (64) is summed chunk by chunk, and a single-token step (fewer tokens than ranks)
+ * shares out the MLP's rows; both must stay bitwise what TP 1 computes. */
+Test(model, tp_threads_long_prompt_and_steps)
+{
+    const uint32_t tps[] = {1, 2, 4};
+    kvb_pd_config_t g = fx_mini(KVB_KV_ATTN_GQA), a = fx_mini(KVB_KV_ATTN_MLA);
+    kvb_pd_model_t *mg = fx_model_cfg(&g, 4), *ma = fx_model_cfg(&a, 5);
+    check_tp_invariant(mg, tps, 3, 16, 150, 3);
+    check_tp_invariant(ma, tps, 3, 16, 129, 3);
+    kvb_pd_model_free(mg);
+    kvb_pd_model_free(ma);
 }
 
 /* Decoding token by token must give bitwise the logits of one prefill over the whole sequence,
