@@ -9,7 +9,13 @@ OUT=${OUT:-bench/results}
 SWEEP_SECS=${SWEEP_SECS:-1}
 GOAL_SECS=${GOAL_SECS:-2}
 REPS=${REPS:-5}
-BUF=${BUF:-256M} # per side: larger than the last-level cache, as a KV pool is
+# Per side: larger than the last-level cache, as a KV pool is - 256 MiB, or 4x the cache where
+# sysfs tells its size and that is more (hosts with 300+ MiB of L3 exist).
+llc_kib=$(sed -n 's/^\([0-9]*\)K$/\1/p' /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null || true)
+if [ -n "${llc_kib:-}" ] && [ $((llc_kib * 4)) -gt $((256 * 1024)) ]; then
+    BUF=${BUF:-$(((llc_kib * 4 + 1023) / 1024))M}
+fi
+BUF=${BUF:-256M}
 LANES=2          # kvbridge bench's default, and the TCP ceiling's connection count
 mkdir -p "$OUT"
 
@@ -17,6 +23,8 @@ say() { if [ -t 2 ]; then printf '\r\033[K%s' "$*" >&2; else echo "$*" >&2; fi; 
 field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^,\"}]*\).*/\1/p" | tail -n 1; }
 # The median of the numbers on stdin.
 median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+# Three decimals: what the noise of a shared machine leaves meaningful.
+round() { awk '{if ($1 == "nan" || $1 == "") print "nan"; else printf "%.3f\n", $1}'; }
 run() { "$BIN" bench "$@" --json 2>/dev/null | tail -n 1; }
 kvb_gbps() { run --loopback --buffer-size "$BUF" "$@" | field gbps; }
 # A ceiling on the same working set: a raw TCP stream over $LANES connections, or the best copy
@@ -30,8 +38,8 @@ echo "protocol,operation,block_size,batch_size,threads,gbps,ceiling,ceiling_gbps
 declare -A ceil_tcp ceil_mem
 for b in "${blocks[@]}"; do
     say "ceilings for $b blocks"
-    ceil_tcp[$b]=$(ceiling tcp "$b" "$SWEEP_SECS")
-    ceil_mem[$b]=$(ceiling copy "$b" "$SWEEP_SECS")
+    ceil_tcp[$b]=$(ceiling tcp "$b" "$SWEEP_SECS" | round)
+    ceil_mem[$b]=$(ceiling copy "$b" "$SWEEP_SECS" | round)
 done
 k=0
 for proto in tcp shm; do
@@ -42,7 +50,7 @@ for proto in tcp shm; do
           k=$((k + 1))
           say "[$k/$total] $proto $op block $b batch $batch threads $t"
           g=$(kvb_gbps --protocol "$proto" --operation "$op" --block-size "$b" \
-                --batch-size "$batch" --threads "$t" --duration "$SWEEP_SECS")
+                --batch-size "$batch" --threads "$t" --duration "$SWEEP_SECS" | round)
           if [ "$proto" = tcp ]; then c=${ceil_tcp[$b]}; cn="raw socket"; else c=${ceil_mem[$b]}; cn="best copy"; fi
           r=$(awk -v g="$g" -v c="$c" 'BEGIN {printf "%.3f", (c > 0 ? g / c : 0)}')
           echo "$proto,$op,$b,$batch,$t,$g,$cn,$c,$r" >> "$OUT/sweep.csv"
@@ -63,9 +71,9 @@ goal_pair() { # name workload target kind(ratio|abs) ceiling-kind block -- kvbri
         [ "$kind" = ratio ] && cs+=("$(ceiling "$ck" "$cb" "$GOAL_SECS")")
     done
     local km cm r met
-    km=$(printf '%s\n' "${ks[@]}" | median)
+    km=$(printf '%s\n' "${ks[@]}" | median | round)
     if [ "$kind" = ratio ]; then
-        cm=$(printf '%s\n' "${cs[@]}" | median)
+        cm=$(printf '%s\n' "${cs[@]}" | median | round)
         r=$(awk -v k="$km" -v c="$cm" 'BEGIN {printf "%.3f", (c > 0 ? k / c : 0)}')
         met=$(awk -v r="$r" -v t="$target" 'BEGIN {print (r >= t ? "yes" : "no")}')
         echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$met" >> "$OUT/goals.csv"
@@ -90,9 +98,70 @@ if command -v iperf3 >/dev/null; then
     ip=$(iperf3 -c 127.0.0.1 -p "$port" -l 1M -P "$LANES" -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
          sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p')
     wait || true
-    ic=$(ceiling tcp 1M "$GOAL_SECS")
+    ic=$(ceiling tcp 1M "$GOAL_SECS" | round)
     echo "iperf3,iperf3 -l 1M -P $LANES (cross-check of the TCP ceiling),$(awk -v b="${ip:-0}" 'BEGIN {printf "%.3f", b / 8e9}') GB/s,$ic GB/s,,," >> "$OUT/goals.csv"
 fi
+
+# Across two network namespaces joined by a veth pair (where this runs as root and may make
+# them): a real interface with its own addresses instead of loopback. The ceiling there is
+# iperf3 with the same connection count, run between the same namespaces, interleaved.
+VETH_A=kvbb-a-$$ VETH_B=kvbb-b-$$ VETH_DIR=$(mktemp -d)
+veth_cleanup() { # the namespaces' processes, then the namespaces (their veth ends go with them)
+    for ns in "$VETH_A" "$VETH_B"; do
+        ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    done
+    sleep 0.3
+    for ns in "$VETH_A" "$VETH_B"; do ip netns del "$ns" 2>/dev/null || true; done
+    rm -rf "$VETH_DIR"
+}
+trap veth_cleanup EXIT
+veth_goals() {
+    command -v iperf3 >/dev/null && command -v ip >/dev/null || { echo "veth: skipped (no iperf3 or ip)" >&2; return 0; }
+    local a=$VETH_A b=$VETH_B va=kvbva$$ vb=kvbvb$$ dir=$VETH_DIR
+    ip netns add "$a" 2>/dev/null || { echo "veth: skipped (cannot create network namespaces)" >&2; return 0; }
+    ip netns add "$b" && ip link add "$va" type veth peer name "$vb" &&
+        ip link set "$va" netns "$a" && ip link set "$vb" netns "$b" &&
+        ip -n "$a" addr add 10.203.7.1/24 dev "$va" && ip -n "$b" addr add 10.203.7.2/24 dev "$vb" &&
+        ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up &&
+        ip -n "$a" link set lo up && ip -n "$b" link set lo up || { echo "veth: skipped (setup failed)" >&2; return 0; }
+    head -c 32 /dev/urandom > "$dir/secret"
+    ip netns exec "$a" "$BIN" bench --mode target --bind 10.203.7.1 --buffer-size "$BUF" \
+        --secret-file "$dir/secret" > "$dir/target.out" 2>&1 &
+    local seg=""
+    for _ in $(seq 100); do
+        seg=$(sed -n 's/^target ready: segment \([^,]*\),.*/\1/p' "$dir/target.out")
+        [ -n "$seg" ] && break
+        sleep 0.1
+    done
+    [ -n "$seg" ] || { echo "veth: skipped (the target did not start: $(cat "$dir/target.out"))" >&2; return 0; }
+    veth_pair() { # name workload target -- kvbridge args
+        local name=$1 work=$2 target=$3; shift 4
+        local ks=() cs=() km cm r
+        for i in $(seq "$REPS"); do
+            say "veth $name: run $i/$REPS"
+            ks+=("$(ip netns exec "$b" "$BIN" bench --mode initiator --segment "$seg" \
+                --secret-file "$dir/secret" --buffer-size "$BUF" --duration "$GOAL_SECS" "$@" \
+                --json 2>/dev/null | tail -n 1 | field gbps)")
+            local port=$((20000 + RANDOM % 20000))
+            ip netns exec "$a" iperf3 -s -1 -p "$port" -B 10.203.7.1 >/dev/null 2>&1 &
+            sleep 0.3
+            cs+=("$(ip netns exec "$b" iperf3 -c 10.203.7.1 -p "$port" -l 1M -P "$LANES" \
+                -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
+                sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p' |
+                awk '{printf "%.3f", $1 / 8e9}')")
+            wait "$!" 2>/dev/null || true
+        done
+        km=$(printf '%s\n' "${ks[@]}" | median | round)
+        cm=$(printf '%s\n' "${cs[@]}" | median | round)
+        r=$(awk -v k="$km" -v c="$cm" 'BEGIN {printf "%.3f", (c > 0 ? k / c : 0)}')
+        echo "$name,$work (veth; ceiling iperf3 -P $LANES),$km GB/s,$cm GB/s,$r,>= $target,$(awk -v r="$r" -v t="$target" 'BEGIN {print (r >= t ? "yes" : "no")}')" >> "$OUT/goals.csv"
+    }
+    veth_pair veth-tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 -- --protocol tcp --operation read --block-size 1M --batch-size 32
+    veth_pair veth-tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 -- --protocol tcp --operation write --block-size 1M --batch-size 32
+    veth_pair veth-tcp-64k "TCP 64 KiB blocks batch 128 READ" 0.85 -- --protocol tcp --operation read --block-size 64K --batch-size 128
+}
+veth_goals
+veth_cleanup
 
 say "latency"
 lat=$("$BIN" bench --loopback --latency --json 2>/dev/null | tail -n 1)
