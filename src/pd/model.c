@@ -24,7 +24,9 @@ typedef struct {
     const kvb_pd_config_t *c;
     kvb_pd_cache_t *const *caches;
     uint32_t tp;
-    const uint64_t *blocks; /* the sequence's block table */
+    const uint64_t *blocks;    /* the sequence's block table */
+    kvb_pd_seq_t *const *seqs; /* a batched step: token t is the next of seqs[t]; else NULL */
+    float *const *blogits;     /* a batched step: every token's logits */
     uint32_t tpb;
     uint32_t pos0;      /* position of the first new token */
     size_t n;           /* new tokens */
@@ -34,6 +36,7 @@ typedef struct {
     float *q, *qlat, *kv, *scores, *hout, *vout, *sum, *ffn, *xt;
     float *contrib; /* [chunk][n_heads][hidden]: each query head's share of the attention output */
     size_t chunk;   /* tokens whose contributions are held at once */
+    size_t max_len; /* the longest attention span of a new token */
     /* Shared by the rank threads of one pass (all NULL/0 when tp is 1). */
     pthread_barrier_t *bar;
     float *mlp_xn, *mlp_ffn; /* row-split MLP (fewer tokens than ranks): the normed input, gate */
@@ -81,6 +84,17 @@ static uint32_t rope_dim(const kvb_pd_config_t *c)
     return c->attn == KVB_KV_ATTN_GQA ? c->head_dim : c->rope_dim;
 }
 
+/* Token t's block table and position: its own sequence's in a batched step. */
+static const uint64_t *tok_blocks(const fwd_t *f, size_t t)
+{
+    return f->seqs ? f->seqs[t]->blocks : f->blocks;
+}
+
+static uint32_t tok_pos(const fwd_t *f, size_t t)
+{
+    return f->seqs ? f->seqs[t]->len : f->pos0 + (uint32_t)t;
+}
+
 /* cos and sin of every new position's angles, computed in double and rounded once. */
 static void rope_tables(fwd_t *f)
 {
@@ -88,7 +102,7 @@ static void rope_tables(fwd_t *f)
     for (size_t t = 0; t < f->n; t++)
         for (uint32_t i = 0; i < half; i++) {
             double inv = pow((double)f->c->rope_theta, -2.0 * i / d);
-            double a = (double)(f->pos0 + t) * inv;
+            double a = (double)tok_pos(f, t) * inv;
             f->cosv[t * half + i] = (float)cos(a);
             f->sinv[t * half + i] = (float)sin(a);
         }
@@ -108,11 +122,11 @@ static void rope(const fwd_t *f, float *v, size_t t)
 
 /* Where position p's row of `slot` (0..2*layers) starts in a rank's cache; for GQA, `head` is
  * the rank-local KV head (HND: heads outermost within the block). */
-static float *cache_row(const fwd_t *f, const kvb_pd_cache_t *c, size_t slot, uint32_t pos,
-                        uint32_t head)
+static float *cache_row(const fwd_t *f, const kvb_pd_cache_t *c, const uint64_t *blocks,
+                        size_t slot, uint32_t pos, uint32_t head)
 {
     float *base = (float *)(void *)(c->mem + slot * c->slot_bytes);
-    uint64_t block = f->blocks[pos / f->tpb];
+    uint64_t block = blocks[pos / f->tpb];
     size_t row = (size_t)head * f->tpb + pos % f->tpb;
     return base + (size_t)block * c->block_floats + row * c->token_floats;
 }
@@ -140,14 +154,15 @@ static void write_gqa(fwd_t *f, uint32_t l, uint32_t r)
     uint32_t hd = f->c->head_dim, H = f->c->hidden;
     const kvb_pd_cache_t *c = f->caches[r];
     for (size_t t = 0; t < f->n; t++) {
-        uint32_t pos = f->pos0 + (uint32_t)t;
+        uint32_t pos = tok_pos(f, t);
+        const uint64_t *bt = tok_blocks(f, t);
         for (uint32_t j = 0; j < c->heads_held; j++) {
             size_t g = (size_t)r * c->heads_held + j;
-            float *k = cache_row(f, c, 2 * (size_t)l, pos, j);
+            float *k = cache_row(f, c, bt, 2 * (size_t)l, pos, j);
             matvec(k, w->wk + g * hd * H, f->xn + t * H, hd, H);
             rope(f, k, t);
-            matvec(cache_row(f, c, 2 * (size_t)l + 1, pos, j), w->wv + g * hd * H, f->xn + t * H,
-                   hd, H);
+            matvec(cache_row(f, c, bt, 2 * (size_t)l + 1, pos, j), w->wv + g * hd * H,
+                   f->xn + t * H, hd, H);
         }
     }
 }
@@ -164,7 +179,7 @@ static void write_mla(fwd_t *f, uint32_t l, uint32_t r)
         kvb__pd_rmsnorm(f->kv, f->kv, w->kv_norm, rank, f->c->norm_eps);
         rope(f, f->kv + rank, t);
         for (uint32_t k = 0; k < f->tp; k++)
-            memcpy(cache_row(f, f->caches[k], l, f->pos0 + (uint32_t)t, 0), f->kv,
+            memcpy(cache_row(f, f->caches[k], tok_blocks(f, t), l, tok_pos(f, t), 0), f->kv,
                    row * sizeof(float));
     }
 }
@@ -179,17 +194,18 @@ static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
     const kvb_pd_cache_t *c = f->caches[r];
     uint32_t hd = f->c->head_dim, H = f->c->hidden, nh = f->c->n_heads;
     uint32_t j = h / (nh / f->c->n_kv_heads) - r * c->heads_held;
-    size_t len = f->pos0 + t + 1;
+    size_t len = (size_t)tok_pos(f, t) + 1;
+    const uint64_t *bt = tok_blocks(f, t);
     float scale = 1.0f / sqrtf((float)hd);
     matvec(f->q, w->wq + (size_t)h * hd * H, f->xn + t * H, hd, H);
     rope(f, f->q, t);
     for (size_t p = 0; p < len; p++)
         f->scores[p] =
-            kvb__pd_dot(f->q, cache_row(f, c, 2 * (size_t)l, (uint32_t)p, j), hd) * scale;
+            kvb__pd_dot(f->q, cache_row(f, c, bt, 2 * (size_t)l, (uint32_t)p, j), hd) * scale;
     softmax(f->scores, len);
     memset(f->hout, 0, hd * sizeof(float));
     for (size_t p = 0; p < len; p++) {
-        const float *v = cache_row(f, c, 2 * (size_t)l + 1, (uint32_t)p, j);
+        const float *v = cache_row(f, c, bt, 2 * (size_t)l + 1, (uint32_t)p, j);
         for (uint32_t d = 0; d < hd; d++)
             f->hout[d] += f->scores[p] * v[d];
     }
@@ -205,7 +221,8 @@ static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
     const kvb_pd_cache_t *c = f->caches[r];
     uint32_t nope = f->c->nope_dim, rd = f->c->rope_dim, rank = f->c->kv_lora_rank;
     uint32_t vd = f->c->v_head_dim, H = f->c->hidden, nh = f->c->n_heads;
-    size_t len = f->pos0 + t + 1;
+    size_t len = (size_t)tok_pos(f, t) + 1;
+    const uint64_t *bt = tok_blocks(f, t);
     float scale = 1.0f / sqrtf((float)(nope + rd));
     matvec(f->q, w->wq + (size_t)h * (nope + rd) * H, f->xn + t * H, nope + rd, H);
     rope(f, f->q + nope, t);
@@ -216,14 +233,14 @@ static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
             f->qlat[k] += f->q[i] * wk[k];
     }
     for (size_t p = 0; p < len; p++) {
-        const float *lat = cache_row(f, c, l, (uint32_t)p, 0);
+        const float *lat = cache_row(f, c, bt, l, (uint32_t)p, 0);
         f->scores[p] =
             (kvb__pd_dot(f->qlat, lat, rank) + kvb__pd_dot(f->q + nope, lat + rank, rd)) * scale;
     }
     softmax(f->scores, len);
     memset(f->hout, 0, rank * sizeof(float));
     for (size_t p = 0; p < len; p++) {
-        const float *lat = cache_row(f, c, l, (uint32_t)p, 0);
+        const float *lat = cache_row(f, c, bt, l, (uint32_t)p, 0);
         for (uint32_t k = 0; k < rank; k++)
             f->hout[k] += f->scores[p] * lat[k];
     }
@@ -324,6 +341,28 @@ static void mlp(fwd_t *f, uint32_t l, uint32_t r)
     }
 }
 
+/* A batched step's logits, every token's: whole tokens per rank when there are enough of them,
+ * else each token's rows shared out (the same dot products either way). */
+static void batch_logits(fwd_t *f, uint32_t r)
+{
+    uint32_t H = f->c->hidden, V = f->c->vocab, lo, hi;
+    if (f->n >= f->tp || !f->bar) {
+        for (size_t t = r; t < f->n; t += f->tp) {
+            kvb__pd_rmsnorm(f->xt, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
+            matvec(f->blogits[t], f->m->lm_head, f->xt, V, H);
+        }
+        return;
+    }
+    share(V, r, f->tp, &lo, &hi);
+    for (size_t t = 0; t < f->n; t++) {
+        if (r == 0)
+            kvb__pd_rmsnorm(f->mlp_xn, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
+        rank_sync(f);
+        matvec(f->blogits[t] + lo, f->m->lm_head + (size_t)lo * H, f->mlp_xn, hi - lo, H);
+        rank_sync(f); /* mlp_xn is the next token's */
+    }
+}
+
 /* Rank r's share of a pass; every rank runs it, rank 0 in the caller's thread. */
 static void run_rank(fwd_t *f, uint32_t r, float *logits, const kvb_pd_hook_t *hook)
 {
@@ -344,6 +383,10 @@ static void run_rank(fwd_t *f, uint32_t r, float *logits, const kvb_pd_hook_t *h
         attention(f, l, r);
         mlp(f, l, r);
         rank_sync(f);
+    }
+    if (f->blogits) {
+        batch_logits(f, r);
+        return;
     }
     if (!logits)
         return;
@@ -447,7 +490,7 @@ static int private_alloc(fwd_t *f)
     size_t hd = c->attn == KVB_KV_ATTN_GQA ? c->head_dim : c->kv_lora_rank;
     int bad = falloc(&f->q, qd, 1) | falloc(&f->qlat, c->kv_lora_rank, 1) |
               falloc(&f->kv, (size_t)c->kv_lora_rank + c->rope_dim, 1) |
-              falloc(&f->scores, (size_t)f->pos0 + f->n, 1) | falloc(&f->hout, hd, 1) |
+              falloc(&f->scores, f->max_len, 1) | falloc(&f->hout, hd, 1) |
               falloc(&f->vout, c->v_head_dim, 1) | falloc(&f->sum, c->hidden, 1) |
               falloc(&f->ffn, c->ffn, 2) | falloc(&f->xt, c->hidden, 1);
     if (bad)
@@ -544,6 +587,32 @@ static int run_parallel(fwd_t *f, float *logits, const kvb_pd_hook_t *hook)
     return rc;
 }
 
+/* Runs a prepared pass (f's inputs set) over `tokens`: scratch, embeddings, the ranks. */
+static int forward(fwd_t *f, const uint32_t *tokens, float *logits, const kvb_pd_hook_t *hook,
+                   char *r, size_t cap)
+{
+    if (shared_alloc(f))
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", f->n);
+    if (private_alloc(f)) {
+        shared_free(f);
+        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", f->n);
+    }
+    uint32_t H = f->c->hidden;
+    int rc = KVB_OK;
+    rope_tables(f);
+    for (size_t t = 0; t < f->n; t++)
+        memcpy(f->x + t * H, f->m->tok_embd + (size_t)tokens[t] * H, H * sizeof(float));
+    if (f->tp == 1)
+        run_rank(f, 0, logits, hook);
+    else
+        rc = run_parallel(f, logits, hook);
+    private_free(f);
+    shared_free(f);
+    if (rc)
+        return kvb__fail(r, cap, rc, "cannot start the rank threads of a TP-%u pass", f->tp);
+    return KVB_OK;
+}
+
 int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, uint32_t tp,
                    kvb_pd_seq_t *seq, const uint32_t *tokens, size_t n_tokens, float *logits,
                    const kvb_pd_hook_t *hook, char *r, size_t cap)
@@ -561,26 +630,50 @@ int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, u
                .blocks = seq->blocks,
                .tpb = caches[0]->tpb,
                .pos0 = seq->len,
-               .n = n_tokens};
-    if (shared_alloc(&f))
-        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
-    if (private_alloc(&f)) {
-        shared_free(&f);
-        return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory for %zu tokens", n_tokens);
-    }
-    uint32_t H = f.c->hidden;
-    rope_tables(&f);
-    for (size_t t = 0; t < f.n; t++)
-        memcpy(f.x + t * H, f.m->tok_embd + (size_t)tokens[t] * H, H * sizeof(float));
-    if (tp == 1)
-        run_rank(&f, 0, logits, hook);
-    else
-        rc = run_parallel(&f, logits, hook);
-    private_free(&f);
-    shared_free(&f);
-    if (rc)
-        return kvb__fail(r, cap, rc, "cannot start the rank threads of a TP-%u pass", tp);
+               .n = n_tokens,
+               .max_len = (size_t)seq->len + n_tokens};
+    if ((rc = forward(&f, tokens, logits, hook, r, cap)))
+        return rc;
     seq->len += (uint32_t)n_tokens;
+    kvb__reason_clear(r, cap);
+    return KVB_OK;
+}
+
+int kvb_pd_forward_batch(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, uint32_t tp,
+                         kvb_pd_seq_t *const *seqs, const uint32_t *tokens, size_t n,
+                         float *const *logits, char *r, size_t cap)
+{
+    int rc;
+    if (!model)
+        return kvb__fail(r, cap, INVAL, "model is NULL");
+    if (!seqs || !logits || n == 0)
+        return kvb__fail(r, cap, INVAL, "no sequences");
+    if ((rc = check_ranks(model, caches, tp, r, cap)))
+        return rc;
+    size_t max_len = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!logits[i])
+            return kvb__fail(r, cap, INVAL, "no logits buffer for sequence %zu", i);
+        if ((rc = check_seq(model, caches[0], seqs[i], &tokens[i], 1, r, cap)))
+            return rc;
+        for (size_t k = 0; k < i; k++)
+            if (seqs[k] == seqs[i])
+                return kvb__fail(r, cap, INVAL, "sequence %zu is also sequence %zu", i, k);
+        max_len = seqs[i]->len + 1 > max_len ? seqs[i]->len + 1 : max_len;
+    }
+    fwd_t f = {.m = model,
+               .c = &model->cfg,
+               .caches = caches,
+               .tp = tp,
+               .seqs = seqs,
+               .blogits = logits,
+               .tpb = caches[0]->tpb,
+               .n = n,
+               .max_len = max_len};
+    if ((rc = forward(&f, tokens, NULL, NULL, r, cap)))
+        return rc;
+    for (size_t i = 0; i < n; i++)
+        seqs[i]->len++;
     kvb__reason_clear(r, cap);
     return KVB_OK;
 }

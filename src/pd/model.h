@@ -312,6 +312,15 @@ int kvb_pd_forward(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, u
                    kvb_pd_seq_t *seq, const uint32_t *tokens, size_t n_tokens, float *logits,
                    const kvb_pd_hook_t *hook, char *reason, size_t reason_cap);
 
+/* One decode step of n sequences as one pass (continuous batching): tokens[i] at position
+ * seqs[i]->len of sequence i, whose table must cover it; the vocab logits of each into
+ * logits[i]; every seq->len advanced. Each sequence's logits and cache writes are bitwise what
+ * kvb_pd_forward() of that token alone gives. The sequences must be distinct and use disjoint
+ * blocks. Returns as kvb_pd_forward() does; nothing is written on error. */
+int kvb_pd_forward_batch(const kvb_pd_model_t *model, kvb_pd_cache_t *const *caches, uint32_t tp,
+                         kvb_pd_seq_t *const *seqs, const uint32_t *tokens, size_t n,
+                         float *const *logits, char *reason, size_t reason_cap);
+
 /* ---- Tokenizer and sampler --------------------------------------------------------------------
  */
 

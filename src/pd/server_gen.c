@@ -218,15 +218,109 @@ static void gen_fail(kvb__pd_gen_t *g, unsigned status, const char *msg, const c
     snprintf(g->err, sizeof g->err, "%s after %zu tokens: %s", msg, g->n_out, detail);
 }
 
-/* The next token's logits: the prompt on a colocated instance's first step, else the last token. */
+/* ---- continuous batching ------------------------------------------------------------------- */
+
+#define BATCH_MAX 64u /* decode steps in one pass; the rest wait for the next */
+
+/* One generation's decode step waiting for a batched pass (on its thread's stack). */
+typedef struct kvb__pd_step {
+    struct kvb__pd_step *next;
+    kvb_pd_seq_t *seq;
+    uint32_t tok;
+    float *logits;
+    bool done;
+    int rc;
+    char why[KVB_PD_REASON_MAX];
+} step_t;
+
+/* Runs steps[0..n) as one pass; when the pass refuses them, each on its own (so that one bad
+ * sequence fails alone). */
+static void run_batch(kvb_pd_server_t *srv, step_t **steps, size_t n)
+{
+    kvb_pd_seq_t *seqs[BATCH_MAX];
+    uint32_t toks[BATCH_MAX];
+    float *logits[BATCH_MAX];
+    for (size_t i = 0; i < n; i++) {
+        seqs[i] = steps[i]->seq;
+        toks[i] = steps[i]->tok;
+        logits[i] = steps[i]->logits;
+    }
+    char why[KVB_PD_REASON_MAX] = "";
+    pthread_mutex_lock(&srv->fwd_mu);
+    int rc = kvb_pd_forward_batch(srv->model, srv->caches, srv->tp, seqs, toks, n, logits, why,
+                                  sizeof why);
+    for (size_t i = 0; rc && i < n; i++)
+        steps[i]->rc = kvb_pd_forward(srv->model, srv->caches, srv->tp, seqs[i], &toks[i], 1,
+                                      logits[i], NULL, steps[i]->why, sizeof steps[i]->why);
+    pthread_mutex_unlock(&srv->fwd_mu);
+}
+
+/* Advances `seq` by `tok` and writes the next logits, batched with every other generation's step
+ * that waits at the same time (continuous batching: generations join and leave between passes).
+ * No thread of its own: whichever waiting thread finds no pass running runs the next one for all
+ * that wait, FIFO, then wakes them. */
+static int batched_step(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint32_t tok, float *logits,
+                        char *why, size_t cap)
+{
+    step_t me = {.seq = seq, .tok = tok, .logits = logits};
+    pthread_mutex_lock(&srv->bat_mu);
+    if (srv->bat_tail)
+        srv->bat_tail->next = &me;
+    else
+        srv->bat_head = &me;
+    srv->bat_tail = &me;
+    while (!me.done) {
+        if (srv->bat_running) {
+            pthread_cond_wait(&srv->bat_cv, &srv->bat_mu);
+            continue;
+        }
+        step_t *steps[BATCH_MAX];
+        size_t n = 0;
+        while (srv->bat_head && n < BATCH_MAX) {
+            steps[n++] = srv->bat_head;
+            srv->bat_head = srv->bat_head->next;
+        }
+        if (!srv->bat_head)
+            srv->bat_tail = NULL;
+        srv->bat_running = true;
+        srv->m_batches++;
+        srv->m_batch_tokens += n;
+        srv->m_batch_max = n > srv->m_batch_max ? n : srv->m_batch_max;
+        pthread_mutex_unlock(&srv->bat_mu);
+        run_batch(srv, steps, n);
+        pthread_mutex_lock(&srv->bat_mu);
+        for (size_t i = 0; i < n; i++)
+            steps[i]->done = true; /* `me` may be among those not taken (over BATCH_MAX) */
+        srv->bat_running = false;
+        pthread_cond_broadcast(&srv->bat_cv);
+    }
+    pthread_mutex_unlock(&srv->bat_mu);
+    if (me.rc)
+        snprintf(why, cap, "%s", me.why);
+    return me.rc;
+}
+
+json_t *kvb__pd_batch_health(kvb_pd_server_t *srv)
+{
+    pthread_mutex_lock(&srv->bat_mu);
+    json_t *o =
+        json_pack("{s:I,s:I,s:I,s:f}", "passes", (json_int_t)srv->m_batches, "steps",
+                  (json_int_t)srv->m_batch_tokens, "max", (json_int_t)srv->m_batch_max, "mean",
+                  srv->m_batches ? (double)srv->m_batch_tokens / srv->m_batches : 0.0);
+    pthread_mutex_unlock(&srv->bat_mu);
+    return o;
+}
+
+/* The next token's logits: the prompt on a colocated instance's first step (a pass of its own),
+ * else the last token, in a batched pass with the other generations' steps. */
 static int gen_forward(kvb__pd_gen_t *g, char *why, size_t cap)
 {
     kvb_pd_server_t *srv = g->srv;
-    const uint32_t *in = g->n_out ? &g->out[g->n_out - 1] : g->prompt;
-    size_t n = g->n_out ? 1 : g->n_prompt;
+    if (g->n_out)
+        return batched_step(srv, &g->seq, g->out[g->n_out - 1], g->logits, why, cap);
     pthread_mutex_lock(&srv->fwd_mu);
-    int rc =
-        kvb_pd_forward(srv->model, srv->caches, srv->tp, &g->seq, in, n, g->logits, NULL, why, cap);
+    int rc = kvb_pd_forward(srv->model, srv->caches, srv->tp, &g->seq, g->prompt, g->n_prompt,
+                            g->logits, NULL, why, cap);
     pthread_mutex_unlock(&srv->fwd_mu);
     return rc;
 }

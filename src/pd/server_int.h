@@ -117,6 +117,13 @@ struct kvb_pd_server {
     uint64_t m_admitted, m_waited, m_rej_full, m_rej_deadline; /* m_waited: had to queue */
     kvb__pd_hist_t m_wait;
 
+    /* Continuous batching (server_gen.c): decode steps waiting for the next batched pass. */
+    pthread_mutex_t bat_mu;
+    pthread_cond_t bat_cv;
+    struct kvb__pd_step *bat_head, *bat_tail;
+    bool bat_running;
+    uint64_t m_batches, m_batch_tokens, m_batch_max; /* under bat_mu */
+
     uint64_t m_requests, m_failures, m_kv_bytes;
     double m_kv_seconds;
     kvb__pd_hist_t m_ttft, m_tpot;
@@ -238,6 +245,9 @@ void kvb__pd_gen_set_kv(kvb__pd_gen_t *g, uint64_t bytes, double seconds);
 /* Answers: the whole completion as JSON, or an SSE stream. Frees `g` (now or when the stream
  * ends) and drops the request's entry. */
 enum MHD_Result kvb__pd_gen_respond(kvb__pd_gen_t *g, struct MHD_Connection *conn);
+
+/* The /health "batching" object: passes, tokens, largest batch. */
+json_t *kvb__pd_batch_health(kvb_pd_server_t *srv);
 
 /* POST /v1/completions on a colocated instance. */
 enum MHD_Result kvb__pd_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn,

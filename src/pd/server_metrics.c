@@ -175,6 +175,7 @@ enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn
     kvb__pd_ents_count(srv, n);
     if (o) {
         json_object_set_new(o, "queue", kvb__pd_admit_health(srv));
+        json_object_set_new(o, "batching", kvb__pd_batch_health(srv));
         json_object_set_new(o, "active", json_integer((json_int_t)n[KVB_PD_ENT_ACTIVE]));
         json_object_set_new(o, "leases", json_integer((json_int_t)n[KVB_PD_ENT_LEASE]));
         json_object_set_new(o, "reservations", json_integer((json_int_t)n[KVB_PD_ENT_RESERVED]));

@@ -208,6 +208,15 @@ static void expect_idle(const inst_t *in, const char *what)
     json_decref(h);
 }
 
+/* The largest batched decode pass the instance ran. */
+static json_int_t batch_max(const inst_t *in)
+{
+    json_t *h = health(in);
+    json_int_t n = num(json_object_get(h, "batching"), "max");
+    json_decref(h);
+    return n;
+}
+
 static json_int_t waited(const inst_t *in)
 {
     json_t *h = health(in);
@@ -241,9 +250,11 @@ static void load(const char *mode)
         pthread_join(th[i], NULL);
     double secs = (double)(kvb__now_ns() - t0) / 1e9;
     cr_log_info("%s: %d requests from %d clients in %.2f s; %u errors, %u differ; waited: "
-                "prefill %lld, decode %lld",
+                "prefill %lld, decode %lld; largest decode batch: decode %lld, colocated %lld",
                 mode, N_REQ, CLIENTS, secs, l.errors, l.differ, (long long)waited(&pre),
-                (long long)waited(&dec));
+                (long long)waited(&dec), (long long)batch_max(&dec), (long long)batch_max(&ref));
+    /* 32 clients on one colocated instance: their decode steps share passes. */
+    cr_expect_gt(batch_max(&ref), 1, "%s: no decode step was ever batched", mode);
     cr_expect_eq(l.errors, 0, "%s: %u errors; first: %s", mode, l.errors, l.first);
     cr_expect_eq(l.differ, 0, "%s: %u answers differ from the colocated; first: %s", mode, l.differ,
                  l.first);
