@@ -4,16 +4,19 @@
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECS  ?= 60
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 WERROR     ?= ON
 
 BUILD_PKGS := gcc make cmake pkg-config libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev \
               libhiredis-dev libssl-dev libfabric-dev
-TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server python3-pytest python3-numpy
+TEST_PKGS  := $(BUILD_PKGS) libcriterion-dev redis-server etcd-server python3-pytest python3-numpy \
+              clang
 DEMO_PKGS  := $(BUILD_PKGS)
 
 .PHONY: all build deps-build deps-test deps-bench test test-asan test-tsan test-gpu demo bench clean format \
-        python
+        python fuzz fuzz-seeds
 
 all: build
 
@@ -37,6 +40,23 @@ test: deps-test build
 	@$(BUILD)/gpu_engine --probe || true
 	$(MAKE) test-asan
 	$(MAKE) test-tsan
+	$(MAKE) fuzz FUZZ_SECS=3
+
+# Coverage-guided fuzzing (tests/fuzz/): each libFuzzer harness runs FUZZ_SECS seconds (make
+# test: 3, as a smoke test) from its seed corpus in the repository, built with clang, ASan and
+# UBSan in $(FUZZ_BUILD). A finding fails and leaves its input in $(FUZZ_BUILD)/fuzz-artifacts/.
+fuzz: deps-test
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DKVB_TESTS=OFF \
+	      -DKVB_FUZZ=ON -DKVB_FUZZ_SECS=$(FUZZ_SECS) -DKVB_WERROR=$(WERROR) >/dev/null
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	cd $(FUZZ_BUILD) && ctest --output-on-failure -j $(JOBS) -L fuzz
+
+# Rewrites the seed corpora from the encoders (after a format change; commit what changed).
+fuzz-seeds: fuzz
+	$(FUZZ_BUILD)/make_seeds tests/fuzz/corpus
+	$(BUILD)/kvbridge model init --preset tiny-gqa --out $(FUZZ_BUILD)/tiny.kvbw >/dev/null || \
+	    { $(MAKE) build && $(BUILD)/kvbridge model init --preset tiny-gqa --out $(FUZZ_BUILD)/tiny.kvbw; }
+	head -c 4096 $(FUZZ_BUILD)/tiny.kvbw > tests/fuzz/corpus/weights/tiny-gqa-head
 
 # The GPU tests (tests/gpu/) on a machine with a CUDA GPU. KVB_PREBUILT=1 runs a build tree made
 # on another machine (a GPU machine without the build dependencies) instead of building here.
@@ -81,7 +101,7 @@ python: deps-build build
 	cd / && $(PYTHON) -c "import kvbridge; print('kvbridge', kvbridge.__version__, 'on', kvbridge.library_path())"
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h')

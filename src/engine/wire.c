@@ -100,8 +100,7 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     if (h.flags & KVB_FRAME_F_RUN) {
         if (!(h.flags & KVB_FRAME_F_SHM) || h.status != 0 ||
             (h.type != KVB_FRAME_READ_RESP && h.type != KVB_FRAME_WRITE_ACK))
-            return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run on frame type %llu",
-                        h.type);
+            return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run on frame type %llu", h.type);
         if (h.addr == 0 || h.addr > KVB_WIRE_MAX_RUN || h.len > h.addr * KVB_WIRE_MAX_DATA)
             return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run of %llu requests",
                         (unsigned long long)h.addr);
@@ -384,7 +383,7 @@ int kvb__wire_hello_ack_decode(const uint8_t *in, size_t len, kvb_hello_t *hello
     kvb_region_desc_t *r = count ? calloc(1, count * sizeof *r + keys_room) : NULL;
     if (count && !r)
         return KVB_ERR_NOMEM;
-    uint8_t *kp = (uint8_t *)(r + count);
+    uint8_t *kp = r ? (uint8_t *)(r + count) : NULL; /* no arithmetic on NULL (UB) for none */
     for (uint32_t i = 0; i < count; i++) {
         size_t keys_off;
         if (region_decode(in, len, &off, &r[i], &keys_off))

@@ -226,7 +226,7 @@ int kvb_cmd_demo(int argc, char **argv)
 {
     const char *model = "tiny-gqa", *mode = "pull";
     uint64_t max_tokens = 24;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--model") && v)
             model = v;
@@ -240,7 +240,6 @@ int kvb_cmd_demo(int argc, char **argv)
                             "[--max-tokens N]\n");
             return !strcmp(argv[i], "--help") ? 0 : 2;
         }
-        i++;
     }
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);

@@ -688,13 +688,12 @@ static int parse(args_t *a, int argc, char **argv)
     a->bind = "127.0.0.1";
     a->prefix = "";
     parse_addr(a, a->bind);
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         if (i + 1 >= argc || parse_one(a, argv[i], argv[i + 1])) {
             fprintf(stderr, "kvbridge metadata-server: bad or incomplete option '%s'\n", argv[i]);
             return -1;
         }
         have_port |= !strcmp(argv[i], "--port");
-        i++;
     }
     if (!have_port) {
         fprintf(stderr, "kvbridge metadata-server: --port is required\n");

@@ -99,14 +99,13 @@ static int parse_one(args_t *a, const char *opt, char *val)
 static int parse(args_t *a, int argc, char **argv)
 {
     bool have_port = false;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         if (i + 1 >= argc || parse_one(a, argv[i], argv[i + 1])) {
             fprintf(stderr, "kvbridge proxy: bad or incomplete option '%s%s%s'\n", argv[i],
                     i + 1 < argc ? " " : "", i + 1 < argc ? argv[i + 1] : "");
             return -1;
         }
         have_port |= !strcmp(argv[i], "--port");
-        i++;
     }
     if (((!a->o.n_prefill || !a->o.n_decode) && !a->o.discover) || !have_port) {
         fprintf(stderr, "kvbridge proxy: --port, and --prefill and --decode or --discover, are "
