@@ -91,6 +91,41 @@ static void wire_seeds(void)
     free(at);
 }
 
+/* Frames an authenticated peer sends (the session harness logs in first when the selector's low
+ * bit is set), against the buffer fuzz_session.c registers at 0x7e0000000000. */
+static void session_seeds(void)
+{
+    uint8_t b[4096];
+    size_t n = 0;
+    kvb_frame_hdr_t rd = {
+        .type = KVB_FRAME_READ_REQ, .id = 1, .addr = 0x7e0000000000ull, .len = 4096};
+    kvb__wire_encode_hdr(&rd, b);
+    put("session", "read", 1, b, KVB_WIRE_HDR_SIZE, 1);
+    kvb_frame_hdr_t wr = {
+        .type = KVB_FRAME_WRITE_REQ, .id = 2, .addr = 0x7e0000000100ull, .len = 16};
+    kvb__wire_encode_hdr(&wr, b);
+    memset(b + KVB_WIRE_HDR_SIZE, 0x61, 16);
+    n = KVB_WIRE_HDR_SIZE + 16;
+    kvb_frame_hdr_t no = {.type = KVB_FRAME_NOTIFY, .id = 3, .len = 5};
+    kvb__wire_encode_hdr(&no, b + n);
+    memcpy(b + n + KVB_WIRE_HDR_SIZE, "hello", 5);
+    n += KVB_WIRE_HDR_SIZE + 5;
+    kvb_frame_hdr_t sh = {.type = KVB_FRAME_READ_REQ,
+                          .flags = KVB_FRAME_F_SHM,
+                          .id = 4,
+                          .addr = 0x7e0000000000ull,
+                          .len = 64};
+    kvb__wire_encode_hdr(&sh, b + n);
+    memset(b + n + KVB_WIRE_HDR_SIZE, 0, 8);
+    n += KVB_WIRE_HDR_SIZE + 8;
+    put("session", "write-notify-shm", 1, b, n, 1);
+    kvb_hello_t h = hello("stranger:1", 0);
+    size_t hl = kvb__wire_hello_encode(&h, b + KVB_WIRE_HDR_SIZE);
+    kvb_frame_hdr_t he = {.type = KVB_FRAME_HELLO, .len = hl};
+    kvb__wire_encode_hdr(&he, b);
+    put("session", "hello-only", 0, b, KVB_WIRE_HDR_SIZE + hl, 0);
+}
+
 static void layout_seed(const char *name, kvb_kv_attn_t attn, uint32_t tp)
 {
     kvb_kv_slot_t slots[4];
@@ -138,6 +173,7 @@ int main(int argc, char **argv)
     }
     g_dir = argv[1];
     wire_seeds();
+    session_seeds();
     layout_seed("gqa-tp1", KVB_KV_ATTN_GQA, 1);
     layout_seed("gqa-tp2", KVB_KV_ATTN_GQA, 2);
     layout_seed("mla", KVB_KV_ATTN_MLA, 1);
