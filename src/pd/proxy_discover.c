@@ -186,25 +186,37 @@ kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill)
 {
     kvb__upset_t *s = prefill ? &px->prefill : &px->decode;
     atomic_uint_fast64_t *rr = prefill ? &px->rr_prefill : &px->rr_decode;
+    uint64_t now = kvb__now_ns();
     pthread_mutex_lock(&px->up_mu);
-    kvb__upstream_t *u = s->n ? s->v[atomic_fetch_add(rr, 1) % s->n] : NULL;
+    kvb__upstream_t *u = NULL;
+    /* The next in turn that is not marked down; when every one is, the next in turn anyway. */
+    for (size_t i = 0; i < s->n && (!u || atomic_load(&u->down_until) > now); i++)
+        u = s->v[atomic_fetch_add(rr, 1) % s->n];
     if (u)
         kvb__pxy_upstream_ref(u);
     pthread_mutex_unlock(&px->up_mu);
     return u;
 }
 
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t * not )
+void kvb__pxy_upstream_down(kvb__upstream_t *u)
+{
+    atomic_store(&u->down_until, kvb__now_ns() + KVB__PXY_DOWN_MS * 1000000ull);
+}
+
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t *skip)
 {
     kvb__upset_t *s = prefill ? &px->prefill : &px->decode;
     atomic_uint_fast64_t *rr = prefill ? &px->rr_prefill : &px->rr_decode;
+    uint64_t now = kvb__now_ns();
     pthread_mutex_lock(&px->up_mu);
     kvb__upstream_t *u = NULL;
-    for (size_t i = 0; !u && i < s->n; i++) {
-        u = s->v[atomic_fetch_add(rr, 1) % s->n];
-        if (u == not || (not &&!strcmp(u->url, not ->url)))
-            u = NULL;
-    }
+    for (int pass = 0; pass < 2 && !u; pass++) /* first those not marked down */
+        for (size_t i = 0; !u && i < s->n; i++) {
+            u = s->v[atomic_fetch_add(rr, 1) % s->n];
+            if (u == skip || (skip && !strcmp(u->url, skip->url)) ||
+                (pass == 0 && atomic_load(&u->down_until) > now))
+                u = NULL;
+        }
     if (u)
         kvb__pxy_upstream_ref(u);
     pthread_mutex_unlock(&px->up_mu);

@@ -170,7 +170,11 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
     kvb__pxy_res_t rs;
     int rc = kvb__pxy_call(&rq, &rs);
     free(text);
-    job->busy_status = !rc && rs.status == 503 ? 503 : 0;
+    /* No answer at all (not a timeout, not our own cancel): nothing reached the instance. */
+    bool unreachable = rc && rs.status == 0 && !rs.timed_out && !rs.canceled;
+    if (unreachable)
+        kvb__pxy_upstream_down(u);
+    job->busy_status = !rc && rs.status == 503 ? 503 : unreachable ? -1 : 0;
     job->busy_prefill = u->prefill;
     json_t *ans = !rc && rs.status == 200 && rs.body ? json_loads(rs.body, 0, NULL) : NULL;
     if (!json_is_object(ans)) {
@@ -338,13 +342,14 @@ static int attempt(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, kvb__pxy_err_
 }
 
 /* After a 503 (the instance could not admit the request: its queue is full, or the request
- * waited there until its deadline): another instance of the role that answered it, if the set
- * has one not tried yet and the deadline allows. Returns whether the job has a new pair. */
+ * waited there until its deadline) or no answer at all (the instance is gone: killed, not yet
+ * dropped by discovery): another instance of that role, if the set has one not tried yet and the
+ * deadline allows. Returns whether the job has a new pair. */
 static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tried_d)
 {
     kvb_pd_proxy_t *px = job->px;
     bool pre = job->busy_prefill;
-    if (job->busy_status != 503 || kvb__now_ns() + 1000000ull >= job->deadline)
+    if (!job->busy_status || kvb__now_ns() + 1000000ull >= job->deadline)
         return false;
     pthread_mutex_lock(&px->up_mu);
     size_t n = pre ? px->prefill.n : px->decode.n;
@@ -356,8 +361,8 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
     kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, *slot);
     if (!u)
         return false;
-    KVB_INFO("proxy %s: %s %s is busy (503); trying %s", job->rid, pre ? "prefill" : "decode",
-             (*slot)->url, u->url);
+    KVB_INFO("proxy %s: %s %s %s; trying %s", job->rid, pre ? "prefill" : "decode", (*slot)->url,
+             job->busy_status == 503 ? "is busy (503)" : "does not answer", u->url);
     kvb__pxy_upstream_unref(*slot);
     *slot = u;
     (*tried)++;

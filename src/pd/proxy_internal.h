@@ -85,8 +85,9 @@ void kvb__pxy_pipe_detach(kvb__pxy_pipe_t *p);
 
 /* ---- The proxy ------------------------------------------------------------------------------- */
 
-#define KVB__PXY_BUCKETS    13  /* histogram buckets, +Inf aside */
-#define KVB__PXY_INCARN_MAX 31u /* bytes of an incarnation kept, without the NUL */
+#define KVB__PXY_BUCKETS    13   /* histogram buckets, +Inf aside */
+#define KVB__PXY_DOWN_MS    2000 /* an instance that did not answer is passed over this long */
+#define KVB__PXY_INCARN_MAX 31u  /* bytes of an incarnation kept, without the NUL */
 
 /* An instance the proxy routes to, with its /pd/info once learned. Reference counted: its set
  * holds one reference and every job that picked it another, so that discovery can drop it from
@@ -100,6 +101,9 @@ typedef struct {
     char incarnation[KVB__PXY_INCARN_MAX + 1]; /* discovered: its value's ("" if none) */
     pthread_mutex_t mu;
     struct json_t *info; /* NULL until fetched; immutable once set (readers take a reference) */
+    /* CLOCK_MONOTONIC ns until which picks pass it over: it did not answer at all (refused the
+     * connection - killed, say - until discovery drops it or it is back). */
+    atomic_uint_fast64_t down_until;
 } kvb__upstream_t;
 
 /* One set of instances (prefill or decode), in the order they were added. */
@@ -190,8 +194,10 @@ typedef struct {
     struct json_t *prefill_reply;
     char decode_url[300];
     char *decode_body; /* JSON text */
-    long busy_status;  /* the last upstream call's 503 (the instance could not admit it), else 0 */
-    bool busy_prefill; /* ... and whether a prefill instance answered it */
+    /* The last upstream call's 503 (the instance could not admit it) or -1 when the instance did
+     * not answer at all (connection refused): another instance may take the request. */
+    long busy_status;
+    bool busy_prefill; /* ... and whether a prefill instance was called */
     unsigned retries;  /* requests sent to another instance after a 503 */
 } kvb__pxy_job_t;
 
@@ -242,10 +248,11 @@ void kvb__pxy_upstream_unref(kvb__upstream_t *u);
 int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap);
 /* The next instance of a set in turn, with a reference for the caller; NULL when it is empty. */
 kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
-/* The next instance of a set in turn other than `not` (compared by URL too), referenced; NULL
+/* Marks an instance down for KVB__PXY_DOWN_MS (it gave no answer at all). */
+void kvb__pxy_upstream_down(kvb__upstream_t *u);
+/* The next instance of a set in turn other than `skip` (compared by URL too), referenced; NULL
  * when the set has no other. */
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill,
-                                     const kvb__upstream_t * not );
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t *skip);
 /* A referenced copy of both sets (prefill first) in a malloc'd array; *n its length. Release
  * with kvb__pxy_snapshot_free. */
 kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n);

@@ -454,6 +454,33 @@ Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
     cr_expect_eq(atomic_load(&fake.prefills), 2, "each prefill tried once");
 }
 
+/* An instance that does not answer at all (killed, not yet dropped by discovery) is skipped for
+ * another of its role, and passed over by the next requests. */
+Test(proxy, dead_prefill_is_skipped, .fini = fake_fini)
+{
+    atomic_store(&fake.prefills, 0);
+    fake_up(FAKE_OK, KVB_PD_KV_PULL, 5000);
+    kvb_pd_proxy_stop(px);
+    char dead[64];
+    snprintf(dead, sizeof dead, "http://127.0.0.1:%u", (unsigned)free_port());
+    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){dead, fake.url},
+                             .n_prefill = 2,
+                             .decode = (const char *const[]){fake.url},
+                             .n_decode = 1,
+                             .kv_mode = KVB_PD_KV_PULL,
+                             .timeout_ms = 5000};
+    char why[256];
+    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
+    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    for (int i = 0; i < 4; i++) {
+        kvb_pd_completion_t c;
+        complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
+        cr_expect(c.ok, "request %d: status %ld: %s", i, c.status, c.error);
+        kvb_pd_completion_free(&c);
+    }
+    cr_expect_eq(atomic_load(&fake.prefills), 4, "every request reached the live prefill");
+}
+
 Test(proxy, refusal_reason_reaches_client, .fini = fake_fini)
 {
     fake_up(FAKE_REFUSE, KVB_PD_KV_PUSH, 5000);
