@@ -48,7 +48,7 @@ test: deps-test build
 fuzz: deps-test
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DKVB_TESTS=OFF \
 	      -DKVB_FUZZ=ON -DKVB_FUZZ_SECS=$(FUZZ_SECS) -DKVB_WERROR=$(WERROR) >/dev/null
-	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzzers
 	cd $(FUZZ_BUILD) && ctest --output-on-failure -j $(JOBS) -L fuzz
 
 # Rewrites the seed corpora from the encoders (after a format change; commit what changed).
@@ -78,6 +78,16 @@ test-tsan: deps-test
 	cmake -S . -B $(TSAN_BUILD) -DKVB_TSAN=ON -DKVB_TESTS=OFF -DCMAKE_BUILD_TYPE=Debug -DKVB_WERROR=$(WERROR) >/dev/null
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	cd $(TSAN_BUILD) && ctest --output-on-failure
+
+# Ten minutes (SOAK_SECS) of mixed load on a PD deployment (two prefills, two decodes, the proxy
+# discovering them) while a prefill and a decode are SIGKILLed and restarted at random moments
+# (tests/pd/soak.py): fails on a failed request that was not in flight on a killed instance, an
+# answer that differs from a colocated instance's, or blocks held once the load stops. Not part
+# of `make test`.
+SOAK_SECS ?= 600
+.PHONY: soak
+soak: build
+	python3 tests/pd/soak.py --bin $(BUILD)/kvbridge --seconds $(SOAK_SECS)
 
 # The PD serving demo: proxy, prefill (TP 2), decode (TP 1) and a colocated reference instance on
 # loopback; prompts through both; fails on any difference.
