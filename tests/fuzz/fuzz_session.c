@@ -52,12 +52,17 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 
 static int dial(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(g_port)};
     inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0)
-        abort(); /* the engine stopped accepting: that is a finding too */
-    return fd;
+    for (int tries = 0; tries < 50; tries++) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+            return fd;
+        if (fd >= 0)
+            close(fd);
+        usleep(20000);
+    }
+    abort(); /* the engine stopped accepting for a second: that is a finding too */
 }
 
 static bool recv_all(int fd, void *p, size_t n)
@@ -121,6 +126,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     shutdown(fd, SHUT_WR);
     drain(fd);
+    /* Reset, not FIN: a thousand connections a second would otherwise leave every ephemeral
+     * port in TIME_WAIT within a minute, and dial() would fail for want of one. */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     close(fd);
     kvb_notification_t *n = malloc(sizeof *n);
     while (n && kvb_notify_recv(g_eng, n, 0) == KVB_OK) /* what the input delivered */
