@@ -54,9 +54,17 @@ static int dial(void)
 {
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(g_port)};
     inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    static uint32_t next;
     for (int tries = 0; tries < 50; tries++) {
+        /* Each connection from its own loopback address (127.0.0.0/8 is all ours): we close
+         * first, so each leaves a TIME_WAIT behind, and a thousand a second from one address
+         * would use up its ephemeral ports within a minute. */
+        uint32_t n = next++ % (250u * 256u * 256u);
+        struct sockaddr_in me = {.sin_family = AF_INET,
+                                 .sin_addr.s_addr = htonl(0x7f000000u | (n + 2))};
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&me, sizeof me) == 0 &&
+            connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
             return fd;
         if (fd >= 0)
             close(fd);
@@ -126,10 +134,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     shutdown(fd, SHUT_WR);
     drain(fd);
-    /* Reset, not FIN: a thousand connections a second would otherwise leave every ephemeral
-     * port in TIME_WAIT within a minute, and dial() would fail for want of one. */
-    struct linger lg = {.l_onoff = 1, .l_linger = 0};
-    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     close(fd);
     kvb_notification_t *n = malloc(sizeof *n);
     while (n && kvb_notify_recv(g_eng, n, 0) == KVB_OK) /* what the input delivered */
