@@ -3,9 +3,10 @@
  * (InfiniBand, RoCE), EFA and cxi in production, libfabric's `tcp;ofi_rxm` and `shm` for testing.
  *
  * Provider. kvb_config_t.fabric_provider names it ("verbs;ofi_rxm", "efa", "tcp;ofi_rxm", ...);
- * NULL takes the first RDMA provider libfabric finds here (verbs;ofi_rxm, efa, cxi) and nothing
- * else: a slower provider is never picked in its place. The one in use is logged and reported by
- * kvb_engine_fabric_provider() (bench prints it).
+ * NULL takes the first RDMA provider libfabric finds here (verbs;ofi_rxm, efa, cxi), asked only
+ * where the kernel lists an RDMA device, and nothing else: a slower provider is never picked in
+ * its place. The one in use is logged and reported by kvb_engine_fabric_provider() (bench prints
+ * it).
  *
  * Memory. Each region is registered following the mr_mode the provider returned: our own keys or
  * the provider's (FI_MR_PROV_KEY), offsets or virtual addresses (FI_MR_VIRT_ADDR), a local
@@ -72,6 +73,7 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 
 #else
 
+#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -96,6 +98,8 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 #define MR_MIN_SPLIT  (64ull << 20)
 #define SCAN_NS       (10ull * 1000 * 1000)
 #define CQ_BATCH      32
+#define POLL_MIN_NS   50000ull
+#define POLL_MAX_NS   1000000ull
 #define PROV_NAME_MAX 64
 
 /* Registrations of one region (reg->path_state[KVB_PATH_FABRIC]). */
@@ -160,7 +164,8 @@ typedef struct {
     size_t depth;     /* segments in flight at most */
     uint8_t addr[ADDR_MAX];
     size_t addr_len;
-    int cq_fd; /* the CQ's wait fd; -1: poll */
+    int cq_fd;        /* the CQ's wait fd; -1: poll */
+    uint64_t poll_ns; /* without one: the progress thread's current sleep */
     int wake_fd;
     pthread_t thread;
     pthread_mutex_t mu; /* guards everything below, and posting */
@@ -327,6 +332,25 @@ static void close_ep(fab_path_t *fp)
 
 static void *progress_main(void *arg);
 
+/* Whether the kernel lists an RDMA device: InfiniBand/RoCE and EFA under infiniband, Slingshot
+ * under cxi. */
+static bool rdma_device(void)
+{
+    static const char *const dirs[] = {"/sys/class/infiniband", "/sys/class/cxi"};
+    for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
+        DIR *d = opendir(dirs[i]);
+        struct dirent *de;
+        bool any = false;
+        while (d && !any && (de = readdir(d)))
+            any = de->d_name[0] != '.';
+        if (d)
+            closedir(d);
+        if (any)
+            return true;
+    }
+    return false;
+}
+
 static void path_free(fab_path_t *fp)
 {
     close_ep(fp);
@@ -349,6 +373,16 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     int rc = -FI_ENODATA;
     if (want && *want) {
         rc = find_info(version, want, &info);
+    } else if (!rdma_device()) {
+        /* libfabric's first fi_getinfo loads and probes every provider (0.3 s here): not for
+         * every engine on a host that has no RDMA device to find. */
+        if (required)
+            KVB_ERROR("data path fabric: no RDMA device here (/sys/class/infiniband, "
+                      "/sys/class/cxi); name a provider (fabric_provider, --fabric-provider) "
+                      "such as \"tcp;ofi_rxm\" to test without one");
+        else
+            KVB_DEBUG("data path fabric: no RDMA device here");
+        return KVB_ERR_UNSUPPORTED;
     } else {
         for (size_t i = 0; i < sizeof rdma / sizeof rdma[0] && rc; i++)
             rc = find_info(version, rdma[i], &info);
@@ -949,9 +983,19 @@ static void idle(fab_path_t *fp, uint64_t ns)
         if (poll(pfd, 2, ms) < 0 && errno != EINTR)
             KVB_DEBUG("fabric: poll: %s", strerror(errno));
     } else {
-        /* No wait object (shm): poll the CQ, sleeping a little between empty reads. */
+        /* No wait object (shm): poll the CQ, sleeping between empty reads - 50 us while our
+         * requests are out, then twice as long after each empty read up to 1 ms (an idle target
+         * then takes up to 1 ms to notice a peer's first request; about 1000 wake-ups a second
+         * cost under 2% of a core). */
+        pthread_mutex_lock(&fp->mu);
+        bool busy = fp->inflight > 0 || fp->pending;
+        pthread_mutex_unlock(&fp->mu);
+        fp->poll_ns = busy || !fp->poll_ns        ? POLL_MIN_NS
+                      : fp->poll_ns < POLL_MAX_NS ? fp->poll_ns * 2
+                                                  : POLL_MAX_NS;
         if (poll(pfd, 1, 0) == 0) {
-            struct timespec ts = {0, (long)(ns < 100000 ? ns : 100000)};
+            uint64_t t = fp->poll_ns < ns ? fp->poll_ns : ns;
+            struct timespec ts = {0, (long)t};
             nanosleep(&ts, NULL);
         }
     }
@@ -983,7 +1027,9 @@ static void *progress_main(void *arg)
             next_scan = now + SCAN_NS;
         }
         done_run(fp, &done);
-        if (!got) /* after -FI_EAGAIN too: completions (the fd) say when to post again */
+        if (got)
+            fp->poll_ns = 0;
+        else /* after -FI_EAGAIN too: completions (the fd) say when to post again */
             idle(fp, next_scan > now ? next_scan - now : 0);
     }
     return NULL;
