@@ -410,7 +410,8 @@ static json_t *prefill_push(pdreq_t *q)
     if (!failed)
         failed = run_prompt(q, &hook);
     if (!failed && h.rc)
-        failed = req_fail(q, status_of(h.rc), "KV push failed: %s", kvb_strerror(h.rc));
+        failed = req_fail(q, status_of(h.rc), "KV push to %s failed: %s", q->segs[0],
+                          kvb_strerror(h.rc));
     /* Finished even after a failure: the notices tell the decode ranks not to wait. */
     failed = xfers_finish(q, xs, failed);
     free(xs);
@@ -565,7 +566,8 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
     for (size_t i = 0; !failed && i < srv->tp * q->nsegs; i++) {
         int rc = xs[i] ? kvb_kv_xfer_all(xs[i]) : KVB_OK;
         if (rc)
-            failed = req_fail(q, 502, "KV pull cannot start: %s", kvb_strerror(rc));
+            failed = req_fail(q, 502, "KV pull from %s cannot start: %s", q->segs[i % q->nsegs],
+                              kvb_strerror(rc));
     }
     failed = xfers_finish(q, xs, failed);
     free(xs);
@@ -603,14 +605,16 @@ static int wait_pushed(pdreq_t *q)
             continue;
         for (size_t m = 0; KVB_IS_PEER_ERROR(rc) && m < e->nsegs; m++)
             kvb__pd_links_drop(srv, e->segs[m]);
+        /* Said before the drain, which may free the entry (and its segments). */
+        req_fail(q, status_of(rc), "KV push for request %s from %s failed: %s%s", q->id,
+                 e->nsegs ? e->segs[0] : "?", kvb_strerror(rc),
+                 rc == KVB_ERR_PEER_LOST ? " (the prefill instance was lost)" : "");
         uint64_t rest = (srv->tp >= 64 ? ~0ull : (1ull << srv->tp) - 1) & ~((2ull << r) - 1);
         pthread_mutex_lock(&srv->mu);
         kvb__pd_ent_drain(srv, e, rest, e->deadline_ns);
         pthread_mutex_unlock(&srv->mu);
         q->ent = NULL;
-        return req_fail(q, status_of(rc), "KV push for request %s failed: %s%s", q->id,
-                        kvb_strerror(rc),
-                        rc == KVB_ERR_PEER_LOST ? " (the prefill instance was lost)" : "");
+        return -1;
     }
     return 0;
 }
