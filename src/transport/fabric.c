@@ -31,8 +31,11 @@
  * rest wait in a queue that the progress thread drains as completions free slots (-FI_EAGAIN
  * leaves the segment queued and progresses the CQ). WRITEs carry FI_DELIVERY_COMPLETE: an op is
  * COMPLETED only when its bytes are in the target's memory, so a batch's notification (sent by
- * the engine once every op completed) never overtakes the data. Providers without
- * delivery-complete are refused.
+ * the engine once every op completed) never overtakes the data. A provider without
+ * delivery-complete (verbs;ofi_rxm may be one) is taken only if it orders a READ after earlier
+ * WRITEs to the same peer (FI_ORDER_RAW): each WRITE op then ends with a 1-byte READ of what it
+ * wrote, and completes when that READ does - a flush, not a fence for later ops (so writable
+ * regions' keys also grant remote read there). Neither: the provider is refused.
  *
  * Progress. A thread reads the CQ: it completes our ops, and drives the provider for peers'
  * requests aimed at us (manual-progress providers move nothing for a target that never reads its
@@ -129,6 +132,7 @@ typedef struct {
     uint8_t *local;
     void *desc;
     uint64_t raddr, key, len;
+    bool read; /* a READ: the op's own, or a WRITE op's flush */
 } fab_seg_t;
 
 /* One engine op in flight, cut into segments. Lives until every posted segment came back. */
@@ -174,7 +178,11 @@ typedef struct {
     fab_op_t *pending, **pending_tail; /* ops with segments not yet posted, in order */
     fab_op_t *active;                  /* every op not yet freed */
     bool again;                        /* the provider said -FI_EAGAIN: post after progress */
-    uint64_t next_log;                 /* CQ errors are logged once per second */
+    bool flush; /* no FI_DELIVERY_COMPLETE: each WRITE op ends with a 1-byte READ (FI_ORDER_RAW) */
+    uint8_t scratch[8]; /* where flush READs land */
+    struct fid_mr *scratch_mr;
+    void *scratch_desc;
+    uint64_t next_log; /* CQ errors are logged once per second */
     unsigned long unlogged;
 } fab_path_t;
 
@@ -245,7 +253,7 @@ static uint64_t env_u64(const char *name)
 /* ---- set-up ---------------------------------------------------------------------------------- */
 
 /* The first fi_info of `prov` offering RDM endpoints with RMA and delivery-complete writes. */
-static int find_info(uint32_t version, const char *prov, struct fi_info **out)
+static int find_info(uint32_t version, const char *prov, bool dc, struct fi_info **out)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
@@ -255,7 +263,10 @@ static int find_info(uint32_t version, const char *prov, struct fi_info **out)
     hints->domain_attr->mr_mode =
         FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
     hints->domain_attr->threading = FI_THREAD_SAFE;
-    hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    if (dc)
+        hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    else /* a READ after WRITEs to the same peer is ordered after them: the flush */
+        hints->tx_attr->msg_order = FI_ORDER_RAW;
     hints->fabric_attr->prov_name = strdup(prov);
     struct fi_info *list = NULL;
     int rc = hints->fabric_attr->prov_name ? fi_getinfo(version, NULL, NULL, 0, hints, &list)
@@ -275,6 +286,33 @@ static int find_info(uint32_t version, const char *prov, struct fi_info **out)
     *out = fi_dupinfo(pick);
     fi_freeinfo(list);
     return *out ? 0 : -FI_ENOMEM;
+}
+
+/* `prov` with delivery-complete writes, else (*flush) with reads ordered after writes, which
+ * WRITEs are then flushed with. KVB_FABRIC_FLUSH=1 takes the second even where the first works
+ * (the tests run the flush that way). */
+static int pick(uint32_t version, const char *prov, bool *flush, struct fi_info **out)
+{
+    int rc = env_u64("KVB_FABRIC_FLUSH") ? -FI_ENODATA : find_info(version, prov, true, out);
+    *flush = rc != 0;
+    if (rc)
+        rc = find_info(version, prov, false, out);
+    return rc;
+}
+
+/* Registers the bytes flush READs land in (their value is never looked at). */
+static int scratch_open(fab_path_t *fp)
+{
+    int rc = fi_mr_reg(fp->domain, fp->scratch, sizeof fp->scratch, FI_READ | FI_WRITE, 0,
+                       atomic_fetch_add(&fp->next_key, 1) & fp->key_mask, 0, &fp->scratch_mr, NULL);
+    if (!rc && (fp->mr_mode & FI_MR_ENDPOINT)) {
+        rc = fi_mr_bind(fp->scratch_mr, &fp->ep->fid, 0);
+        if (!rc)
+            rc = fi_mr_enable(fp->scratch_mr);
+    }
+    if (!rc)
+        fp->scratch_desc = fi_mr_desc(fp->scratch_mr);
+    return rc;
 }
 
 /* Opens fabric, domain, CQ, AV and endpoint. */
@@ -317,6 +355,8 @@ static int open_ep(fab_path_t *fp)
 
 static void close_ep(fab_path_t *fp)
 {
+    if (fp->scratch_mr)
+        fi_close(&fp->scratch_mr->fid);
     if (fp->ep)
         fi_close(&fp->ep->fid);
     if (fp->av)
@@ -371,8 +411,9 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     uint32_t version = lib < hdr ? lib : hdr;
     struct fi_info *info = NULL;
     int rc = -FI_ENODATA;
+    bool flush = false;
     if (want && *want) {
-        rc = find_info(version, want, &info);
+        rc = pick(version, want, &flush, &info);
     } else if (!rdma_device()) {
         /* libfabric's first fi_getinfo loads and probes every provider (0.3 s here): not for
          * every engine on a host that has no RDMA device to find. */
@@ -385,12 +426,12 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
         return KVB_ERR_UNSUPPORTED;
     } else {
         for (size_t i = 0; i < sizeof rdma / sizeof rdma[0] && rc; i++)
-            rc = find_info(version, rdma[i], &info);
+            rc = pick(version, rdma[i], &flush, &info);
     }
     if (rc) {
         if (required || (want && *want))
             KVB_ERROR("data path fabric: libfabric %u.%u offers no %s%s with RDM endpoints, RMA "
-                      "and delivery-complete writes here: %s",
+                      "and delivery-complete writes (or reads ordered after writes) here: %s",
                       FI_MAJOR(lib), FI_MINOR(lib), want && *want ? "provider " : "RDMA provider",
                       want && *want ? want : " (verbs;ofi_rxm, efa, cxi)", fi_strerror(-rc));
         else
@@ -406,6 +447,7 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     }
     fp->engine = e;
     fp->info = info;
+    fp->flush = flush;
     fp->wake_fd = -1;
     snprintf(fp->prov, sizeof fp->prov, "%s", info->fabric_attr->prov_name);
     fp->prov_hash = fnv32(fp->prov);
@@ -422,6 +464,8 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     fp->pending_tail = &fp->pending;
     pthread_mutex_init(&fp->mu, NULL);
     rc = open_ep(fp);
+    if (!rc && fp->flush)
+        rc = scratch_open(fp);
     if (rc) {
         KVB_ERROR("data path fabric: provider %s: cannot open an endpoint: %s", fp->prov,
                   fi_strerror(-rc));
@@ -435,9 +479,10 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     }
     KVB_INFO(
         "data path fabric: libfabric %u.%u provider %s (fabric %s, domain %s), mr_mode 0x%llx, "
-        "queue depth %zu, %s progress",
+        "queue depth %zu, %s progress, writes %s",
         FI_MAJOR(lib), FI_MINOR(lib), fp->prov, info->fabric_attr->name, info->domain_attr->name,
-        (unsigned long long)fp->mr_mode, fp->depth, fp->cq_fd >= 0 ? "fd-driven" : "polled");
+        (unsigned long long)fp->mr_mode, fp->depth, fp->cq_fd >= 0 ? "fd-driven" : "polled",
+        fp->flush ? "flushed by a READ (no delivery-complete)" : "delivery-complete");
     *out = (kvb_provider_t *)fp;
     return KVB_OK;
 }
@@ -516,6 +561,10 @@ static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *
         access |= FI_REMOTE_READ;
     if (reg->access & KVB_ACCESS_WRITE)
         access |= FI_REMOTE_WRITE;
+    /* Flushing a WRITE reads one byte of what it wrote: a write-only region is then readable by
+     * the NIC (kvbridge itself still refuses READ requests on it). */
+    if (fp->flush && (reg->access & KVB_ACCESS_WRITE))
+        access |= FI_REMOTE_READ;
     uint64_t split = fp->mr_max ? fp->mr_max : reg->len;
     fab_reg_t *r = NULL;
     int rc;
@@ -698,6 +747,7 @@ static fab_op_t *op_segments(fab_path_t *fp, kvb_op_t *op, const blob_t *b)
     const uint64_t rbase = op->rregion->info.addr, lbase = op->pin->addr;
     size_t n = 0;
     fab_op_t *fo = NULL;
+    bool flush = fp->flush && op->kind == KVB_OPK_WRITE;
     for (int pass = 0; pass < 2; pass++) {
         size_t k = 0;
         for (uint64_t off = 0; off < op->len; k++) {
@@ -715,11 +765,19 @@ static fab_op_t *op_segments(fab_path_t *fp, kvb_op_t *op, const blob_t *b)
                 s->key = get64(b->keys + 8 * ri);
                 s->raddr = b->virt ? op->remote + off : r - ri * b->split;
                 s->len = len;
+                s->read = op->kind == KVB_OPK_READ;
             }
             off += len;
         }
+        if (pass == 1 && flush) { /* after the writes, in order: RAW makes it wait for them */
+            fo->seg[k] = fo->seg[k - 1];
+            fo->seg[k].local = fp->scratch;
+            fo->seg[k].desc = fp->scratch_desc;
+            fo->seg[k].len = 1;
+            fo->seg[k].read = true;
+        }
         if (pass == 0) {
-            n = k;
+            n = k + flush;
             fo = calloc(1, sizeof *fo + n * sizeof fo->seg[0]);
             if (!fo)
                 return NULL;
@@ -802,10 +860,12 @@ static int post_one(fab_path_t *fp, fab_op_t *fo, fab_seg_t *s, fi_addr_t fa)
                              .rma_iov = &riov,
                              .rma_iov_count = 1,
                              .context = &s->ctx};
-    /* A WRITE completes only once its bytes are placed at the target (not merely sent). */
-    if (fo->write)
-        return (int)fi_writemsg(fp->ep, &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
-    return (int)fi_readmsg(fp->ep, &msg, FI_COMPLETION);
+    /* A WRITE completes only once its bytes are placed at the target (not merely sent): with
+     * delivery-complete, or once the READ that follows it (fp->flush) came back. */
+    (void)fo;
+    if (s->read)
+        return (int)fi_readmsg(fp->ep, &msg, FI_COMPLETION);
+    return (int)fi_writemsg(fp->ep, &msg, FI_COMPLETION | (fp->flush ? 0 : FI_DELIVERY_COMPLETE));
 }
 
 /* Posts queued segments while the queue depth allows. Caller holds mu. */

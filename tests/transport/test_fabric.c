@@ -2,9 +2,9 @@
 /* The fabric data path (src/transport/fabric.c) between two real processes, over libfabric's
  * "tcp;ofi_rxm" and "shm" providers: READ and WRITE at random sizes and offsets with every byte
  * checked, segments and registrations split small, several threads, notifications after the data,
- * read-only and unregistered ranges, a key revoked by unregistering, a request past its deadline,
- * cancel, and the peer SIGKILLed mid-batch. Exits 77 (skipped) when libfabric or both providers
- * are missing. */
+ * WRITEs flushed by a READ (as without delivery-complete), read-only and unregistered ranges, a key
+ * revoked by unregistering, a request past its deadline, cancel, and the peer SIGKILLed mid-batch.
+ * Exits 77 (skipped) when libfabric or both providers are missing. */
 #include <criterion/criterion.h>
 #include <poll.h>
 #include <pthread.h>
@@ -211,6 +211,13 @@ static void start_split_shm(void)
     start_split("shm");
 }
 
+/* As a provider without delivery-complete writes runs: each WRITE flushed by a READ. */
+static void start_flush_tcp(void)
+{
+    setenv("KVB_FABRIC_FLUSH", "1", 1);
+    start("tcp;ofi_rxm");
+}
+
 static int run(const kvb_request_t *r, size_t n, const kvb_batch_opts_t *o)
 {
     kvb_batch_t *b;
@@ -306,6 +313,7 @@ TestSuite(fabric_tcp, .init = start_tcp, .fini = stop, .timeout = 120);
 TestSuite(fabric_shm, .init = start_shm, .fini = stop, .timeout = 120);
 TestSuite(fabric_split_tcp, .init = start_split_tcp, .fini = stop, .timeout = 120);
 TestSuite(fabric_split_shm, .init = start_split_shm, .fini = stop, .timeout = 120);
+TestSuite(fabric_flush_tcp, .init = start_flush_tcp, .fini = stop, .timeout = 120);
 
 Test(fabric_tcp, read_write_every_byte)
 {
@@ -326,6 +334,14 @@ Test(fabric_split_tcp, across_registrations_and_segments)
 }
 
 Test(fabric_split_shm, across_registrations_and_segments)
+{
+    exercise(8);
+    whole_region();
+}
+
+/* The peer checks each WRITE when the batch's notification arrives: the flush READ must have
+ * waited for the writes. */
+Test(fabric_flush_tcp, writes_flushed_by_a_read)
 {
     exercise(8);
     whole_region();
