@@ -49,7 +49,8 @@ typedef struct {
      * path that runs here, best first (shm, fabric, then tcp); or a comma-separated list such as
      * "tcp", "shm" or "shm,tcp", each path of which must reach every peer opened (else the open
      * fails). A request goes to the first listed path that can carry it; the TCP lanes come last
-     * either way, since they carry the control plane. */
+     * either way, since they carry the control plane. kvb_config_init() takes the default from the
+     * environment variable KVB_PROTOCOL when it is set. */
     const char *protocol;
     int copy_threads;    /* extra threads splitting large same-host copies; default 1, max 16 */
     const char *cluster; /* namespace of this engine's keys in a metadata store; default
@@ -71,7 +72,8 @@ typedef struct {
      * (InfiniBand, RoCE), "efa", "cxi", or for testing "tcp;ofi_rxm" and "shm". NULL (default):
      * the first of verbs;ofi_rxm, efa, cxi that works here, else the path does not run. A named
      * provider that is not available fails kvb_engine_create (KVB_ERR_INVALID_ARG); it is never
-     * replaced by another. With protocol "auto" the path is tried after shm and before tcp. */
+     * replaced by another. With protocol "auto" the path is tried after shm and before tcp.
+     * kvb_config_init() takes the default from KVB_FABRIC_PROVIDER when it is set. */
     const char *fabric_provider;
 } kvb_config_t;
 

@@ -20,6 +20,13 @@
 
 #define NOTIFY_QUEUE_CAP 1024
 
+/* The environment variable `name` if set and not empty, else `dflt`. */
+static const char *env_or(const char *name, const char *dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? v : dflt;
+}
+
 void kvb_config_init_v(kvb_config_t *cfg, size_t size)
 {
     if (!cfg || size < sizeof cfg->size)
@@ -32,7 +39,10 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
     d.lanes = 2;
     d.timeout_ms = 30000;
     d.connect_timeout_ms = 5000;
-    d.protocol = "auto";
+    /* Environment defaults for programs that cannot pass a config (a framework's connector);
+     * what the caller sets afterwards wins. */
+    d.protocol = env_or("KVB_PROTOCOL", "auto");
+    d.fabric_provider = env_or("KVB_FABRIC_PROVIDER", NULL);
     d.copy_threads = 1;
     d.cluster = "default";
     d.metadata_ttl_ms = 10000;
