@@ -171,6 +171,10 @@ typedef struct {
     int cq_fd;        /* the CQ's wait fd; -1: poll */
     uint64_t poll_ns; /* without one: the progress thread's current sleep */
     int wake_fd;
+    bool flush; /* no FI_DELIVERY_COMPLETE: each WRITE op ends with a 1-byte READ (FI_ORDER_RAW) */
+    uint8_t scratch[8]; /* where flush READs land */
+    struct fid_mr *scratch_mr;
+    void *scratch_desc;
     pthread_t thread;
     pthread_mutex_t mu; /* guards everything below, and posting */
     bool stop;
@@ -178,11 +182,7 @@ typedef struct {
     fab_op_t *pending, **pending_tail; /* ops with segments not yet posted, in order */
     fab_op_t *active;                  /* every op not yet freed */
     bool again;                        /* the provider said -FI_EAGAIN: post after progress */
-    bool flush; /* no FI_DELIVERY_COMPLETE: each WRITE op ends with a 1-byte READ (FI_ORDER_RAW) */
-    uint8_t scratch[8]; /* where flush READs land */
-    struct fid_mr *scratch_mr;
-    void *scratch_desc;
-    uint64_t next_log; /* CQ errors are logged once per second */
+    uint64_t next_log;                 /* CQ errors are logged once per second */
     unsigned long unlogged;
 } fab_path_t;
 
@@ -400,7 +400,10 @@ static void path_free(fab_path_t *fp)
     free(fp);
 }
 
-static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
+/* The provider this engine runs on: the one its config names, else the first RDMA provider here.
+ * KVB_ERR_UNSUPPORTED: none (the path does not run); KVB_ERR_INVALID_ARG: the named one is not
+ * available. */
+static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
 {
     bool required = e->required & (1u << KVB_PATH_FABRIC);
     const char *want = e->cfg.fabric_provider;
@@ -440,6 +443,19 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
          * quietly does not run: the engine would otherwise move everything over TCP. */
         return want && *want ? KVB_ERR_INVALID_ARG : KVB_ERR_UNSUPPORTED;
     }
+    *out = info;
+    *flush_out = flush;
+    return KVB_OK;
+}
+
+static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
+{
+    struct fi_info *info = NULL;
+    bool flush = false;
+    int rc = choose(e, &info, &flush);
+    if (rc)
+        return rc;
+    uint32_t lib = fi_version();
     fab_path_t *fp = calloc(1, sizeof *fp);
     if (!fp) {
         fi_freeinfo(info);
