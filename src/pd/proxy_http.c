@@ -2,6 +2,8 @@
 /* One libcurl call with a deadline and a cancel flag: how the proxy talks to instances and how
  * its tools talk to the proxy. One easy handle per call keeps calls independent across threads. */
 #include <curl/curl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -121,6 +123,27 @@ static int on_progress(void *user, curl_off_t dt, curl_off_t dn, curl_off_t ut, 
     return 0;
 }
 
+/* An instance's liveness, as the engines judge their peers' (5 s): TCP keepalive probes after
+ * 1 s of silence, 1 s apart, 3 unanswered and the connection fails; TCP_USER_TIMEOUT bounds
+ * unacknowledged data the same way. A link cut or a host gone mid-call thus ends the call within
+ * about 5 s instead of at the request's deadline; a busy but live instance's kernel still answers
+ * the probes, so a long generation is never cut short. */
+static int liveness_sockopt(void *user, curl_socket_t fd, curlsocktype purpose)
+{
+    (void)user;
+    if (purpose != CURLSOCKTYPE_IPCXN)
+        return CURL_SOCKOPT_OK;
+    int on = 1, idle = 1, intvl = 1, cnt = 3;
+    unsigned user_timeout_ms = 5000;
+    /* Best effort: a socket that refuses these is still a working connection. */
+    (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
+    return CURL_SOCKOPT_OK;
+}
+
 static void setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
 {
     const kvb__pxy_req_t *rq = c->rq;
@@ -138,6 +161,7 @@ static void setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
     curl_easy_setopt(c->h, CURLOPT_ERRORBUFFER, errbuf);
     /* Loopback peers: Nagle would only add latency to small streamed events. */
     curl_easy_setopt(c->h, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(c->h, CURLOPT_SOCKOPTFUNCTION, liveness_sockopt);
     if (rq->body) {
         *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
         curl_easy_setopt(c->h, CURLOPT_HTTPHEADER, *hdrs);
