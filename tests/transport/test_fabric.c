@@ -3,9 +3,11 @@
  * "tcp;ofi_rxm" and "shm" providers: READ and WRITE at random sizes and offsets with every byte
  * checked, segments and registrations split small, several threads, notifications after the data,
  * WRITEs flushed by a READ (as without delivery-complete), read-only and unregistered ranges, a key
- * revoked by unregistering, a request past its deadline, cancel, and the peer SIGKILLed mid-batch.
+ * revoked by unregistering, a request past its deadline, cancel, the peer SIGKILLed mid-batch, and
+ * `kvbridge bench --verify` over both providers.
  * Exits 77 (skipped) when libfabric or both providers are missing. */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -580,6 +582,61 @@ Test(fabric_config, auto_takes_fabric_after_shm)
     /* The peer runs fabric only (no shm): fabric is the best path both have. */
     cr_assert_str_eq(path, "fabric");
     stop();
+}
+
+/* ---- kvbridge bench over the path ------------------------------------------------------------ */
+
+/* `kvbridge bench --loopback --verify --json` over the path: exit 0, every byte verified, the
+ * provider in the output. */
+static void bench_verified(const char *prov, const char *op)
+{
+    if (!available(prov))
+        cr_skip_test("libfabric provider %s is not available here", prov);
+    const char *bin = getenv("KVB_BIN");
+    cr_assert_not_null(bin, "KVB_BIN is not set (run through ctest)");
+    char cmd[1024], line[4096], last[4096] = "";
+    snprintf(cmd, sizeof cmd,
+             "%s bench --loopback --verify --json --protocol fabric --fabric-provider '%s' "
+             "--operation %s --duration 1 --buffer-size 32M --block-size 256K --batch-size 16 "
+             "2>/dev/null",
+             bin, prov, op);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    while (fgets(line, sizeof line, p))
+        snprintf(last, sizeof last, "%s", line);
+    int st = pclose(p);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "bench %s over %s failed: %s", op, prov, last);
+    json_error_t err;
+    json_t *j = json_loads(last, 0, &err);
+    cr_assert_not_null(j, "last line is not JSON: %s", last);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "protocol")), "fabric");
+    cr_assert_str_eq(json_string_value(json_object_get(j, "fabric_provider")), prov);
+    cr_assert(json_is_true(json_object_get(j, "verified")));
+    cr_assert_eq(json_integer_value(json_object_get(j, "errors")), 0);
+    cr_assert_gt(json_integer_value(json_object_get(j, "bytes")), 0);
+    json_decref(j);
+}
+
+TestSuite(fabric_bench, .timeout = 120);
+
+Test(fabric_bench, tcp_read_verified)
+{
+    bench_verified("tcp;ofi_rxm", "read");
+}
+
+Test(fabric_bench, tcp_write_verified)
+{
+    bench_verified("tcp;ofi_rxm", "write");
+}
+
+Test(fabric_bench, shm_read_verified)
+{
+    bench_verified("shm", "read");
+}
+
+Test(fabric_bench, shm_write_verified)
+{
+    bench_verified("shm", "write");
 }
 
 /* Whether an engine runs the fabric path on `prov` here. */
