@@ -314,7 +314,9 @@ static int listen_on(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *rea
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG, 0,
         NULL, NULL, on_request, px, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, px, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)(px->timeout_ms / 1000 + 60), MHD_OPTION_END);
+        (unsigned)(px->timeout_ms / 1000 + 60), MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)(o->max_connections ? o->max_connections : KVB_PD_PROXY_MAX_CONNS),
+        MHD_OPTION_END);
     if (!px->mhd) {
         kvb__pxy_fmt(reason, cap, "cannot listen on %s:%u", px->bind, (unsigned)o->port);
         return KVB_ERR_SYSTEM;

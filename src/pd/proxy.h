@@ -12,6 +12,7 @@
 #include "pd/server.h" /* kvb_pd_kv_mode_t and its parser */
 
 #define KVB_PD_PROXY_TIMEOUT_MS 30000u     /* default deadline of a request */
+#define KVB_PD_PROXY_MAX_CONNS  4096u      /* default bound of client connections (a thread each) */
 #define KVB_PD_PROXY_BODY_MAX   (1u << 20) /* largest client request body */
 #define KVB_PD_ERR_MAX          512u       /* bytes of an error message kept, with the NUL */
 
@@ -31,6 +32,9 @@ typedef struct {
     uint16_t port;    /* 0: any free port (see kvb_pd_proxy_port) */
     kvb_pd_kv_mode_t kv_mode;
     uint32_t timeout_ms; /* a request's deadline; 0: KVB_PD_PROXY_TIMEOUT_MS */
+    /* Client connections served at once, each on a thread of its own; one more is closed as it
+     * is accepted. 0: KVB_PD_PROXY_MAX_CONNS. */
+    uint32_t max_connections;
     /* A metadata store to discover instances from (kvb_pd_server_opts_t.metadata's forms), or
      * NULL. A thread lists kvbridge/<cluster>/instances/ every discover_interval_ms and adds
      * the prefill and decode instances it finds, dropping those whose key went away; the static

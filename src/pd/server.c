@@ -253,10 +253,11 @@ static int http_start(kvb_pd_server_t *srv, char *reason, size_t cap)
     if (ai->ai_family == AF_INET6)
         flags |= MHD_USE_IPv6;
     /* Thread per connection: handlers block on forward passes and KV waits (all bounded). */
-    srv->httpd =
-        MHD_start_daemon(flags, srv->opts.port, NULL, NULL, on_request, srv,
-                         MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_SOCK_ADDR,
-                         ai->ai_addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120, MHD_OPTION_END);
+    srv->httpd = MHD_start_daemon(flags, srv->opts.port, NULL, NULL, on_request, srv,
+                                  MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+                                  MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_CONNECTION_TIMEOUT,
+                                  KVB_PD_SERVER_IDLE_S, MHD_OPTION_CONNECTION_LIMIT,
+                                  (unsigned)srv->opts.max_connections, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!srv->httpd)
         return kvb__fail(reason, cap, KVB_ERR_ADDR_IN_USE, "cannot serve HTTP on %s:%u", srv->addr,
@@ -308,6 +309,8 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
         srv->opts.lease_ms = KVB_PD_SERVER_LEASE_MS;
     if (!srv->opts.max_queue)
         srv->opts.max_queue = KVB_PD_SERVER_MAX_QUEUE;
+    if (!srv->opts.max_connections)
+        srv->opts.max_connections = KVB_PD_SERVER_MAX_CONNS;
     srv->max_queue = srv->opts.max_queue;
     srv->tp = o->tp;
     srv->tpb = KVB_PD_TOKENS_PER_BLOCK;

@@ -21,6 +21,8 @@ typedef enum { KVB_PD_KV_PULL = 1, KVB_PD_KV_PUSH } kvb_pd_kv_mode_t;
 #define KVB_PD_SERVER_MAX_TOKENS 4096u
 #define KVB_PD_SERVER_META_MS    3000u /* deadline of each metadata store call */
 #define KVB_PD_SERVER_MAX_QUEUE  256u  /* default bound of the admission queue */
+#define KVB_PD_SERVER_MAX_CONNS  1024u /* default bound of HTTP connections (a thread each) */
+#define KVB_PD_SERVER_IDLE_S     120u  /* an HTTP connection silent this long is closed */
 
 /* What `kvbridge serve` takes; zero-initialise, then fill. */
 typedef struct {
@@ -38,6 +40,9 @@ typedef struct {
     /* Requests that may wait for KV blocks at once (FIFO, each until its deadline); one more is
      * answered 503 with Retry-After. 0: KVB_PD_SERVER_MAX_QUEUE. */
     uint32_t max_queue;
+    /* HTTP connections served at once, each on a thread of its own; one more is closed as it is
+     * accepted. 0: KVB_PD_SERVER_MAX_CONNS. */
+    uint32_t max_connections;
     /* A metadata store ("etcd://h:p[,h:p]", "redis://[:pw@]h:p[/db]", "http://h:p[/prefix]"),
      * or NULL, "" or "p2p" for none. With one, every rank's engine publishes its segment there
      * and the instance registers itself under kvbridge/<cluster>/instances/<addr>:<port> (see

@@ -18,7 +18,8 @@ static void usage(FILE *f)
             "usage: kvbridge proxy --prefill URL[,URL...] --decode URL[,URL...] --port P\n"
             "       kvbridge proxy --discover URI [--cluster NAME] [--discover-interval-ms N]\n"
             "                      [--prefill URL[,URL...]] [--decode URL[,URL...]] --port P\n"
-            "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n\n"
+            "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n"
+            "                      [--max-connections N]\n\n"
             "Serves POST /v1/completions, GET /health and GET /metrics; each request goes to\n"
             "the next prefill and decode instance in turn. --kv-mode defaults to what the\n"
             "prefill instance reports; --timeout-ms (default 30000) bounds every request.\n\n"
@@ -31,10 +32,12 @@ static void usage(FILE *f)
             "                  reached it keeps the instances it knows; with none of a role,\n"
             "                  requests get 503\n"
             "  --cluster NAME  namespace of the keys (default \"default\")\n"
-            "  --discover-interval-ms N  time between two listings (default %u)\n\n"
+            "  --discover-interval-ms N  time between two listings (default %u)\n"
+            "  --max-connections N  client connections at once, a thread each (default %u);\n"
+            "                  one more is closed as it is accepted\n\n"
             "Prints \"proxy on http://ADDR:PORT\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
-            KVB_PD_PROXY_DISCOVER_MS);
+            KVB_PD_PROXY_DISCOVER_MS, KVB_PD_PROXY_MAX_CONNS);
 }
 
 /* Splits a comma-separated list in place into urls[], appending to *n. */
@@ -71,6 +74,12 @@ static int parse_one(args_t *a, const char *opt, char *val)
         if (kvb_cli_parse_uint(val, 65535, &v))
             return -1;
         a->o.port = (uint16_t)v;
+        return 0;
+    }
+    if (!strcmp(opt, "--max-connections")) { /* one more is closed as it is accepted */
+        if (kvb_cli_parse_uint(val, 100000, &v) || !v)
+            return -1;
+        a->o.max_connections = (uint32_t)v;
         return 0;
     }
     if (!strcmp(opt, "--timeout-ms")) {

@@ -14,6 +14,7 @@ static void usage(FILE *f)
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
             "                      [--blocks N] [--lease-ms N] [--max-queue N]\n"
+            "                      [--max-connections N]\n"
             "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
             "                      [--secret-file PATH] [--insecure]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
@@ -29,6 +30,9 @@ static void usage(FILE *f)
             "  --max-queue N   requests that may wait for KV blocks at once, first come first\n"
             "                  served, each until its deadline (default %u); one more, or one\n"
             "                  whose deadline passes, gets 503 with Retry-After and a reason\n"
+            "  --max-connections N  HTTP connections at once, a thread each (default %u); one\n"
+            "                  more is closed as it is accepted; a connection silent for %u s\n"
+            "                  is closed\n"
             "  --metadata URI  a metadata store: etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or\n"
             "                  http://H:P[/PREFIX] (kvbridge metadata-server). The engines\n"
             "                  publish their segments there, and once HTTP serves the instance\n"
@@ -42,7 +46,8 @@ static void usage(FILE *f)
             "  --insecure      allow a non-loopback --bind without a secret (warns)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
-            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS, KVB_PD_SERVER_MAX_QUEUE);
+            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS, KVB_PD_SERVER_MAX_QUEUE,
+            KVB_PD_SERVER_MAX_CONNS, KVB_PD_SERVER_IDLE_S);
 }
 
 static int bad(const char *what, const char *arg)
@@ -86,6 +91,10 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, 1000000, &v) || !v)
             return bad("bad --max-queue (1..1000000)", val);
         o->max_queue = (uint32_t)v;
+    } else if (!strcmp(opt, "--max-connections")) {
+        if (kvb_cli_parse_uint(val, 100000, &v) || !v)
+            return bad("bad --max-connections (1..100000)", val);
+        o->max_connections = (uint32_t)v;
     } else if (!strcmp(opt, "--metadata")) {
         if (!kvb_pd_store_uri_valid(val))
             return bad("bad --metadata (want etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or "

@@ -8,6 +8,7 @@
  * once), and an expiring reservation that frees its blocks and wakes the queue. */
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -529,4 +530,64 @@ Test(load, loadgen_errors_by_kind)
     cr_expect_eq(rc, 1);
     cr_expect_eq(kind_count(s, "no_response"), 3);
     json_decref(s);
+}
+
+/* A connected, idle client: what a slow or hostile client holds. */
+static int idle_client(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    return fd;
+}
+
+/* What a request on `fd` gets within `ms`: 1 an HTTP answer, 0 nothing yet, -1 the connection
+ * closed. */
+static int answer_within(int fd, int ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    char buf[16];
+    if (poll(&p, 1, ms) != 1)
+        return 0;
+    ssize_t n = recv(fd, buf, sizeof buf, MSG_PEEK);
+    return n >= 5 && !memcmp(buf, "HTTP/", 5) ? 1 : n <= 0 ? -1 : 0;
+}
+
+static void send_health(int fd)
+{
+    static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(send(fd, req, sizeof req - 1, MSG_NOSIGNAL), (ssize_t)sizeof req - 1);
+}
+
+/* --max-connections bounds an instance's connections (a thread each): with the limit held by
+ * idle clients one more is not served - closed at accept, or left in the listen backlog, as
+ * libmicrohttpd chooses - and once one closes the instance serves again. The proxy takes the
+ * same option. */
+Test(load, connection_limit)
+{
+    need_serve();
+    inst_t in;
+    serve_with(&in, "both", model_path, 1, "pull",
+               (const char *const[]){"--max-connections", "3", NULL});
+    usleep(300000); /* the readiness probes' connections are gone */
+    int held[3];
+    for (int i = 0; i < 3; i++)
+        held[i] = idle_client(in.port);
+    usleep(300000); /* accepted, each on its thread */
+    int extra = idle_client(in.port);
+    send_health(extra);
+    int got = answer_within(extra, 1000);
+    cr_expect_neq(got, 1, "a 4th connection past --max-connections 3 was served");
+    close(held[0]);
+    if (got == -1) { /* closed at accept: a new one is served now */
+        close(extra);
+        usleep(300000);
+        extra = idle_client(in.port);
+        send_health(extra);
+    }
+    cr_expect_eq(answer_within(extra, 10000), 1, "served once a connection closed");
+    close(extra);
+    close(held[1]);
+    close(held[2]);
 }
