@@ -77,6 +77,7 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 #else
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -92,6 +93,59 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 #include <unistd.h>
 
 #include "common/clock.h"
+
+/* libfabric is opened (dlopen) when a fabric path is first wanted, not linked: Debian's build
+ * pulls in the PSM libraries, and libinfinipath's constructor installs signal handlers in the
+ * process that loads it (SIGSEGV, SIGABRT, SIGTERM: a backtrace file in the working directory,
+ * then exit()) - no inference engine embedding kvbridge should have its signals taken over for a
+ * path it never asked for. KVB_FABRIC_LIBRARY names another file. These six are all the path calls
+ * by symbol; the rest of libfabric's API is inline calls through its objects' ops tables. */
+static struct {
+    __typeof__(fi_getinfo) *getinfo;
+    __typeof__(fi_freeinfo) *freeinfo;
+    __typeof__(fi_dupinfo) *dupinfo;
+    __typeof__(fi_fabric) *fabric;
+    __typeof__(fi_version) *version;
+    __typeof__(fi_strerror) *strerror;
+    char error[160]; /* why it could not be opened; "" when it was */
+} fab_lib;
+static pthread_once_t fab_lib_once = PTHREAD_ONCE_INIT;
+
+static void fab_lib_open(void)
+{
+    const char *file = getenv("KVB_FABRIC_LIBRARY");
+    file = file && *file ? file : "libfabric.so.1";
+    void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(fab_lib.error, sizeof fab_lib.error, "%s", dlerror());
+        return;
+    }
+    /* Kept open for the life of the process: providers' threads may outlive any one engine. */
+    *(void **)&fab_lib.getinfo = dlsym(h, "fi_getinfo");
+    *(void **)&fab_lib.freeinfo = dlsym(h, "fi_freeinfo");
+    *(void **)&fab_lib.dupinfo = dlsym(h, "fi_dupinfo");
+    *(void **)&fab_lib.fabric = dlsym(h, "fi_fabric");
+    *(void **)&fab_lib.version = dlsym(h, "fi_version");
+    *(void **)&fab_lib.strerror = dlsym(h, "fi_strerror");
+    if (!fab_lib.getinfo || !fab_lib.freeinfo || !fab_lib.dupinfo || !fab_lib.fabric ||
+        !fab_lib.version || !fab_lib.strerror)
+        snprintf(fab_lib.error, sizeof fab_lib.error, "%s lacks fi_getinfo, fi_fabric, ...", file);
+}
+
+/* Opens libfabric once per process; false (with the reason in fab_lib.error) if it cannot be. */
+static bool fab_lib_ready(void)
+{
+    pthread_once(&fab_lib_once, fab_lib_open);
+    return fab_lib.error[0] == '\0';
+}
+
+#define fi_getinfo     fab_lib.getinfo
+#define fi_freeinfo    fab_lib.freeinfo
+#define fi_dupinfo     fab_lib.dupinfo
+#define fi_fabric      fab_lib.fabric
+#define fi_version     fab_lib.version
+#define fi_strerror    fab_lib.strerror
+#define fi_allocinfo() fab_lib.dupinfo(NULL) /* the header's inline one calls the symbol */
 
 #define KEY_MAGIC     'F'
 #define KEY_VERSION   1
@@ -408,16 +462,11 @@ static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
     bool required = e->required & (1u << KVB_PATH_FABRIC);
     const char *want = e->cfg.fabric_provider;
     static const char *const rdma[] = {"verbs;ofi_rxm", "efa", "cxi"};
-    /* The API we speak: the library's, capped at the headers we were built with (asking a 1.17
-     * library for 1.18 fails with -FI_ENOSYS). */
-    uint32_t lib = fi_version(), hdr = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
-    uint32_t version = lib < hdr ? lib : hdr;
     struct fi_info *info = NULL;
     int rc = -FI_ENODATA;
     bool flush = false;
-    if (want && *want) {
-        rc = pick(version, want, &flush, &info);
-    } else if (!rdma_device()) {
+    bool named = want && *want;
+    if (!named && !rdma_device()) {
         /* libfabric's first fi_getinfo loads and probes every provider (0.3 s here): not for
          * every engine on a host that has no RDMA device to find. */
         if (required)
@@ -427,6 +476,20 @@ static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
         else
             KVB_DEBUG("data path fabric: no RDMA device here");
         return KVB_ERR_UNSUPPORTED;
+    }
+    if (!fab_lib_ready()) {
+        if (required || named)
+            KVB_ERROR("data path fabric: cannot open libfabric (install libfabric1, or set "
+                      "KVB_FABRIC_LIBRARY): %s",
+                      fab_lib.error);
+        return named ? KVB_ERR_INVALID_ARG : KVB_ERR_UNSUPPORTED;
+    }
+    /* The API we speak: the library's, capped at the headers we were built with (asking a 1.17
+     * library for 1.18 fails with -FI_ENOSYS). */
+    uint32_t lib = fi_version(), hdr = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
+    uint32_t version = lib < hdr ? lib : hdr;
+    if (named) {
+        rc = pick(version, want, &flush, &info);
     } else {
         for (size_t i = 0; i < sizeof rdma / sizeof rdma[0] && rc; i++)
             rc = pick(version, rdma[i], &flush, &info);

@@ -564,6 +564,44 @@ Test(fabric_config, unknown_provider_refused)
     }
 }
 
+/* True if this process has a library whose path contains `name` mapped. */
+static bool mapped(const char *name)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    bool found = false;
+    while (f && !found && fgets(line, sizeof line, f))
+        found = strstr(line, name) != NULL;
+    if (f)
+        fclose(f);
+    return found;
+}
+
+/* libfabric (and the PSM libraries whose constructors take over signal handlers) is opened only
+ * when the path is wanted: not by linking kvbridge, not by an engine with the default protocol
+ * on a host without an RDMA device. (Criterion runs each test in a fresh process.) */
+Test(fabric_config, libfabric_not_loaded_unless_wanted)
+{
+    if (access("/sys/class/infiniband", F_OK) == 0 || access("/sys/class/cxi", F_OK) == 0)
+        cr_skip_test("this host lists an RDMA device: auto rightly opens libfabric here");
+    cr_assert(!mapped("libfabric"), "libfabric is mapped before any engine");
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = "auto";
+    cfg.fabric_provider = NULL;
+    kvb_engine_t *e = NULL;
+    cr_assert_eq(kvb_engine_create(&cfg, &e), KVB_OK);
+    cr_expect(!mapped("libfabric"), "an auto engine without an RDMA device opened libfabric");
+    cr_expect(!mapped("infinipath"), "libinfinipath is mapped");
+    kvb_engine_destroy(e);
+    if (!available("tcp;ofi_rxm"))
+        return;
+    cfg.fabric_provider = "tcp;ofi_rxm";
+    cr_assert_eq(kvb_engine_create(&cfg, &e), KVB_OK);
+    cr_expect(mapped("libfabric"), "a named provider opens libfabric");
+    kvb_engine_destroy(e);
+}
+
 Test(fabric_config, auto_takes_fabric_after_shm)
 {
     if (!available("tcp;ofi_rxm"))
