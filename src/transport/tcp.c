@@ -26,8 +26,12 @@
 #include "transport/shm.h"
 #include "transport/stage.h"
 
-#define RXBUF_SIZE   (64u << 10) /* read-ahead for headers and small payloads */
-#define SMALL_RECV   (16u << 10) /* payload remainders below this are read through rxbuf */
+#define RXBUF_SIZE (64u << 10) /* read-ahead for headers and small payloads */
+#define SMALL_RECV (16u << 10) /* payload remainders below this are read through rxbuf */
+/* Frames with at least this much payload are received in place, header to header (sink_bytes):
+ * one recvmsg and one copy per frame. Below it a syscall per frame costs more than the second
+ * copy it saves (measured: -25% at 16 KiB, +6% at 32 KiB, +17% for 1 MiB WRITEs). */
+#define DIRECT_RECV  (32u << 10)
 #define IOV_CAP      512
 #define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
 #define LANE_SPREAD  (1u << 20) /* a submit moves to the next lane after this many bytes */
@@ -1208,8 +1212,8 @@ static void read_frames(tcp_conn_t *c)
                 n = sink_bytes(c, c->rxbuf + c->rx_pos, avail < want ? avail : (size_t)want);
                 if (n > 0)
                     c->rx_pos += (size_t)n;
-            } else if (c->rx_plen < SMALL_RECV) {
-                goto fill; /* a small payload: read it with what follows, in one syscall */
+            } else if (c->rx_plen < DIRECT_RECV && want < SMALL_RECV) {
+                goto fill; /* a small remainder: read it with what follows, in one syscall */
             } else {
                 if (budget-- == 0)
                     break;
@@ -1248,7 +1252,7 @@ static void read_frames(tcp_conn_t *c)
             c->rx_pos = 0;
         }
         size_t space = RXBUF_SIZE - c->rx_len;
-        if (c->rx_plen >= SMALL_RECV && c->rx_len < KVB_WIRE_HDR_SIZE)
+        if (c->rx_plen >= DIRECT_RECV && c->rx_len < KVB_WIRE_HDR_SIZE)
             space = KVB_WIRE_HDR_SIZE - c->rx_len; /* see sink_bytes: large frames come in place */
         ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, space, MSG_DONTWAIT);
         if (n > 0) {
