@@ -89,6 +89,10 @@ static int rank_init(kvb_pd_server_t *srv, uint32_t r, char *reason, size_t cap)
     kvb_config_init(&c);
     c.bind_addr = srv->addr;
     c.insecure = srv->opts.insecure;
+    if (srv->opts.protocol)
+        c.protocol = srv->opts.protocol;
+    if (srv->opts.fabric_provider)
+        c.fabric_provider = srv->opts.fabric_provider;
     if (srv->meta) { /* the engine publishes its segment there; its name stays host:port */
         c.metadata = srv->metadata;
         c.cluster = srv->cluster;

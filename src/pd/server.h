@@ -43,6 +43,10 @@ typedef struct {
     /* HTTP connections served at once, each on a thread of its own; one more is closed as it is
      * accepted. 0: KVB_PD_SERVER_MAX_CONNS. */
     uint32_t max_connections;
+    /* The engines' data paths and libfabric provider (kvb_config_t.protocol, .fabric_provider);
+     * NULL: the engine's defaults ("auto", or KVB_PROTOCOL / KVB_FABRIC_PROVIDER). */
+    const char *protocol;
+    const char *fabric_provider;
     /* A metadata store ("etcd://h:p[,h:p]", "redis://[:pw@]h:p[/db]", "http://h:p[/prefix]"),
      * or NULL, "" or "p2p" for none. With one, every rank's engine publishes its segment there
      * and the instance registers itself under kvbridge/<cluster>/instances/<addr>:<port> (see

@@ -39,7 +39,14 @@ uint8_t *kvb_cli_populated(uint64_t len)
 {
     void *p =
         mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
+    if (p == MAP_FAILED)
+        return NULL;
+    /* And touched: on a VM with shadow page tables the first access to each page costs a
+     * hypervisor exit even after MAP_POPULATE (0.7-1.2 GB/s for a stream over a fresh 512 MiB
+     * buffer against 3.5 over a touched one). */
+    for (uint64_t off = 0; off < len; off += 4096)
+        ((volatile uint8_t *)p)[off] = 0;
+    return p;
 }
 
 /* A populated buffer of shared memfd pages, as kvb_alloc makes (and same-host peers map). */

@@ -14,7 +14,8 @@ static void usage(FILE *f)
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
             "                      [--blocks N] [--lease-ms N] [--max-queue N]\n"
-            "                      [--max-connections N]\n"
+            "                      [--max-connections N] [--protocol P]\n"
+            "                      [--fabric-provider NAME]\n"
             "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
             "                      [--secret-file PATH] [--insecure]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
@@ -30,6 +31,10 @@ static void usage(FILE *f)
             "  --max-queue N   requests that may wait for KV blocks at once, first come first\n"
             "                  served, each until its deadline (default %u); one more, or one\n"
             "                  whose deadline passes, gets 503 with Retry-After and a reason\n"
+            "  --protocol P    the engines' data paths in the order tried: auto (default),\n"
+            "                  or a list such as fabric,tcp or shm,tcp (see the README)\n"
+            "  --fabric-provider NAME  libfabric provider of the fabric path (verbs;ofi_rxm,\n"
+            "                  efa, cxi; tcp;ofi_rxm or shm for testing)\n"
             "  --max-connections N  HTTP connections at once, a thread each (default %u); one\n"
             "                  more is closed as it is accepted; a connection silent for %u s\n"
             "                  is closed\n"
@@ -91,6 +96,14 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, 1000000, &v) || !v)
             return bad("bad --max-queue (1..1000000)", val);
         o->max_queue = (uint32_t)v;
+    } else if (!strcmp(opt, "--protocol")) {
+        if (!*val)
+            return bad("empty --protocol", NULL);
+        o->protocol = val;
+    } else if (!strcmp(opt, "--fabric-provider")) {
+        if (!*val)
+            return bad("empty --fabric-provider", NULL);
+        o->fabric_provider = val;
     } else if (!strcmp(opt, "--max-connections")) {
         if (kvb_cli_parse_uint(val, 100000, &v) || !v)
             return bad("bad --max-connections (1..100000)", val);
