@@ -295,11 +295,12 @@ static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, uint8_t *
     size_t parts = len >= SPLIT_MIN ? len / SPLIT_PART_MIN : 1;
     if (parts > (size_t)s->nthreads + 1)
         parts = (size_t)s->nthreads + 1;
-    size_t each = parts > 1 ? (len / parts + 63) & ~(size_t)63 : len;
+    /* Rounded up (to whole cache lines): at most `parts` pieces, the room kvb__shm_run made.
+     * (Rounding len / parts down could leave a few bytes for one piece more.) */
+    size_t each = parts > 1 ? ((len + parts - 1) / parts + 63) & ~(size_t)63 : len;
     for (size_t off = 0; off < len; off += each)
-        segs[n++] = (copy_seg_t){.dst = dst + off,
-                                 .src = src + off,
-                                 .len = len - off < each ? len - off : each};
+        segs[n++] = (copy_seg_t){
+            .dst = dst + off, .src = src + off, .len = len - off < each ? len - off : each};
     return n;
 }
 
