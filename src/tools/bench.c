@@ -37,12 +37,12 @@ typedef struct {
     bool ceiling;         /* --ceiling: measure the path's ceiling after the run, print the ratio */
     double ceiling_gbps;
     char ceiling_method[192];
-    uint64_t area_bytes;  /* the registered buffer each side used */
-    const char *protocol; /* tcp, shm or auto */
+    uint64_t area_bytes;         /* the registered buffer each side used */
+    const char *protocol;        /* tcp, shm or auto */
     const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
-    const char *kv_model; /* --kv: the KV-shaped workload instead */
-    const char *metadata; /* --metadata URI: segments found through a store */
+    const char *kv_model;        /* --kv: the KV-shaped workload instead */
+    const char *metadata;        /* --metadata URI: segments found through a store */
     const char *cluster, *name;
     double open_ms; /* how long kvb_segment_open took (a store lookup plus the handshake) */
     uint64_t tokens, reps;

@@ -3,18 +3,8 @@
  * publishes with its segment. A descriptor that decodes must validate, encode, and decode again. */
 #include <stdlib.h>
 
+#include "fuzz.h"
 #include "kvbridge/kv.h"
-
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvb_log_set_level(0);
-    return 0;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

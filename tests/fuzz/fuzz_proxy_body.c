@@ -4,19 +4,9 @@
 #include <jansson.h>
 #include <string.h>
 
+#include "fuzz.h"
 #include "kvbridge/engine.h"
 #include "pd/proxy_internal.h"
-
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvb_log_set_level(0);
-    return 0;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

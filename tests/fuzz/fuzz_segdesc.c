@@ -3,19 +3,9 @@
  * metadata store returns for a segment name - anything anyone who can write to the store wrote. */
 #include <string.h>
 
+#include "fuzz.h"
 #include "engine/export.h"
 #include "kvbridge/engine.h"
-
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvb_log_set_level(0);
-    return 0;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

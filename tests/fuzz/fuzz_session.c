@@ -17,14 +17,12 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "fuzz.h"
 #include "engine/internal.h"
 #include "engine/wire.h"
 
 #define BUF_ADDR 0x7e0000000000ull /* the registered buffer; seeds address it */
 #define BUF_LEN  (1u << 20)
-
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static const char SECRET[] = "fuzzing-secret-0123456789abcdef";
 static kvb_engine_t *g_eng;

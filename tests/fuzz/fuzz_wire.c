@@ -5,18 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz.h"
 #include "engine/wire.h"
-
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvb_log_set_level(0); /* a warning per malformed input would be all the fuzzer does */
-    return 0;
-}
 
 static void header(const uint8_t *in, size_t len)
 {
