@@ -250,6 +250,8 @@ static int decode_body(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *p
         json_object_set(b, "t0", t0);
         json_object_set(b, "prefill_segments", psegs);
         json_object_set_new(b, "prefill_blocks", pblocks ? json_incref(pblocks) : json_array());
+        if (pblocks) /* pull: the prefill's ticket vouches for its lease's blocks */
+            json_object_set(b, "prefill_ticket", json_object_get(job->prefill_reply, "ticket"));
         json_object_set_new(b, "max_tokens", json_integer(rq->max_tokens));
         json_object_set_new(b, "stream", json_boolean(rq->stream));
     }
@@ -314,6 +316,7 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
     b = base_body(job, rq);
     if (b) {
         json_object_set(b, "decode_blocks", json_object_get(res, "blocks"));
+        json_object_set(b, "decode_ticket", json_object_get(res, "ticket"));
         json_object_set(b, "decode_segments", dsegs ? dsegs : json_object_get(dinfo, "segments"));
     }
     json_decref(res);

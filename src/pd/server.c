@@ -172,9 +172,43 @@ static bool is_post_path(const char *url)
            !strcmp(url, "/pd/decode") || !strcmp(url, "/pd/reserve") || !strcmp(url, "/pd/abort");
 }
 
+/* Who may call: /pd/ endpoints only the cluster (a call signed with its secret, fresh and never
+ * seen before), /v1/completions a holder of an API key when keys are set, the rest anyone. */
+static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
+                          const char *url, const char *body, size_t len, enum MHD_Result *ret)
+{
+    const char *reason = NULL;
+    if (!strncmp(url, "/pd/", 4)) {
+        const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, KVB_PD_AUTH_HEADER);
+        if (!kvb__pd_auth_check(srv->auth, method, url, h, body, len, &reason))
+            return false;
+        kvb__pd_metric_failure(srv);
+        KVB_WARN("refused %s %s: %s", method, url, reason);
+        *ret = kvb__http_error_ex(conn, 401,
+                                  "internal endpoints take only calls signed with the cluster "
+                                  "secret (" KVB_PD_AUTH_HEADER ")",
+                                  reason, 0);
+        return true;
+    }
+    if (!strcmp(url, "/v1/completions")) {
+        const char *h =
+            MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+        if (!kvb__pd_auth_api_key(srv->auth, h))
+            return false;
+        kvb__pd_metric_failure(srv);
+        *ret = kvb__http_error_ex(conn, 401, "a valid API key is required (Authorization: Bearer)",
+                                  "invalid_api_key", 0);
+        return true;
+    }
+    return false;
+}
+
 enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
                               const char *url, const char *body, size_t len)
 {
+    enum MHD_Result ret;
+    if (refuse_caller(srv, conn, method, url, body, len, &ret))
+        return ret;
     bool get = !strcmp(method, "GET");
     bool get_path = !strcmp(url, "/health") || !strcmp(url, "/metrics") || !strcmp(url, "/pd/info");
     if (get_path && get)
@@ -190,9 +224,8 @@ enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn,
     if (!j)
         return kvb__pd_http_fail(srv, conn, 400, "malformed JSON body: %s (line %d, column %d)",
                                  err.text, err.line, err.column);
-    enum MHD_Result ret = json_is_object(j)
-                              ? route_post(srv, conn, url, j)
-                              : kvb__pd_http_fail(srv, conn, 400, "the body must be a JSON object");
+    ret = json_is_object(j) ? route_post(srv, conn, url, j)
+                            : kvb__pd_http_fail(srv, conn, 400, "the body must be a JSON object");
     json_decref(j);
     return ret;
 }
@@ -326,7 +359,10 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
 
 static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
 {
-    int rc = kvb__pd_reg_open(srv, reason, cap);
+    int rc = kvb__pd_auth_create(srv->opts.api_key_file, &srv->auth, reason, cap);
+    srv->opts.api_key_file = NULL; /* the caller's string, read now */
+    if (!rc)
+        rc = kvb__pd_reg_open(srv, reason, cap);
     if (!rc)
         rc = kvb_pd_model_open(srv->opts.model, srv->opts.seed, &srv->model, reason, cap);
     if (!rc)
@@ -415,6 +451,7 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
     free(srv->caches);
     kvb_pd_blocks_destroy(srv->pool);
     kvb_pd_model_free(srv->model);
+    kvb__pd_auth_free(srv->auth);
     pthread_cond_destroy(&srv->cv);
     pthread_cond_destroy(&srv->adm_cv);
     pthread_mutex_destroy(&srv->mu);

@@ -54,6 +54,9 @@ typedef struct {
     const char *metadata;
     const char *cluster;      /* namespace of the keys; NULL: "default" */
     uint32_t metadata_ttl_ms; /* how long the keys outlive a crash; 0: 10000, else >= 1000 */
+    /* Bearer keys for /v1/completions (one per line), or NULL: open. The /pd/ endpoints are
+     * authenticated with the cluster secret (KVB_SECRET_FILE) instead: docs/pd-protocol.md. */
+    const char *api_key_file;
 } kvb_pd_server_opts_t;
 
 typedef struct kvb_pd_server kvb_pd_server_t;

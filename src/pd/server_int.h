@@ -13,6 +13,7 @@
 #include "kvbridge/engine.h"
 #include "kvbridge/kv.h"
 #include "meta/meta.h"
+#include "pd/auth.h"
 #include "pd/http.h"
 #include "pd/model.h"
 #include "pd/server.h"
@@ -130,6 +131,7 @@ struct kvb_pd_server {
 
     struct MHD_Daemon *httpd;
     uint16_t port;
+    kvb__pd_auth_t *auth; /* signed /pd/ calls, tickets, API keys */
 
     /* Registration with a metadata store (server_reg.c); meta is NULL without one. */
     char metadata[KVB_META_URI_MAX + 1];
@@ -207,6 +209,9 @@ void kvb__pd_reg_close(kvb_pd_server_t *srv);
  * says which peer and why. */
 int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
                       char *why, size_t why_cap);
+/* True for a kvb__pd_links_get failure that says the segment is no member of this cluster (no
+ * such name, not a kvbridge engine, or it does not know the cluster secret). */
+bool kvb__pd_links_unknown(int rc);
 /* Moves the cached links to `seg` aside (the peer was lost), so the next request relinks. */
 void kvb__pd_links_drop(kvb_pd_server_t *srv, const char *seg);
 /* Appends the /health "links" array. */

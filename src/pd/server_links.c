@@ -89,6 +89,22 @@ static int peer_open(kvb_pd_server_t *srv, kvb__pd_peer_t *p, char *why, size_t 
     return KVB_OK;
 }
 
+bool kvb__pd_links_unknown(int rc)
+{
+    return rc == KVB_ERR_SEGMENT_NOT_FOUND || rc == KVB_ERR_NOT_FOUND || rc == KVB_ERR_RESOLVE ||
+           rc == KVB_ERR_AUTH || rc == KVB_ERR_VERSION || rc == KVB_ERR_PROTOCOL ||
+           rc == KVB_ERR_INVALID_ARG;
+}
+
+/* Forgets a peer added for this request whose link failed for a reason other than the guard's
+ * (remembered for /health): a name that led nowhere leaves nothing behind. */
+static void peer_forget_last(kvb_pd_server_t *srv)
+{
+    kvb__pd_peer_t *p = &srv->peers[srv->npeers - 1];
+    free(p->links);
+    srv->npeers--;
+}
+
 int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
                       char *why, size_t why_cap)
 {
@@ -98,10 +114,13 @@ int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_
     pthread_mutex_lock(&srv->links_mu);
     for (size_t m = 0; !rc && m < n; m++) {
         kvb__pd_peer_t *p = peer_find(srv, segs[m]);
+        bool added = !p;
         if (!p && !(p = peer_add(srv, segs[m])))
             rc = kvb__fail(why, why_cap, KVB_ERR_NOMEM, "out of memory");
         else if (!p->links[0]) /* new, refused before, or dropped: (re)link */
             rc = peer_open(srv, p, why, why_cap);
+        if (rc && rc != KVB_ERR_NOMEM && rc != KVB_ERR_INCOMPATIBLE && added)
+            peer_forget_last(srv);
         for (uint32_t r = 0; !rc && r < srv->tp; r++)
             out[r * n + m] = p->links[r];
     }

@@ -49,6 +49,23 @@ static int req_fail(pdreq_t *q, unsigned status, const char *fmt, ...)
     return -1;
 }
 
+/* Refuses the request with a machine-readable reason in the error object. */
+static int req_deny(pdreq_t *q, unsigned status, const char *reason, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int req_deny(pdreq_t *q, unsigned status, const char *reason, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(q->ref.msg, sizeof q->ref.msg, fmt, ap);
+    va_end(ap);
+    q->ref.status = status;
+    q->ref.reason = reason;
+    q->ref.retry_after_s = 0;
+    q->refused = true;
+    return req_fail(q, status, "%s", q->ref.msg);
+}
+
 static void req_init(pdreq_t *q, kvb_pd_server_t *srv)
 {
     memset(q, 0, sizeof *q);
@@ -158,6 +175,47 @@ static int get_t0(pdreq_t *q, json_t *b)
     return 0;
 }
 
+/* The other instance's blocks and segments must be the ones its ticket vouches for: a lease
+ * (pull) or reservation (push) of this very request, still held. Anything else - another
+ * request's blocks, a segment it never named, a made-up list - is refused before any link. */
+static int check_ticket(pdreq_t *q, json_t *b, const char *key, const char *kind)
+{
+    json_t *v = json_object_get(b, key);
+    const char *t = json_is_string(v) ? json_string_value(v) : NULL;
+    kvb__pd_grant_t g = {.kind = kind,
+                         .request_id = q->id,
+                         .segs = q->segs,
+                         .nsegs = q->nsegs,
+                         .blocks = q->rblocks,
+                         .nblocks = q->nrblocks};
+    const char *reason;
+    if (v && !t)
+        return req_fail(q, 400, "\"%s\" must be a string", key);
+    if (!kvb__pd_ticket_check(q->srv->auth, &g, t, &reason))
+        return 0;
+    return req_deny(q, 403, reason,
+                    "\"%s\" does not vouch for these blocks and segments of %s %s (%s)", key, kind,
+                    q->id, reason);
+}
+
+/* A ticket for the blocks this instance holds for the request, on its own segments. */
+static json_t *ticket_json(pdreq_t *q, const char *kind, uint64_t valid_ms)
+{
+    kvb_pd_server_t *srv = q->srv;
+    char *segs[KVB_PD_SEGS_MAX], t[KVB_PD_TICKET_MAX];
+    for (uint32_t r = 0; r < srv->tp; r++)
+        segs[r] = (char *)kvb_engine_segment_name(srv->ranks[r].engine);
+    kvb__pd_grant_t g = {.kind = kind,
+                         .request_id = q->id,
+                         .segs = segs,
+                         .nsegs = srv->tp,
+                         .blocks = q->ent->seq.blocks,
+                         .nblocks = q->nb};
+    if (kvb__pd_ticket_make(srv->auth, &g, kvb__pd_unix_ms() + valid_ms, t))
+        return NULL;
+    return json_string(t);
+}
+
 /* The fields every /pd request has: id, prompt and generation parameters, kv_mode. */
 static int parse_common(pdreq_t *q, json_t *b)
 {
@@ -189,8 +247,12 @@ static int prepare(pdreq_t *q, bool link)
         return req_fail(q, 500, "out of memory");
     char why[sizeof q->why];
     rc = kvb__pd_links_get(srv, q->segs, q->nsegs, q->links, why, sizeof why);
+    if (rc == KVB_ERR_INCOMPATIBLE)
+        return req_fail(q, 409, "%s", why);
+    if (kvb__pd_links_unknown(rc)) /* not a member of this cluster: nothing to retry */
+        return req_deny(q, 400, "unknown_segment", "%s", why);
     if (rc)
-        return req_fail(q, rc == KVB_ERR_INCOMPATIBLE ? 409 : 502, "%s", why);
+        return req_fail(q, 502, "%s", why);
     return 0;
 }
 
@@ -370,6 +432,10 @@ static json_t *prefill_pull(pdreq_t *q)
                      q->id, kvb_strerror(rc));
     }
     json_t *ok = q->status ? NULL : prefill_answer(q, 0, 0.0);
+    if (ok && json_object_set_new(ok, "ticket", ticket_json(q, "lease", srv->opts.lease_ms))) {
+        json_decref(ok);
+        ok = NULL;
+    }
     uint64_t deadline = kvb__deadline_ms(srv->opts.lease_ms);
     pthread_mutex_lock(&srv->mu);
     if (q->status || !ok || kvb__pd_ent_set_segs(q->ent, q->segs, n)) {
@@ -434,7 +500,9 @@ enum MHD_Result kvb__pd_prefill(kvb_pd_server_t *srv, struct MHD_Connection *con
         return kvb__pd_http_fail(srv, conn, 404, "/pd/prefill is served by prefill instances");
     kvb__pd_metric_request(srv);
     if (!parse_common(&q, body) && !get_segs(&q, body, "decode_segments") &&
-        (q.mode == KVB_PD_KV_PULL || !get_blocks(&q, body, "decode_blocks")) && !prepare(&q, true))
+        (q.mode == KVB_PD_KV_PULL || (!get_blocks(&q, body, "decode_blocks") &&
+                                      !check_ticket(&q, body, "decode_ticket", "reservation"))) &&
+        !prepare(&q, true))
         ok = q.mode == KVB_PD_KV_PULL ? prefill_pull(&q) : prefill_push(&q);
     return req_answer(&q, conn, ok);
 }
@@ -460,9 +528,10 @@ static json_t *reserve(pdreq_t *q)
                      q->id, r, kvb_strerror(rc));
     }
     json_t *ok = q->status ? NULL
-                           : json_pack("{s:s,s:o*,s:o*}", "request_id", q->id, "blocks",
+                           : json_pack("{s:s,s:o*,s:o*,s:o*}", "request_id", q->id, "blocks",
                                        blocks_json(q->ent->seq.blocks, q->nb), "decode_segments",
-                                       segs_json(srv));
+                                       segs_json(srv), "ticket",
+                                       ticket_json(q, "reservation", q->p.timeout_ms));
     uint64_t deadline = kvb__deadline_ms(q->p.timeout_ms);
     pthread_mutex_lock(&srv->mu);
     if (q->status || !ok || kvb__pd_ent_set_segs(q->ent, q->segs, n)) {
@@ -656,7 +725,7 @@ enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn
     if (q.mode == KVB_PD_KV_PUSH)
         return decode_push(&q, conn);
     if (get_segs(&q, body, "prefill_segments") || get_blocks(&q, body, "prefill_blocks") ||
-        prepare(&q, true))
+        check_ticket(&q, body, "prefill_ticket", "lease") || prepare(&q, true))
         return req_answer(&q, conn, NULL);
     return decode_pull(&q, conn);
 }

@@ -13,10 +13,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "pd/auth.h"
 #include "pd/model.h"
 #include "pd/server.h"
 
@@ -31,6 +33,9 @@ typedef struct {
 
 static inst_t insts[MAX_INST];
 static int ninst;
+static const char *api_key_file; /* the next start()'s --api-key-file */
+static kvb__pd_auth_t *signer;   /* signs /pd/ calls when set (instances with a secret) */
+static const char *extra_header; /* one more header line for every call, when set */
 
 /* ---- instances -------------------------------------------------------------------------------
  */
@@ -69,7 +74,8 @@ static inst_t *start(kvb_pd_role_t role, const char *model, uint64_t seed, uint3
                               .seed = seed,
                               .tp = tp,
                               .blocks = BLOCKS,
-                              .lease_ms = 3000};
+                              .lease_ms = 3000,
+                              .api_key_file = api_key_file};
     int p[2];
     cr_assert_eq(pipe(p), 0);
     pid_t pid = fork();
@@ -118,12 +124,16 @@ static void setup(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
     ninst = 0;
+    api_key_file = NULL;
+    signer = NULL;
+    extra_header = NULL;
 }
 
 static void teardown(void)
 {
     for (int i = 0; i < ninst; i++)
         stop(&insts[i]);
+    kvb__pd_auth_free(signer);
     curl_global_cleanup();
 }
 
@@ -164,10 +174,22 @@ static long http(const inst_t *in, const char *path, const char *body, char **ou
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
     if (body)
         curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    struct curl_slist *hdrs = NULL;
+    char line[KVB_PD_AUTH_LINE_MAX];
+    if (signer && !strncmp(path, "/pd/", 4)) {
+        cr_assert_eq(kvb__pd_auth_sign(signer, body ? "POST" : "GET", path, body,
+                                       body ? strlen(body) : 0, line),
+                     KVB_OK);
+        hdrs = curl_slist_append(hdrs, line);
+    }
+    if (extra_header)
+        hdrs = curl_slist_append(hdrs, extra_header);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
     long status = 0;
     if (curl_easy_perform(c) == CURLE_OK)
         curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
     curl_easy_cleanup(c);
+    curl_slist_free_all(hdrs);
     if (out)
         *out = b.s;
     else
@@ -312,6 +334,14 @@ Test(server, colocated_stream)
 
 /* ---- disaggregated, driven as the proxy does ----------------------------------------------- */
 
+/* The "ticket" an instance answered with (a lease's or a reservation's). */
+static const char *ticket_of(json_t *answer)
+{
+    const char *t = json_string_value(json_object_get(answer, "ticket"));
+    cr_assert_not_null(t, "the answer has no ticket");
+    return t;
+}
+
 static json_t *segments(const inst_t *in)
 {
     json_t *info = get_json(in, "/pd/info");
@@ -332,9 +362,9 @@ static json_t *pd_pull(const inst_t *pre, const inst_t *dec, const char *id, con
     json_t *a = post_json(dec, "/pd/decode", 200,
                           "{\"request_id\": \"%s\", \"prompt\": %s, \"t0\": %lld, "
                           "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
-                          "\"kv_mode\": \"pull\"}",
+                          "\"kv_mode\": \"pull\", \"prefill_ticket\": \"%s\"}",
                           id, p, (long long)json_integer_value(json_object_get(r, "t0")), blocks,
-                          pss, MAX_TOKENS);
+                          pss, MAX_TOKENS, ticket_of(r));
     free(blocks), free(pss), free(dss), free(p);
     json_decref(r), json_decref(ps), json_decref(ds), json_decref(pj);
     return a;
@@ -348,10 +378,11 @@ static json_t *pd_push(const inst_t *pre, const inst_t *dec, const char *id, con
         post_json(dec, "/pd/reserve", 200,
                   "{\"request_id\": \"%s\", \"prompt\": %s, \"prefill_segments\": %s}", id, p, pss);
     char *blocks = dump(json_object_get(res, "blocks"));
-    json_t *r = post_json(pre, "/pd/prefill", 200,
-                          "{\"request_id\": \"%s\", \"prompt\": %s, \"kv_mode\": \"push\", "
-                          "\"decode_segments\": %s, \"decode_blocks\": %s}",
-                          id, p, dss, blocks);
+    json_t *r =
+        post_json(pre, "/pd/prefill", 200,
+                  "{\"request_id\": \"%s\", \"prompt\": %s, \"kv_mode\": \"push\", "
+                  "\"decode_segments\": %s, \"decode_blocks\": %s, \"decode_ticket\": \"%s\"}",
+                  id, p, dss, blocks, ticket_of(res));
     json_t *a =
         post_json(dec, "/pd/decode", 200,
                   "{\"request_id\": \"%s\", \"prompt\": %s, \"t0\": %lld, \"max_tokens\": "
@@ -485,7 +516,7 @@ Test(server, incompatible_pair)
 
 typedef struct {
     const inst_t *dec;
-    char body[256];
+    char body[1024];
     long status;
     double secs;
 } bg_t;
@@ -516,8 +547,8 @@ Test(server, push_prefill_killed)
     char *blocks = dump(json_object_get(res, "blocks")), body[1024];
     snprintf(body, sizeof body,
              "{\"request_id\": \"k1\", \"prompt\": \"%s\", \"kv_mode\": \"push\", "
-             "\"decode_segments\": %s, \"decode_blocks\": %s}",
-             prompt, dss, blocks);
+             "\"decode_segments\": %s, \"decode_blocks\": %s, \"decode_ticket\": \"%s\"}",
+             prompt, dss, blocks, ticket_of(res));
     cr_assert_eq(http(pre, "/pd/prefill", body, NULL, 500), 0); /* stalled: client times out */
     bg_t b = {.dec = dec};
     snprintf(b.body, sizeof b.body,
@@ -549,8 +580,8 @@ Test(server, pull_prefill_killed)
     bg_t b = {.dec = dec};
     snprintf(b.body, sizeof b.body,
              "{\"request_id\": \"k2\", \"prompt\": \"Hello world\", \"t0\": 65, "
-             "\"prefill_blocks\": %s, \"prefill_segments\": %s}",
-             blocks, pss);
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"prefill_ticket\": \"%s\"}",
+             blocks, pss, ticket_of(r));
     bg_decode(&b);
     cr_assert_geq(b.status, 500, "decode answered %ld", b.status);
     cr_assert_lt(b.secs, 5.0, "decode took %.1f s to fail", b.secs);
@@ -575,4 +606,248 @@ Test(server, decode_killed_frees_lease)
     expect_free(pre, BLOCKS);
     free(dss);
     json_decref(r), json_decref(ds);
+}
+
+/* ---- misuse: callers without the secret, foreign blocks, unknown segments, API keys --------- */
+
+/* Asserts a refusal: the status and the error object's "reason". */
+static void expect_refused(const inst_t *in, const char *path, const char *body, long want,
+                           const char *reason)
+{
+    char *out = NULL;
+    long st = http(in, path, body, &out, 10000);
+    cr_assert_eq(st, want, "%s -> %ld, want %ld: %s", path, st, want, out);
+    json_t *j = json_loads(out, 0, NULL);
+    const char *r = json_string_value(json_object_get(json_object_get(j, "error"), "reason"));
+    cr_assert(r && !strcmp(r, reason), "%s: reason %s, want %s (%s)", path, r ? r : "none", reason,
+              out);
+    json_decref(j);
+    free(out);
+}
+
+/* A cluster secret for the instances started next (they inherit the environment) and for the
+ * test's own signer. */
+static void use_secret(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/kvb-secret-%d", (int)getpid());
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+    chmod(path, 0600);
+    setenv("KVB_SECRET_FILE", path, 1);
+}
+
+static kvb__pd_auth_t *auth_now(void)
+{
+    kvb__pd_auth_t *a = NULL;
+    char why[256];
+    cr_assert_eq(kvb__pd_auth_create(NULL, &a, why, sizeof why), KVB_OK, "%s", why);
+    return a;
+}
+
+Test(server, internal_calls_need_the_cluster_secret)
+{
+    use_secret("the cluster secret of this test\n");
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    kvb__pd_auth_t *cluster = auth_now();
+    unlink(getenv("KVB_SECRET_FILE"));
+    cr_assert_eq(free_blocks(pre), BLOCKS); /* /health stays open */
+    expect_refused(pre, "/pd/info", NULL, 401, "unauthenticated");
+    expect_refused(dec, "/pd/decode", "{\"request_id\": \"x\"}", 401, "unauthenticated");
+    extra_header = KVB_PD_AUTH_HEADER ": v1 1 00000000000000000000000000000000 "
+                                      "00000000000000000000000000000000"
+                                      "00000000000000000000000000000000";
+    expect_refused(pre, "/pd/info", NULL, 401, "bad_signature");
+    extra_header = NULL;
+
+    signer = cluster; /* the whole pull path works */
+    json_t *a = pd_pull(pre, dec, "s1", "Hello world");
+    check_tokens(a, "tiny-gqa", "Hello world");
+    json_decref(a);
+
+    /* A call seen once is not accepted again, however valid its signature. */
+    static char line[KVB_PD_AUTH_LINE_MAX];
+    cr_assert_eq(kvb__pd_auth_sign(signer, "GET", "/pd/info", NULL, 0, line), KVB_OK);
+    signer = NULL;
+    extra_header = line;
+    json_decref(get_json(pre, "/pd/info"));
+    expect_refused(pre, "/pd/info", NULL, 401, "replayed");
+
+    /* Signed for one body, sent with another (blocks of someone else's request, say). */
+    const char *signed_body = "{\"request_id\": \"s2\", \"prompt\": \"x\", \"decode_segments\": "
+                              "[\"127.0.0.1:1\"]}";
+    cr_assert_eq(
+        kvb__pd_auth_sign(cluster, "POST", "/pd/prefill", signed_body, strlen(signed_body), line),
+        KVB_OK);
+    expect_refused(pre, "/pd/prefill",
+                   "{\"request_id\": \"s2\", \"prompt\": \"y\", \"decode_segments\": "
+                   "[\"127.0.0.1:1\"]}",
+                   401, "bad_signature");
+
+    /* Another secret is no secret at all. */
+    use_secret("somebody else's secret, as long\n");
+    signer = auth_now();
+    unlink(getenv("KVB_SECRET_FILE"));
+    extra_header = NULL;
+    expect_refused(pre, "/pd/info", NULL, 401, "bad_signature");
+    kvb__pd_auth_free(cluster);
+    cr_assert_eq(free_blocks(pre), BLOCKS);
+    cr_assert_eq(free_blocks(dec), BLOCKS);
+}
+
+/* The prefill's answer: its lease's blocks (as JSON text) and ticket. */
+static json_t *prefill_lease(const inst_t *pre, const char *id, const char *dss)
+{
+    return post_json(
+        pre, "/pd/prefill", 200,
+        "{\"request_id\": \"%s\", \"prompt\": \"Hello world\", \"decode_segments\": %s}", id, dss);
+}
+
+static void decode_refused(const inst_t *dec, const char *id, const char *blocks, const char *pss,
+                           const char *ticket, const char *reason)
+{
+    char body[2048];
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"%s\", \"prompt\": \"Hello world\", \"t0\": 65, "
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s%s%s%s}",
+             id, blocks, pss, ticket ? ", \"prefill_ticket\": \"" : "", ticket ? ticket : "",
+             ticket ? "\"" : "");
+    expect_refused(dec, "/pd/decode", body, 403, reason);
+}
+
+Test(server, foreign_block_ids_pull)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds);
+    json_t *r1 = prefill_lease(pre, "f1", dss), *r2 = prefill_lease(pre, "f2", dss);
+    char *b1 = dump(json_object_get(r1, "blocks")), *b2 = dump(json_object_get(r2, "blocks"));
+    cr_assert_str_neq(b1, b2);
+    decode_refused(dec, "f1", b2, pss, ticket_of(r1), "foreign_blocks"); /* f2's blocks */
+    decode_refused(dec, "f1", b2, pss, ticket_of(r2), "foreign_blocks"); /* f2's whole grant */
+    decode_refused(dec, "f1", b1, pss, NULL, "missing_ticket");
+    decode_refused(dec, "f1", b1, "[\"127.0.0.1:9\"]", ticket_of(r1), "foreign_blocks");
+    decode_refused(dec, "f1", "[0, 1, 2, 3]", pss, ticket_of(r1), "foreign_blocks");
+    /* Nothing changed: the decode holds nothing, the prefill both leases, and f1 still works. */
+    cr_assert_eq(free_blocks(dec), BLOCKS);
+    cr_assert_eq(free_blocks(pre), BLOCKS - 2);
+    json_t *a = post_json(dec, "/pd/decode", 200,
+                          "{\"request_id\": \"f1\", \"prompt\": \"Hello world\", \"t0\": %lld, "
+                          "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
+                          "\"prefill_ticket\": \"%s\"}",
+                          (long long)json_integer_value(json_object_get(r1, "t0")), b1, pss,
+                          MAX_TOKENS, ticket_of(r1));
+    check_tokens(a, "tiny-gqa", "Hello world");
+    expect_free(pre, BLOCKS - 1); /* f2's lease only */
+    json_decref(a), json_decref(r1), json_decref(r2), json_decref(ps), json_decref(ds);
+    free(b1), free(b2), free(pss), free(dss);
+}
+
+Test(server, foreign_block_ids_push)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds);
+    const char *prompt = "a prompt that is longer than two blocks of sixteen";
+    json_t *res = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"g1\", \"prompt\": \"%s\", \"max_tokens\": %d, "
+                            "\"prefill_segments\": %s}",
+                            prompt, MAX_TOKENS, pss);
+    json_t *blocks = json_object_get(res, "blocks");
+    cr_assert_eq(json_array_size(blocks), 4);
+    char *good = dump(blocks), bad[128], body[2048];
+    /* The same count, one id another request could hold. */
+    snprintf(bad, sizeof bad, "[%lld, %lld, %lld, %lld]",
+             (long long)json_integer_value(json_array_get(blocks, 0)),
+             (long long)json_integer_value(json_array_get(blocks, 1)),
+             (long long)json_integer_value(json_array_get(blocks, 2)),
+             (long long)json_integer_value(json_array_get(blocks, 3)) + 1);
+    long held = free_blocks(dec);
+    const char *fmt = "{\"request_id\": \"%s\", \"prompt\": \"%s\", \"kv_mode\": \"push\", "
+                      "\"decode_segments\": %s, \"decode_blocks\": %s%s%s%s}";
+    snprintf(body, sizeof body, fmt, "g1", prompt, dss, bad, ", \"decode_ticket\": \"",
+             ticket_of(res), "\"");
+    expect_refused(pre, "/pd/prefill", body, 403, "foreign_blocks");
+    snprintf(body, sizeof body, fmt, "g1", prompt, dss, good, "", "", "");
+    expect_refused(pre, "/pd/prefill", body, 403, "missing_ticket");
+    snprintf(body, sizeof body, fmt, "g2", prompt, dss, good, ", \"decode_ticket\": \"",
+             ticket_of(res), "\"");
+    expect_refused(pre, "/pd/prefill", body, 403, "foreign_blocks"); /* another request's id */
+    cr_assert_eq(free_blocks(pre), BLOCKS);
+    cr_assert_eq(free_blocks(dec), held); /* the reservation stands */
+    json_decref(post_json(pre, "/pd/prefill", 200, fmt, "g1", prompt, dss, good,
+                          ", \"decode_ticket\": \"", ticket_of(res), "\""));
+    json_decref(res), json_decref(ps), json_decref(ds);
+    free(good), free(pss), free(dss);
+}
+
+Test(server, unknown_segments)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    use_secret("the secret of another cluster\n"); /* an engine that is no member of ours */
+    inst_t *other = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    signer = auth_now(); /* the other cluster's, to learn its segment */
+    json_t *os = segments(other);
+    char *oss = dump(os), body[512];
+    kvb__pd_auth_free(signer);
+    signer = NULL;
+    unlink(getenv("KVB_SECRET_FILE"));
+    unsetenv("KVB_SECRET_FILE");
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"u1\", \"prompt\": \"x\", \"decode_segments\": %s}", oss);
+    expect_refused(pre, "/pd/prefill", body, 400, "unknown_segment");
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"u4\", \"prompt\": \"x\", \"prefill_segments\": %s}", oss);
+    expect_refused(dec, "/pd/reserve", body, 400, "unknown_segment");
+    json_decref(os);
+    free(oss);
+    expect_refused(pre, "/pd/prefill",
+                   "{\"request_id\": \"u2\", \"prompt\": \"x\", \"decode_segments\": "
+                   "[\"no-such-host.invalid:7000\"]}",
+                   400, "unknown_segment");
+    expect_refused(dec, "/pd/reserve",
+                   "{\"request_id\": \"u3\", \"prompt\": \"x\", \"prefill_segments\": "
+                   "[\"no-such-host.invalid:7000\"]}",
+                   400, "unknown_segment");
+    /* Nothing was kept: no blocks held, no link listed, the ids free to use. */
+    cr_assert_eq(free_blocks(pre), BLOCKS);
+    cr_assert_eq(free_blocks(dec), BLOCKS);
+    json_t *h = get_json(pre, "/health");
+    cr_assert_eq(json_array_size(json_object_get(h, "links")), 0, "links: %s",
+                 json_dumps(json_object_get(h, "links"), 0));
+    json_decref(h);
+    json_t *ds = segments(dec);
+    char *dss = dump(ds);
+    json_decref(prefill_lease(pre, "u1", dss));
+    json_decref(ds);
+    free(dss);
+}
+
+Test(server, api_keys_guard_completions)
+{
+    static char keys[64];
+    snprintf(keys, sizeof keys, "/tmp/kvb-keys-%d", (int)getpid());
+    FILE *f = fopen(keys, "w");
+    cr_assert_not_null(f);
+    fputs("# test keys\nsk-test-one\nsk-test-two\n", f);
+    fclose(f);
+    api_key_file = keys;
+    inst_t *both = start(KVB_PD_ROLE_BOTH, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    unlink(keys);
+    const char *body = "{\"prompt\": \"Hello world\", \"max_tokens\": 8}";
+    expect_refused(both, "/v1/completions", body, 401, "invalid_api_key");
+    extra_header = "Authorization: Bearer sk-test-three";
+    expect_refused(both, "/v1/completions", body, 401, "invalid_api_key");
+    extra_header = "Authorization: Bearer sk-test-two";
+    json_t *a = post_json(both, "/v1/completions", 200, "%s", body);
+    check_tokens(a, "tiny-gqa", "Hello world");
+    json_decref(a);
+    extra_header = NULL;
+    cr_assert_eq(free_blocks(both), BLOCKS); /* /health needs no key */
 }
