@@ -17,7 +17,7 @@ static void usage(FILE *f)
             "                      [--max-connections N] [--protocol P]\n"
             "                      [--fabric-provider NAME]\n"
             "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
-            "                      [--secret-file PATH] [--insecure]\n\n"
+            "                      [--secret-file PATH] [--insecure] [--api-key-file PATH]\n\n"
             "Serves one instance of the PD runtime over HTTP (docs/pd-protocol.md).\n\n"
             "  --role R        prefill, decode, or both (colocated: /v1/completions locally)\n"
             "  --model M       a preset (tiny-gqa, tiny-mla) or a weight file\n"
@@ -47,7 +47,10 @@ static void usage(FILE *f)
             "  --cluster NAME  namespace of the keys (default \"default\")\n"
             "  --metadata-ttl-ms N  how long the keys outlive a crash (default 10000, min 1000)\n"
             "  --secret-file PATH  the cluster secret the engines authenticate peers with (also\n"
-            "                  KVB_SECRET_FILE); required with a non-loopback --bind\n"
+            "                  KVB_SECRET_FILE); required with a non-loopback --bind. With it,\n"
+            "                  the /pd/ endpoints take only calls the proxy signed with it\n"
+            "  --api-key-file PATH  bearer keys for /v1/completions, one per line ('#'\n"
+            "                  comments); without it /v1/completions is open\n"
             "  --insecure      allow a non-loopback --bind without a secret (warns)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
@@ -121,6 +124,10 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
     } else if (!strcmp(opt, "--secret-file")) {
         if (kvb_cli_secret_file("serve", val))
             return 2;
+    } else if (!strcmp(opt, "--api-key-file")) {
+        if (!*val)
+            return bad("empty --api-key-file", NULL);
+        o->api_key_file = val;
     } else if (!strcmp(opt, "--metadata-ttl-ms")) {
         if (kvb_cli_parse_uint(val, 3600000, &v) || v < 1000)
             return bad("bad --metadata-ttl-ms (1000..3600000)", val);
