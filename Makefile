@@ -94,7 +94,7 @@ soak: build
 demo: deps-build build
 	$(BUILD)/kvbridge demo
 
-# The benchmark suite (about 12 minutes on 2 cores): writes bench/results/ (CSV, Markdown, PNG).
+# The benchmark suite (about 9 minutes on 2 cores): writes bench/results/ (CSV, Markdown, PNG).
 bench: deps-bench build
 	bench/run.sh
 

@@ -9,6 +9,10 @@ OUT=${OUT:-bench/results}
 SWEEP_SECS=${SWEEP_SECS:-1}
 GOAL_SECS=${GOAL_SECS:-2}
 REPS=${REPS:-5}
+# Submitting threads in the sweep: 1 keeps `make bench` within 10 minutes on 2 cores (each point
+# populates two buffers of $BUF first); THREADS="1 2" adds the second.
+THREADS=${THREADS:-1}
+START=$SECONDS
 # Per side: larger than the last-level cache, as a KV pool is - 256 MiB, or 4x the cache where
 # sysfs tells its size and that is more (hosts with 300+ MiB of L3 exist).
 llc_kib=$(sed -n 's/^\([0-9]*\)K$/\1/p' /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null || true)
@@ -33,7 +37,8 @@ ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size 
 
 # ---- sweep ------------------------------------------------------------------------------------
 blocks=(4K 16K 64K 256K 1M 4M)
-total=$(( ${#blocks[@]} * 2 * 2 * 3 * 2 ))
+read -r -a threads <<< "$THREADS"
+total=$(( ${#blocks[@]} * 2 * 2 * 3 * ${#threads[@]} ))
 echo "protocol,operation,block_size,batch_size,threads,gbps,ceiling,ceiling_gbps,ratio" > "$OUT/sweep.csv"
 declare -A ceil_tcp ceil_mem
 for b in "${blocks[@]}"; do
@@ -46,7 +51,7 @@ for proto in tcp shm; do
   for op in read write; do
     for b in "${blocks[@]}"; do
       for batch in 1 16 128; do
-        for t in 1 2; do
+        for t in "${threads[@]}"; do
           k=$((k + 1))
           say "[$k/$total] $proto $op block $b batch $batch threads $t"
           g=$(kvb_gbps --protocol "$proto" --operation "$op" --block-size "$b" \
@@ -183,7 +188,8 @@ say ""
     echo "# kvbridge benchmark results"
     echo
     llc=$(cat /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null || echo "unknown (sysfs has none)")
-    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r). Command: \`make bench\`."
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r). Command: \`make bench\`"
+    echo "($(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s)."
     echo "Working set: $BUF per side; last-level cache: $llc. Ceilings: a raw loopback TCP stream"
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
     echo "the fork), and the best of memcpy and rep movsb with the copy path's 2 threads over memfd"
@@ -230,5 +236,5 @@ plot "$OUT/.plot-tcp-read.dat" using 1:2 with linespoints title "tcp read", \
 GP
     rm -f "$OUT"/.plot-*.dat
 fi
-echo "wrote $OUT/sweep.csv $OUT/goals.csv $OUT/results.md $OUT/throughput.png" >&2
+echo "wrote $OUT/sweep.csv $OUT/goals.csv $OUT/results.md $OUT/throughput.png in $((SECONDS - START)) s" >&2
 cat "$OUT/goals.csv" | column -t -s, >&2 || true

@@ -1135,6 +1135,10 @@ int kvb_cmd_bench(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* Both sides of --kv are engines of processes forked from this one: the provider reaches
+     * them as the engine's default. */
+    if (o.kv_model && o.fabric_provider && setenv("KVB_FABRIC_PROVIDER", o.fabric_provider, 1))
+        return 1;
     if (o.kv_model)
         return kvb_bench_kv(o.kv_model, o.tokens ? o.tokens : 4096, o.protocol,
                             (int)(o.reps ? o.reps : 5), o.verify, o.json);

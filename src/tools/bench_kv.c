@@ -295,6 +295,16 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
     return rc || bad ? 1 : 0;
 }
 
+/* What bounds the path: a socket stream for TCP and for libfabric's tcp provider, a memory copy
+ * for the same-host paths (shm, libfabric's shm provider). */
+static const char *ceiling_kind(const char *protocol)
+{
+    const char *prov = getenv("KVB_FABRIC_PROVIDER");
+    if (!strcmp(protocol, "fabric"))
+        return prov && !strcmp(prov, "shm") ? "copy" : "tcp";
+    return strcmp(protocol, "tcp") ? "copy" : "tcp";
+}
+
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
                  bool json)
 {
@@ -322,9 +332,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
      * otherwise. */
     kvb_ceiling_t c;
     double ceiling =
-        kvb_ceiling(strcmp(protocol, "tcp") ? "copy" : "tcp", ws, block_bytes(m), 2, 0.5, 3, &c)
-            ? -1
-            : c.gbps;
+        kvb_ceiling(ceiling_kind(protocol), ws, block_bytes(m), 2, 0.5, 3, &c) ? -1 : c.gbps;
     uint64_t llc = kvb_llc_bytes();
     char cache[32] = "unknown (sysfs has none)";
     if (llc)
