@@ -293,7 +293,7 @@ static int http_start(kvb_pd_server_t *srv, char *reason, size_t cap)
     srv->httpd = MHD_start_daemon(flags, srv->opts.port, NULL, NULL, on_request, srv,
                                   MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
                                   MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_CONNECTION_TIMEOUT,
-                                  KVB_PD_SERVER_IDLE_S, MHD_OPTION_CONNECTION_LIMIT,
+                                  (unsigned)srv->opts.idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
                                   (unsigned)srv->opts.max_connections, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!srv->httpd)
@@ -348,6 +348,8 @@ static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
         srv->opts.max_queue = KVB_PD_SERVER_MAX_QUEUE;
     if (!srv->opts.max_connections)
         srv->opts.max_connections = KVB_PD_SERVER_MAX_CONNS;
+    if (!srv->opts.idle_timeout_s)
+        srv->opts.idle_timeout_s = KVB_PD_SERVER_IDLE_S;
     srv->max_queue = srv->opts.max_queue;
     srv->tp = o->tp;
     srv->tpb = KVB_PD_TOKENS_PER_BLOCK;

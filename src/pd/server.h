@@ -43,6 +43,9 @@ typedef struct {
     /* HTTP connections served at once, each on a thread of its own; one more is closed as it is
      * accepted. 0: KVB_PD_SERVER_MAX_CONNS. */
     uint32_t max_connections;
+    /* Seconds an HTTP connection may stay silent (a slow or stalled client, an idle keep-alive
+     * connection) before it is closed and its thread freed. 0: KVB_PD_SERVER_IDLE_S. */
+    uint32_t idle_timeout_s;
     /* The engines' data paths and libfabric provider (kvb_config_t.protocol, .fabric_provider);
      * NULL: the engine's defaults ("auto", or KVB_PROTOCOL / KVB_FABRIC_PROVIDER). */
     const char *protocol;

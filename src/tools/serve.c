@@ -14,7 +14,7 @@ static void usage(FILE *f)
             "usage: kvbridge serve --role prefill|decode|both --model PRESET|FILE [--seed N]\n"
             "                      [--tp N] --port P [--bind ADDR] [--kv-mode pull|push]\n"
             "                      [--blocks N] [--lease-ms N] [--max-queue N]\n"
-            "                      [--max-connections N] [--protocol P]\n"
+            "                      [--max-connections N] [--idle-timeout-s N] [--protocol P]\n"
             "                      [--fabric-provider NAME]\n"
             "                      [--metadata URI [--cluster NAME] [--metadata-ttl-ms N]]\n"
             "                      [--secret-file PATH] [--insecure] [--api-key-file PATH]\n\n"
@@ -36,8 +36,9 @@ static void usage(FILE *f)
             "  --fabric-provider NAME  libfabric provider of the fabric path (verbs;ofi_rxm,\n"
             "                  efa, cxi; tcp;ofi_rxm or shm for testing)\n"
             "  --max-connections N  HTTP connections at once, a thread each (default %u); one\n"
-            "                  more is closed as it is accepted; a connection silent for %u s\n"
-            "                  is closed\n"
+            "                  more is closed as it is accepted\n"
+            "  --idle-timeout-s N  a connection silent this long - a stalled or slow client,\n"
+            "                  an idle keep-alive - is closed (default %u)\n"
             "  --metadata URI  a metadata store: etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or\n"
             "                  http://H:P[/PREFIX] (kvbridge metadata-server). The engines\n"
             "                  publish their segments there, and once HTTP serves the instance\n"
@@ -111,6 +112,10 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, 100000, &v) || !v)
             return bad("bad --max-connections (1..100000)", val);
         o->max_connections = (uint32_t)v;
+    } else if (!strcmp(opt, "--idle-timeout-s")) {
+        if (kvb_cli_parse_uint(val, 86400, &v) || !v)
+            return bad("bad --idle-timeout-s (1..86400)", val);
+        o->idle_timeout_s = (uint32_t)v;
     } else if (!strcmp(opt, "--metadata")) {
         if (!kvb_pd_store_uri_valid(val))
             return bad("bad --metadata (want etcd://H:P[,H:P], redis://[:PW@]H:P[/DB] or "

@@ -13,6 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -34,6 +37,7 @@ typedef struct {
 static inst_t insts[MAX_INST];
 static int ninst;
 static const char *api_key_file; /* the next start()'s --api-key-file */
+static uint32_t idle_timeout_s;  /* the next start()'s --idle-timeout-s */
 static kvb__pd_auth_t *signer;   /* signs /pd/ calls when set (instances with a secret) */
 static const char *extra_header; /* one more header line for every call, when set */
 
@@ -75,7 +79,8 @@ static inst_t *start(kvb_pd_role_t role, const char *model, uint64_t seed, uint3
                               .tp = tp,
                               .blocks = BLOCKS,
                               .lease_ms = 3000,
-                              .api_key_file = api_key_file};
+                              .api_key_file = api_key_file,
+                              .idle_timeout_s = idle_timeout_s};
     int p[2];
     cr_assert_eq(pipe(p), 0);
     pid_t pid = fork();
@@ -125,6 +130,7 @@ static void setup(void)
     curl_global_init(CURL_GLOBAL_DEFAULT);
     ninst = 0;
     api_key_file = NULL;
+    idle_timeout_s = 0;
     signer = NULL;
     extra_header = NULL;
 }
@@ -850,4 +856,38 @@ Test(server, api_keys_guard_completions)
     json_decref(a);
     extra_header = NULL;
     cr_assert_eq(free_blocks(both), BLOCKS); /* /health needs no key */
+}
+
+/* A client that sends half a request and stalls holds one connection thread until the idle
+ * timeout, and nobody else waits for it. */
+Test(server, slow_client_is_cut_off)
+{
+    idle_timeout_s = 2;
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    int fds[8];
+    for (int i = 0; i < 8; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(pre->port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        cr_assert_eq(connect(fds[i], (struct sockaddr *)&a, sizeof a), 0);
+        const char *half = i % 2 ? "POST /pd/prefill HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n"
+                                   "\r\n{\"request_id\": "
+                                 : "GET /pd/in";
+        cr_assert_eq(send(fds[i], half, strlen(half), 0), (ssize_t)strlen(half));
+    }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    cr_assert_eq(free_blocks(pre), BLOCKS); /* served while the stalled ones wait */
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    cr_assert_lt(t1.tv_sec - t0.tv_sec, 2);
+    for (int i = 0; i < 8; i++) {
+        struct pollfd p = {.fd = fds[i], .events = POLLIN};
+        cr_assert_eq(poll(&p, 1, 6000), 1, "connection %d still open after 6 s", i);
+        char c;
+        cr_assert_leq(recv(fds[i], &c, 1, 0), 0, "connection %d: no close but data", i);
+        close(fds[i]);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    cr_assert_lt(t1.tv_sec - t0.tv_sec, 6);
+    cr_assert_eq(free_blocks(pre), BLOCKS);
 }
