@@ -41,10 +41,17 @@ typedef struct {
     char error[KVB_PD_ERR_MAX]; /* transport error text when status is 0 or the call broke */
 } kvb__pxy_res_t;
 
-/* Performs one HTTP call on its own easy handle. Returns 0 when an answer arrived complete
- * (whatever its status), -1 otherwise (rs->error says why). rs->body must be freed by the caller
- * in both cases. */
+/* Performs one HTTP call on an easy handle of its own for the call's duration, taken from a
+ * process-wide pool that keeps idle keep-alive connections per origin (proxy_http.c). Returns 0
+ * when an answer arrived complete (whatever its status), -1 otherwise (rs->error says why).
+ * rs->body must be freed by the caller in both cases. */
 int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs);
+#define KVB__PXY_POOL_MAX        128 /* idle pooled handles kept, all origins together */
+#define KVB__PXY_POOL_PER_ORIGIN 32  /* ... and to one origin (scheme://host:port) */
+#define KVB__PXY_POOL_IDLE_S     30  /* an idle pooled connection is closed after this long */
+/* The pool's idle handles (each holds at most one connection), and closing them all (tests). */
+size_t kvb__pxy_pool_idle(void);
+void kvb__pxy_pool_flush(void);
 
 /* Splits a byte stream into server-sent events; calls `on_event` with each event's data (the
  * text after "data: ", lines joined by '\n', NUL-terminated, valid during the call). Returns false
