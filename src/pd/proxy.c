@@ -253,6 +253,15 @@ static enum MHD_Result route(kvb_pd_proxy_t *px, struct MHD_Connection *c, const
 {
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/v1/completions")) {
+        const char *authz = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+        if (kvb__pd_auth_api_key(px->auth, authz)) {
+            kvb__pxy_err_t e = {.status = 401};
+            kvb__pxy_fmt(e.type, sizeof e.type, "authentication_error");
+            kvb__pxy_fmt(e.reason, sizeof e.reason, "invalid_api_key");
+            kvb__pxy_fmt(e.msg, sizeof e.msg,
+                         "a valid API key is required (Authorization: Bearer)");
+            return respond_err(c, &e);
+        }
         if (!post)
             return respond_simple(c, 405, "invalid_request_error", "use POST");
         if (b->too_large)
@@ -314,7 +323,8 @@ static int listen_on(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *rea
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG, 0,
         NULL, NULL, on_request, px, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, px, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)(px->timeout_ms / 1000 + 60), MHD_OPTION_CONNECTION_LIMIT,
+        o->idle_timeout_s ? o->idle_timeout_s : (unsigned)(px->timeout_ms / 1000 + 60),
+        MHD_OPTION_CONNECTION_LIMIT,
         (unsigned)(o->max_connections ? o->max_connections : KVB_PD_PROXY_MAX_CONNS),
         MHD_OPTION_END);
     if (!px->mhd) {
@@ -367,7 +377,9 @@ int kvb_pd_proxy_start(const kvb_pd_proxy_opts_t *opts, kvb_pd_proxy_t **out, ch
     kvb_pd_proxy_t *px = proxy_new(opts);
     if (!px)
         return KVB_ERR_NOMEM;
-    int rc = kvb__pxy_sets_init(px, opts, reason, reason_cap);
+    int rc = kvb__pd_auth_create(opts->api_key_file, &px->auth, reason, reason_cap);
+    if (!rc)
+        rc = kvb__pxy_sets_init(px, opts, reason, reason_cap);
     if (!rc)
         rc = listen_on(px, opts, reason, reason_cap);
     if (!rc)
@@ -398,6 +410,7 @@ void kvb_pd_proxy_stop(kvb_pd_proxy_t *px)
         pthread_cond_wait(&px->wk_cv, &px->wk_mu);
     pthread_mutex_unlock(&px->wk_mu);
     kvb__pxy_sets_free(px); /* every job is gone: these are the last references */
+    kvb__pd_auth_free(px->auth);
     pthread_cond_destroy(&px->disc_cv);
     pthread_mutex_destroy(&px->disc_mu);
     pthread_mutex_destroy(&px->up_mu);

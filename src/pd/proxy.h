@@ -42,6 +42,12 @@ typedef struct {
     const char *discover;
     const char *cluster;           /* NULL: "default" */
     uint32_t discover_interval_ms; /* 0: KVB_PD_PROXY_DISCOVER_MS */
+    /* Bearer keys for /v1/completions (one per line, '#' comments), or NULL: open. Calls to the
+     * instances' /pd/ endpoints are signed with the cluster secret (KVB_SECRET_FILE) when set. */
+    const char *api_key_file;
+    /* Seconds a client connection may stay silent before it is closed; 0: the request timeout
+     * plus 60 s (a streamed answer's pauses stay within it). */
+    uint32_t idle_timeout_s;
 } kvb_pd_proxy_opts_t;
 
 typedef struct kvb_pd_proxy kvb_pd_proxy_t;

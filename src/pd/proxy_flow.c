@@ -135,8 +135,10 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
         const char *type = json_string_value(json_object_get(e, "type"));
         const char *reason = json_string_value(json_object_get(e, "reason"));
         /* 4xx carry the instance's verdict (a refused pair is 409 with the guard's reason):
-         * pass them through; 503/504 too; any other failure of theirs is a bad gateway. */
-        unsigned st = rs->status < 500 || rs->status == 503 || rs->status == 504
+         * pass them through; 503/504 too; any other failure of theirs is a bad gateway - and so
+         * is a 401 or 403, which judge the proxy's credentials or grants, not the client's. */
+        bool ours = rs->status == 401 || rs->status == 403;
+        unsigned st = !ours && (rs->status < 500 || rs->status == 503 || rs->status == 504)
                           ? (unsigned)rs->status
                           : 502u;
         set_err(err, st, type ? type : "upstream_error", "%s %s%s: HTTP %ld: %s", who, u->url, path,
@@ -165,8 +167,11 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
         return NULL;
     }
     kvb__pxy_fmt(url, sizeof url, "%s%s", u->url, path);
-    kvb__pxy_req_t rq = {
-        .url = url, .body = text, .deadline_ns = deadline, .cancel = &job->px->stopping};
+    kvb__pxy_req_t rq = {.url = url,
+                         .body = text,
+                         .deadline_ns = deadline,
+                         .cancel = &job->px->stopping,
+                         .auth = job->px->auth};
     kvb__pxy_res_t rs;
     int rc = kvb__pxy_call(&rq, &rs);
     free(text);

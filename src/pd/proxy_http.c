@@ -327,7 +327,25 @@ static curl_socket_t open_cloexec(void *user, curlsocktype purpose, struct curl_
     return socket(a->family, a->socktype | SOCK_CLOEXEC, a->protocol);
 }
 
-static void setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
+/* The X-Kvb-Auth line of a call to rq->url (its path: what follows scheme://host[:port]). */
+static int sign(const kvb__pxy_req_t *rq, struct curl_slist **hdrs)
+{
+    const char *host = strstr(rq->url, "://"), *path = host ? strchr(host + 3, '/') : NULL;
+    char line[KVB_PD_AUTH_LINE_MAX];
+    size_t len = rq->body ? strlen(rq->body) : 0;
+    if (kvb__pd_auth_sign(rq->auth, rq->body ? "POST" : "GET", path ? path : "/", rq->body, len,
+                          line))
+        return -1;
+    if (!line[0]) /* no secret: nothing to sign with */
+        return 0;
+    struct curl_slist *h = curl_slist_append(*hdrs, line);
+    if (!h)
+        return -1;
+    *hdrs = h;
+    return 0;
+}
+
+static int setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
 {
     const kvb__pxy_req_t *rq = c->rq;
     int left = kvb__ms_left(rq->deadline_ns);
@@ -351,11 +369,15 @@ static void setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
     curl_easy_setopt(c->h, CURLOPT_MAXCONNECTS, 1L);
     curl_easy_setopt(c->h, CURLOPT_MAXAGE_CONN, (long)KVB__PXY_POOL_IDLE_S);
     if (rq->body) {
-        *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
-        curl_easy_setopt(c->h, CURLOPT_HTTPHEADER, *hdrs);
+        if (!(*hdrs = curl_slist_append(NULL, "Content-Type: application/json")))
+            return -1;
         curl_easy_setopt(c->h, CURLOPT_POSTFIELDS, rq->body);
         curl_easy_setopt(c->h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(rq->body));
     }
+    if (rq->auth && sign(rq, hdrs))
+        return -1;
+    curl_easy_setopt(c->h, CURLOPT_HTTPHEADER, *hdrs);
+    return 0;
 }
 
 int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs)
@@ -373,7 +395,12 @@ int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs)
     call_t c = {.rq = rq, .rs = rs, .h = p->h};
     struct curl_slist *hdrs = NULL;
     char errbuf[CURL_ERROR_SIZE] = "";
-    setup(&c, &hdrs, errbuf);
+    if (setup(&c, &hdrs, errbuf)) {
+        pool_put(p, false);
+        curl_slist_free_all(hdrs);
+        kvb__pxy_fmt(rs->error, sizeof rs->error, "cannot sign or set up the call");
+        return -1;
+    }
     CURLcode rc = curl_easy_perform(c.h);
     if (!c.checked)
         check_head(&c);

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include "meta/meta.h"
+#include "pd/auth.h"
 #include "pd/proxy.h"
 
 #define KVB__PXY_BODY_MAX  (16u << 20) /* largest upstream answer kept in memory */
@@ -29,6 +30,7 @@ typedef struct {
     const atomic_bool *cancel2; /* a second such flag, may be NULL */
     kvb__pxy_sink_cb sink;      /* may be NULL: a 2xx body is collected instead */
     void *user;
+    const kvb__pd_auth_t *auth; /* may be NULL: else the call is signed with its secret */
 } kvb__pxy_req_t;
 
 typedef struct {
@@ -152,6 +154,7 @@ struct kvb_pd_proxy {
     pthread_cond_t wk_cv;
     unsigned workers;
     kvb__pxy_metrics_t m;
+    kvb__pd_auth_t *auth; /* signs calls to instances; checks clients' API keys */
 
     /* Discovery (proxy_discover.c); meta is NULL without a store. */
     kvb_meta_t *meta;

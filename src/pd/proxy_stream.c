@@ -141,7 +141,8 @@ static void *relay_main(void *arg)
                          .cancel = &px->stopping,
                          .cancel2 = &r->gone,
                          .sink = on_body,
-                         .user = r};
+                         .user = r,
+                         .auth = px->auth};
     kvb__pxy_res_t rs;
     int rc = kvb__pxy_call(&rq, &rs);
     pthread_mutex_lock(&r->mu);

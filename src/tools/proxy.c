@@ -19,7 +19,8 @@ static void usage(FILE *f)
             "       kvbridge proxy --discover URI [--cluster NAME] [--discover-interval-ms N]\n"
             "                      [--prefill URL[,URL...]] [--decode URL[,URL...]] --port P\n"
             "                      [--bind ADDR] [--kv-mode pull|push] [--timeout-ms N]\n"
-            "                      [--max-connections N]\n\n"
+            "                      [--max-connections N] [--idle-timeout-s N]\n"
+            "                      [--secret-file PATH] [--api-key-file PATH]\n\n"
             "Serves POST /v1/completions, GET /health and GET /metrics; each request goes to\n"
             "the next prefill and decode instance in turn. --kv-mode defaults to what the\n"
             "prefill instance reports; --timeout-ms (default 30000) bounds every request.\n\n"
@@ -34,7 +35,14 @@ static void usage(FILE *f)
             "  --cluster NAME  namespace of the keys (default \"default\")\n"
             "  --discover-interval-ms N  time between two listings (default %u)\n"
             "  --max-connections N  client connections at once, a thread each (default %u);\n"
-            "                  one more is closed as it is accepted\n\n"
+            "                  one more is closed as it is accepted\n"
+            "  --idle-timeout-s N  a client connection silent this long is closed (default:\n"
+            "                  the timeout plus 60 s)\n"
+            "  --secret-file PATH  the cluster secret (also KVB_SECRET_FILE): calls to the\n"
+            "                  instances' /pd/ endpoints are signed with it, as instances that\n"
+            "                  have it require\n"
+            "  --api-key-file PATH  bearer keys for /v1/completions, one per line ('#'\n"
+            "                  comments); without it /v1/completions is open\n\n"
             "Prints \"proxy on http://ADDR:PORT\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
             KVB_PD_PROXY_DISCOVER_MS, KVB_PD_PROXY_MAX_CONNS);
@@ -81,6 +89,18 @@ static int parse_one(args_t *a, const char *opt, char *val)
             return -1;
         a->o.max_connections = (uint32_t)v;
         return 0;
+    }
+    if (!strcmp(opt, "--idle-timeout-s")) {
+        if (kvb_cli_parse_uint(val, 86400, &v) || !v)
+            return -1;
+        a->o.idle_timeout_s = (uint32_t)v;
+        return 0;
+    }
+    if (!strcmp(opt, "--secret-file"))
+        return kvb_cli_secret_file("proxy", val);
+    if (!strcmp(opt, "--api-key-file")) {
+        a->o.api_key_file = val;
+        return *val ? 0 : -1;
     }
     if (!strcmp(opt, "--timeout-ms")) {
         if (kvb_cli_parse_uint(val, 3600000, &v) || !v)

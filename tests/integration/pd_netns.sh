@@ -197,7 +197,7 @@ start colo "$pxy" serve --role both --model "$model" --tp 1 --port 0
 for n in pre_pull dec_pull pre_push dec_push colo; do ready $n; done
 for m in pull push; do
     start "pxy_$m" "$pxy" proxy --prefill "${url[pre_$m]}" --decode "${url[dec_$m]}" --port 0 \
-        --bind "$pxy_ip" --kv-mode "$m"
+        --bind "$pxy_ip" --kv-mode "$m" --secret-file "$tmp/secret" # it signs its /pd/ calls
 done
 for m in pull push; do ready "pxy_$m"; done
 log "prefill $pre_ip ($pre), decode $dec_ip ($dec), proxy and client $pxy_ip ($pxy)"

@@ -5,6 +5,7 @@
  * must equal a colocated instance's; plus a prefill killed mid-request and a refused pair. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <curl/curl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -18,6 +19,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -745,4 +747,86 @@ Test(proxy, command_ready_line_and_sigterm, .timeout = 20)
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
     cr_log_info("stopped in %.0f ms", (double)(kvb__now_ns() - t_term) / 1e6);
     stop_pid(pid);
+}
+
+/* ---- The cluster secret and API keys ----------------------------------------------------------
+ */
+
+static void write_private(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+    chmod(path, 0600);
+}
+
+/* POSTs to the proxy's completions with an Authorization header (NULL: none); the status. */
+static long post_authz(const char *authz, const char *body)
+{
+    char url[96], hdr[128];
+    snprintf(url, sizeof url, "%s/v1/completions", px_url);
+    CURL *c = curl_easy_init();
+    struct curl_slist *h = NULL;
+    if (authz) {
+        snprintf(hdr, sizeof hdr, "Authorization: %s", authz);
+        h = curl_slist_append(h, hdr);
+    }
+    FILE *sink = fopen("/dev/null", "w");
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, sink);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 20000L);
+    long st = 0;
+    if (curl_easy_perform(c) == CURLE_OK)
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &st);
+    curl_easy_cleanup(c);
+    curl_slist_free_all(h);
+    fclose(sink);
+    return st;
+}
+
+/* Instances with the cluster secret serve a proxy that signs with it, and only that proxy; a
+ * proxy with API keys serves only clients that present one. */
+Test(proxy, signed_calls_and_api_keys, .timeout = 60)
+{
+    need_serve();
+    char secret[64], keys[64];
+    snprintf(secret, sizeof secret, "/tmp/kvb-pxy-secret-%d", (int)getpid());
+    snprintf(keys, sizeof keys, "/tmp/kvb-pxy-keys-%d", (int)getpid());
+    write_private(secret, "a cluster secret for this test\n");
+    write_private(keys, "sk-proxy-test\n");
+    setenv("KVB_SECRET_FILE", secret, 1);
+    inst_t pre, dec;
+    serve(&pre, "prefill", "tiny-gqa", 1, "pull");
+    serve(&dec, "decode", "tiny-gqa", 1, "pull");
+    const char *body = "{\"prompt\": \"Hello world\", \"max_tokens\": 4}";
+
+    unsetenv("KVB_SECRET_FILE"); /* a proxy without the secret is refused by the instances */
+    proxy_up(pre.url, dec.url, KVB_PD_KV_PULL, 20000);
+    char msg[KVB_PD_ERR_MAX];
+    long st = post(body, msg, sizeof msg);
+    cr_assert_eq(st, 502, "%ld: %s", st, msg);
+    cr_assert(strstr(msg, "401"), "%s", msg);
+    kvb_pd_proxy_stop(px);
+
+    setenv("KVB_SECRET_FILE", secret, 1);
+    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){pre.url},
+                             .n_prefill = 1,
+                             .decode = (const char *const[]){dec.url},
+                             .n_decode = 1,
+                             .kv_mode = KVB_PD_KV_PULL,
+                             .api_key_file = keys};
+    char why[256];
+    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
+    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    unlink(secret);
+    unlink(keys);
+    cr_assert_eq(post_authz(NULL, body), 401);
+    cr_assert_eq(post_authz("Bearer sk-proxy-wrong", body), 401);
+    cr_assert_eq(post_authz("Bearer sk-proxy-test", body), 200);
+    cr_assert_eq(post_authz("Bearer sk-proxy-test",
+                            "{\"prompt\": \"Hello world\", \"max_tokens\": 4, \"stream\": true}"),
+                 200);
 }
