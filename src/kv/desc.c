@@ -194,7 +194,7 @@ static int get_str(dec_t *d, json_t *o, const char *key, const char **out)
 static int get_enum(dec_t *d, json_t *o, const char *key, int (*parse)(const char *, int *),
                     int *out)
 {
-    const char *s;
+    const char *s = NULL; /* set whenever rc is 0; GCC cannot see kvb__fail never returns 0 */
     int rc = get_str(d, o, key, &s);
     if (!rc && parse(s, out))
         rc = kvb__fail(d->reason, d->cap, INVAL, "%s%s: unknown value '%.32s'", d->where, key, s);
@@ -218,7 +218,7 @@ ENUM_PARSER(parse_slot, kvb_kv_slot_kind_t, kvb__kv_slot_parse)
 /* "0x" and 1 to 16 hex digits, nothing else. */
 static int get_addr(dec_t *d, json_t *o, const char *key, uint64_t *out)
 {
-    const char *s;
+    const char *s = NULL; /* set whenever rc is 0; GCC cannot see kvb__fail never returns 0 */
     int rc = get_str(d, o, key, &s);
     if (rc)
         return rc;
@@ -264,8 +264,8 @@ static int decode_slot(dec_t *d, json_t *o, kvb_kv_slot_t *s)
 
 static int decode_header(dec_t *d, json_t *o, kvb_kv_layout_t *l)
 {
-    uint64_t version;
-    const char *model;
+    uint64_t version = 0;
+    const char *model = NULL; /* both set whenever rc is 0 */
     int dtype = 0, attn = 0;
     int rc = get_uint(d, o, "version", UINT32_MAX, &version);
     if (!rc && version != DESC_VERSION)

@@ -244,7 +244,7 @@ static const char *side_name(const plan_t *p, const kvb_kv_layout_t *l)
 static int emit(plan_t *p, const kvb_kv_slot_t *ss, const kvb_kv_slot_t *ds, uint64_t sb,
                 uint64_t db, uint64_t n)
 {
-    uint64_t soff = 0, doff = 0, len, sa, da;
+    uint64_t soff = 0, doff = 0, len, sa = 0, da = 0; /* sa, da: set when rc is 0 */
     if (ss->num_heads && p->partial) {
         uint64_t stride = (uint64_t)p->dst_l->tokens_per_block * ss->head_bytes;
         const kvb_kv_layout_t *s = p->src_l, *d = p->dst_l;
