@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pd/proxy.h"
+#include "pd/proxy/proxy.h"
 #include "tools/cli.h"
 
 #define READY_MS 20000

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "common/clock.h"
-#include "pd/proxy.h"
+#include "pd/proxy/proxy.h"
 #include "tools/cli.h"
 
 #define CONC_MAX  1024u

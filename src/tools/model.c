@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pd/model.h"
+#include "pd/model/model.h"
 #include "tools/cli.h"
 
 /* Bounds that keep a colocated run's cache (a few KiB per token for the presets) small. */

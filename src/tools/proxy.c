@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pd/proxy.h"
+#include "pd/proxy/proxy.h"
 #include "tools/cli.h"
 
 #define MAX_INSTANCES 64

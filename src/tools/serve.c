@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "pd/server.h"
+#include "pd/server/server.h"
 #include "tools/cli.h"
 
 static void usage(FILE *f)

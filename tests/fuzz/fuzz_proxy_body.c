@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* libFuzzer harness for the body of POST /v1/completions (kvb__pxy_parse, src/pd/proxy_flow.c):
+/* libFuzzer harness for the body of POST /v1/completions (kvb__pxy_parse, src/pd/proxy/flow.c):
  * what any client of the public endpoint sends. */
 #include <jansson.h>
 #include <string.h>
 
 #include "fuzz.h"
 #include "kvbridge/engine.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the generation fields of an instance's request bodies
- * (kvb__pd_params_parse, src/pd/server_gen.c): /v1/completions on a colocated instance and every
+ * (kvb__srv_params_parse, src/pd/server/gen.c): /v1/completions on a colocated instance and every
  * /pd/ call parse them, and then tokenize the prompt. */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fuzz.h"
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -17,9 +17,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     for (int need = 0; need < 2; need++) {
-        kvb__pd_params_t p;
+        kvb__srv_params_t p;
         char why[512] = "";
-        if (kvb__pd_params_parse(b, &p, need, why, sizeof why)) {
+        if (kvb__srv_params_parse(b, &p, need, why, sizeof why)) {
             if (!why[0] || !memchr(why, 0, sizeof why))
                 __builtin_trap(); /* every refusal says why */
             continue;
@@ -29,7 +29,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             __builtin_trap(); /* what passed is what the handlers rely on */
         uint32_t *toks = NULL;
         size_t n = 0;
-        if (p.prompt && !kvb__pd_tokenize(p.prompt, p.prompt_len, &toks, &n) &&
+        if (p.prompt && !kvb__srv_tokenize(p.prompt, p.prompt_len, &toks, &n) &&
             n != p.prompt_len + 1)
             __builtin_trap(); /* BOS and one token per byte */
         free(toks);

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the reference model's weight files (kvb_pd_model_parse,
- * src/pd/weightfile.c): a file an operator points `serve --model` at. */
+ * src/pd/model/weightfile.c): a file an operator points `serve --model` at. */
 #include "fuzz.h"
-#include "pd/model.h"
+#include "pd/model/model.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the reference-model tests: small configs, an instance of TP ranks with calloc'd
- * caches, and a naive forward pass written independently of src/pd/model.c (contiguous K/V, no
- * paging, sequential sums, MLA without absorption) that returns the logits of every position.
+ * caches, and a naive forward pass written independently of src/pd/model/model.c (contiguous K/V,
+ * no paging, sequential sums, MLA without absorption) that returns the logits of every position.
  * Header-only so that each test binary stays self-contained. */
 #ifndef KVB_TESTS_PD_FIXTURE_H
 #define KVB_TESTS_PD_FIXTURE_H
@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pd/internal.h"
-#include "pd/model.h"
+#include "pd/model/internal.h"
+#include "pd/model/model.h"
 
 #define FX_MAX_TP 8
 
@@ -157,8 +157,8 @@ static inline void nv_rope(float *v, size_t d, size_t pos, float theta)
 }
 
 /* Attention output (before wo) of every position and head: out[p][h][dv]. */
-static inline void nv_attn_gqa(const kvb_pd_config_t *c, const kvb__pd_layer_t *w, const float *xn,
-                               size_t n, float *out)
+static inline void nv_attn_gqa(const kvb_pd_config_t *c, const kvb__model_layer_t *w,
+                               const float *xn, size_t n, float *out)
 {
     size_t hd = c->head_dim, H = c->hidden, nh = c->n_heads, nk = c->n_kv_heads;
     float *q = calloc(n * nh * hd, 4), *k = calloc(n * nk * hd, 4), *v = calloc(n * nk * hd, 4);
@@ -196,8 +196,8 @@ static inline void nv_attn_gqa(const kvb_pd_config_t *c, const kvb__pd_layer_t *
 }
 
 /* MLA without absorption: each head's k_nope and v are expanded from the latent per position. */
-static inline void nv_attn_mla(const kvb_pd_config_t *c, const kvb__pd_layer_t *w, const float *xn,
-                               size_t n, float *out)
+static inline void nv_attn_mla(const kvb_pd_config_t *c, const kvb__model_layer_t *w,
+                               const float *xn, size_t n, float *out)
 {
     size_t H = c->hidden, nh = c->n_heads, R = c->kv_lora_rank, rd = c->rope_dim;
     size_t nd = c->nope_dim, vd = c->v_head_dim, qd = nd + rd;
@@ -253,7 +253,7 @@ static inline void fx_naive(const kvb_pd_model_t *m, const uint32_t *toks, size_
     for (size_t p = 0; p < n; p++)
         memcpy(x + p * H, m->tok_embd + toks[p] * H, H * 4);
     for (uint32_t l = 0; l < c->n_layers; l++) {
-        const kvb__pd_layer_t *w = &m->layers[l];
+        const kvb__model_layer_t *w = &m->layers[l];
         for (size_t p = 0; p < n; p++)
             nv_rmsnorm(xn + p * H, x + p * H, w->attn_norm, H, c->norm_eps);
         if (c->attn == KVB_KV_ATTN_GQA)

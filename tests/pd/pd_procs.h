@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pd/proxy.h"
+#include "pd/proxy/proxy.h"
 
 #define MAX_PROCS 8
 

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the paged KV cache (src/pd/cache.c): the block pool and sequences, layouts the KV
+/* Tests for the paged KV cache (src/pd/model/cache.c): the block pool and sequences, layouts the KV
  * layer accepts (validation, guard, routes), a caller's allocator, and the PD round trip - a
  * prefill instance's blocks copied into a decode instance of another TP with other block ids
  * (by kvb_kv_plan's requests, and by hand from the HND layout), after which decode continues with

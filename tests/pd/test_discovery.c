@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Instance discovery through a real metadata store (etcd, Redis, kvbridge metadata-server; see
- * src/pd/server_reg.c and src/pd/proxy_discover.c): a proxy with no instance answers 503, finds
+ * src/pd/server/reg.c and src/pd/proxy/discover.c): a proxy with no instance answers 503, finds
  * instances registered after it and routes through them token for token like a colocated one,
  * drops one withdrawn by a clean stop at once and one killed with SIGKILL once its key expires,
  * and takes a replacement; malformed values are ignored (logged once), static instances stay, a
@@ -22,9 +22,9 @@
 #include "helpers/cli.h"
 #include "helpers/store.h"
 #include "meta/meta.h"
-#include "pd/proxy.h"
-#include "pd/proxy_internal.h"
-#include "pd/server.h"
+#include "pd/proxy/proxy.h"
+#include "pd/proxy/internal.h"
+#include "pd/server/server.h"
 
 #define TTL_MS      2000u
 #define INTERVAL_MS 200u

@@ -18,8 +18,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pd/model.h"
-#include "pd/proxy.h"
+#include "pd/model/model.h"
+#include "pd/proxy/proxy.h"
 #include "pd_procs.h"
 
 #define CLIENTS 32

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the forward pass (src/pd/model.c): logits bitwise the same for every TP size, prefill
- * and step-by-step decode through the paged cache bitwise equal to recomputing everything, both
- * close to an independent naive implementation, the per-layer hook, and refused arguments. */
+/* Tests for the forward pass (src/pd/model/model.c): logits bitwise the same for every TP size,
+ * prefill and step-by-step decode through the paged cache bitwise equal to recomputing everything,
+ * both close to an independent naive implementation, the per-layer hook, and refused arguments. */
 #include "pd_fixture.h"
 
 #define MAXTOK 160

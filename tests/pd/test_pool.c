@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the proxy's pooled upstream client (src/pd/proxy_http.c): calls to one origin reuse
+/* Tests for the proxy's pooled upstream client (src/pd/proxy/http.c): calls to one origin reuse
  * one keep-alive connection (counted by the server), a call that ends abnormally (canceled, sink
  * refused, deadline) does not leave its connection to the next call, a killed and restarted
  * server (in-process, a forked process, a real `kvbridge serve` behind the proxy) causes no
@@ -23,8 +23,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pd/proxy.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/proxy.h"
+#include "pd/proxy/internal.h"
 #include "pd_procs.h"
 
 /* ---- A counting server ----------------------------------------------------------------------- */

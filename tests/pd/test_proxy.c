@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the PD proxy (src/pd/proxy*.c): request validation, unreachable and silent upstreams,
+/* Tests for the PD proxy (src/pd/proxy/): request validation, unreachable and silent upstreams,
  * the streaming relay against a scripted fake instance, and end to end through real `kvbridge
  * serve` instances (KVB_BIN) - GQA and MLA, pull and push, heterogeneous TP - whose every answer
  * must equal a colocated instance's; plus a prefill killed mid-request and a refused pair. */
@@ -24,8 +24,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pd/proxy.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/proxy.h"
+#include "pd/proxy/internal.h"
 #include "pd_procs.h"
 
 /* ---- Proxy in this process ------------------------------------------------------------------- */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the tokenizer, the sampler and colocated generation (src/pd/sample.c): greedy ties and
- * NaNs, the documented seeded draw reproduced independently, sampling frequencies, refused
+/* Tests for the tokenizer, the sampler and colocated generation (src/pd/model/sample.c): greedy
+ * ties and NaNs, the documented seeded draw reproduced independently, sampling frequencies, refused
  * temperatures, and generation that is deterministic and the same for every TP size. */
 #include "pd_fixture.h"
 

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the PD instance server (src/pd/server*.c): real instances in child processes (forked,
+/* Tests for the PD instance server (src/pd/server/): real instances in child processes (forked,
  * running the server API), driven over HTTP with libcurl the way the proxy drives them. Checks
  * that colocated, pull and push answers equal kvb_pd_generate() token for token, that bad
  * requests get 400/413, an incompatible pair 409 with the guard's reason, and that a prefill
@@ -22,8 +22,8 @@
 #include <unistd.h>
 
 #include "pd/auth.h"
-#include "pd/model.h"
-#include "pd/server.h"
+#include "pd/model/model.h"
+#include "pd/server/server.h"
 
 #define MAX_INST   4
 #define BLOCKS     64

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Tests for the weight-file format (src/pd/weightfile.c, weights.c, config.c, crc32c.c): save and
- * load round trip bit for bit, and every kind of bad file - truncated at every header length and
- * throughout the payload, bad magic, version, checksums, shapes (also ones whose byte size
+/* Tests for the weight-file format (src/pd/model/weightfile.c, weights.c, config.c, crc32c.c): save
+ * and load round trip bit for bit, and every kind of bad file - truncated at every header length
+ * and throughout the payload, bad magic, version, checksums, shapes (also ones whose byte size
  * overflows, with valid checksums), config values, trailing bytes, non-finite weights, and random
  * mutations with repaired checksums - refused with a reason and never a crash. */
 #include "common/crc32c.h"

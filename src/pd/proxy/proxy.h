@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pd/server.h" /* kvb_pd_kv_mode_t and its parser */
+#include "pd/server/server.h" /* kvb_pd_kv_mode_t and its parser */
 
 #define KVB_PD_PROXY_TIMEOUT_MS 30000u     /* default deadline of a request */
 #define KVB_PD_PROXY_MAX_CONNS  4096u      /* default bound of client connections (a thread each) */

@@ -7,12 +7,12 @@
 #include <string.h>
 
 #include "common/clock.h"
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
 /* A waiter lives on its request thread's stack while it is queued. Only the head of the queue
  * tries to take blocks: a small request never overtakes a large one that waits longer (FIFO). */
-struct kvb__pd_waiter {
-    struct kvb__pd_waiter *next;
+struct kvb__srv_waiter {
+    struct kvb__srv_waiter *next;
     uint64_t since_ns;
 };
 
@@ -20,20 +20,20 @@ struct kvb__pd_waiter {
  * with code that does not know the queue) are noticed on the next slice. */
 #define SLICE_MS 50u
 
-void kvb__pd_admit_wake(kvb_pd_server_t *srv)
+void kvb__srv_admit_wake(kvb_pd_server_t *srv)
 {
     if (srv->q_len)
         pthread_cond_broadcast(&srv->adm_cv);
 }
 
-void kvb__pd_admit_wake_locked(kvb_pd_server_t *srv)
+void kvb__srv_admit_wake_locked(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
-    kvb__pd_admit_wake(srv);
+    kvb__srv_admit_wake(srv);
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__pd_admit_stop(kvb_pd_server_t *srv)
+void kvb__srv_admit_stop(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
     srv->adm_stop = true;
@@ -41,10 +41,10 @@ void kvb__pd_admit_stop(kvb_pd_server_t *srv)
     pthread_mutex_unlock(&srv->mu);
 }
 
-static int refuse(kvb__pd_refusal_t *ref, unsigned status, const char *reason, unsigned retry,
+static int refuse(kvb__srv_refusal_t *ref, unsigned status, const char *reason, unsigned retry,
                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
-static int refuse(kvb__pd_refusal_t *ref, unsigned status, const char *reason, unsigned retry,
+static int refuse(kvb__srv_refusal_t *ref, unsigned status, const char *reason, unsigned retry,
                   const char *fmt, ...)
 {
     ref->status = status;
@@ -57,9 +57,9 @@ static int refuse(kvb__pd_refusal_t *ref, unsigned status, const char *reason, u
     return status == 400 ? KVB_ERR_TOO_LARGE : KVB_ERR_BUSY;
 }
 
-static void dequeue(kvb_pd_server_t *srv, struct kvb__pd_waiter *w)
+static void dequeue(kvb_pd_server_t *srv, struct kvb__srv_waiter *w)
 {
-    for (struct kvb__pd_waiter **p = &srv->q_head; *p; p = &(*p)->next)
+    for (struct kvb__srv_waiter **p = &srv->q_head; *p; p = &(*p)->next)
         if (*p == w) {
             *p = w->next;
             break;
@@ -80,7 +80,7 @@ static void account(kvb_pd_server_t *srv, uint64_t since, bool admitted, const c
     double s = (double)(kvb__now_ns() - since) / 1e9;
     if (admitted) {
         srv->m_admitted++;
-        kvb__pd_hist_add(&srv->m_wait, s);
+        kvb__srv_hist_add(&srv->m_wait, s);
     } else if (!strcmp(why, "queue_full")) {
         srv->m_rej_full++;
     } else {
@@ -88,8 +88,8 @@ static void account(kvb_pd_server_t *srv, uint64_t since, bool admitted, const c
     }
 }
 
-int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint64_t deadline_ns,
-                  kvb__pd_refusal_t *ref)
+int kvb__srv_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint64_t deadline_ns,
+                   kvb__srv_refusal_t *ref)
 {
     uint64_t need = kvb_pd_blocks_for(tokens, srv->tpb);
     if (need <= seq->num_blocks) /* reserved already (a decode's blocks, taken on arrival) */
@@ -100,7 +100,7 @@ int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint
                       "request can never be admitted",
                       (unsigned long long)tokens, (unsigned long long)need,
                       (unsigned long long)srv->total_blocks);
-    struct kvb__pd_waiter w = {.since_ns = kvb__now_ns()};
+    struct kvb__srv_waiter w = {.since_ns = kvb__now_ns()};
     pthread_mutex_lock(&srv->mu);
     /* Nobody waits: take the blocks now if they are free. */
     if (!srv->q_len && !kvb_pd_seq_reserve(seq, srv->pool, srv->tpb, tokens)) {
@@ -135,7 +135,7 @@ int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint
         if (srv->adm_stop || now >= deadline_ns) {
             uint64_t free_now = kvb_pd_blocks_available(srv->pool);
             uint32_t ahead = 0;
-            for (struct kvb__pd_waiter *x = srv->q_head; x && x != &w; x = x->next)
+            for (struct kvb__srv_waiter *x = srv->q_head; x && x != &w; x = x->next)
                 ahead++;
             rc = refuse(ref, 503, srv->adm_stop ? "stopping" : "deadline", 1,
                         "request deadline passed after %.0f ms waiting for KV blocks (%llu "
@@ -154,7 +154,7 @@ int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint
     return rc;
 }
 
-json_t *kvb__pd_admit_health(kvb_pd_server_t *srv)
+json_t *kvb__srv_admit_health(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
     double oldest = srv->q_head ? (double)(kvb__now_ns() - srv->q_head->since_ns) / 1e6 : 0.0;

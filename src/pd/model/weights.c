@@ -2,7 +2,7 @@
 /* Model weights: allocation around the canonical tensor table, seeded generation for presets,
  * and the model's identity (payload checksum and id). The file format lives in weightfile.c. */
 #include "common/crc32c.h"
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -37,7 +37,7 @@ static void bind(kvb_pd_model_t *m)
 #define NEXT() (m->data + m->tensors[i++].offset)
     m->tok_embd = NEXT();
     for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
-        kvb__pd_layer_t *w = &m->layers[l];
+        kvb__model_layer_t *w = &m->layers[l];
         w->attn_norm = NEXT();
         w->wq = NEXT();
         if (m->cfg.attn == KVB_KV_ATTN_GQA) {
@@ -60,8 +60,8 @@ static void bind(kvb_pd_model_t *m)
 #undef NEXT
 }
 
-int kvb__pd_model_alloc(const kvb_pd_config_t *cfg, const char *name, kvb_pd_model_t **out, char *r,
-                        size_t cap)
+int kvb__model_alloc(const kvb_pd_config_t *cfg, const char *name, kvb_pd_model_t **out, char *r,
+                     size_t cap)
 {
     uint64_t floats = 0;
     kvb_pd_model_t *m = calloc(1, sizeof *m);
@@ -69,7 +69,7 @@ int kvb__pd_model_alloc(const kvb_pd_config_t *cfg, const char *name, kvb_pd_mod
         return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     m->cfg = *cfg;
     snprintf(m->name, sizeof m->name, "%s", name);
-    if (kvb__pd_tensor_table(cfg, &m->tensors, &m->num_tensors, &floats))
+    if (kvb__model_tensor_table(cfg, &m->tensors, &m->num_tensors, &floats))
         goto nomem;
     m->payload_bytes = floats * sizeof(float);
     /* floats is bounded by the config check (KVB_PD_WEIGHTS_MAX), so the size_t cast is exact
@@ -89,14 +89,14 @@ nomem:
                      (unsigned long long)floats * sizeof(float));
 }
 
-void kvb__pd_model_seal(kvb_pd_model_t *m)
+void kvb__model_seal(kvb_pd_model_t *m)
 {
     m->payload_crc = kvb__crc32c(0, m->data, (size_t)m->payload_bytes);
     snprintf(m->id, sizeof m->id, "%s@%08x", m->name, m->payload_crc);
 }
 
 /* Half-width of the uniform distribution of row `row` of tensor t (std * sqrt(3)). */
-static float amplitude(const kvb__pd_tensor_t *t, uint32_t row, uint32_t hidden)
+static float amplitude(const kvb__model_tensor_t *t, uint32_t row, uint32_t hidden)
 {
     float std;
     if (!strcmp(t->name, "tok_embd"))
@@ -111,7 +111,7 @@ static float amplitude(const kvb__pd_tensor_t *t, uint32_t row, uint32_t hidden)
 
 static void fill(kvb_pd_model_t *m, size_t k, uint64_t seed)
 {
-    const kvb__pd_tensor_t *t = &m->tensors[k];
+    const kvb__model_tensor_t *t = &m->tensors[k];
     float *w = m->data + t->offset;
     size_t n = (size_t)t->rows * t->cols;
     if (ends_with(t->name, "norm")) {
@@ -136,13 +136,13 @@ int kvb_pd_model_random(const kvb_pd_config_t *cfg, const char *name, uint64_t s
     int rc;
     if (!out)
         return kvb__fail(r, cap, INVAL, "out is NULL");
-    if ((rc = kvb_pd_config_check(cfg, r, cap)) ||
-        (rc = kvb__pd_name_check(name, name ? strlen(name) : 0, r, cap)) ||
-        (rc = kvb__pd_model_alloc(cfg, name, &m, r, cap)))
+    if ((rc = kvb__model_config_check(cfg, r, cap)) ||
+        (rc = kvb__model_name_check(name, name ? strlen(name) : 0, r, cap)) ||
+        (rc = kvb__model_alloc(cfg, name, &m, r, cap)))
         return rc;
     for (size_t k = 0; k < m->num_tensors; k++)
         fill(m, k, seed);
-    kvb__pd_model_seal(m);
+    kvb__model_seal(m);
     kvb__reason_clear(r, cap);
     *out = m;
     return KVB_OK;

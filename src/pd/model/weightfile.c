@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The weight-file format (documented in pd/model.h): writing it, and a parser that checks every
- * field of a possibly hostile file before trusting it - sizes against the file length with checked
- * arithmetic, the table against the canonical one, both checksums - and says what is wrong. */
+/* The weight-file format (documented in pd/model/model.h): writing it, and a parser that checks
+ * every field of a possibly hostile file before trusting it - sizes against the file length with
+ * checked arithmetic, the table against the canonical one, both checksums - and says what is wrong.
+ */
 #include "common/crc32c.h"
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -81,13 +82,13 @@ static uint32_t header_crc(const unsigned char *h, size_t header_bytes)
 /* The header and tensor table of `m`, malloc'd, header_bytes long. */
 static unsigned char *encode_header(const kvb_pd_model_t *m, size_t *header_bytes)
 {
-    size_t hb = KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * m->num_tensors;
+    size_t hb = KVB__MODEL_FILE_HEADER + KVB__MODEL_FILE_ENTRY * m->num_tensors;
     unsigned char *h = calloc(1, hb);
     if (!h)
         return NULL;
     kvb_pd_config_t c = m->cfg;
     memcpy(h, magic, sizeof magic);
-    put32(h + OFF_VERSION, KVB_PD_FILE_VERSION);
+    put32(h + OFF_VERSION, KVB__MODEL_FILE_VERSION);
     put32(h + OFF_HEADER_BYTES, (uint32_t)hb);
     put32(h + OFF_ATTN, (uint32_t)c.attn);
     for (size_t i = 0; i < 11; i++)
@@ -99,8 +100,8 @@ static unsigned char *encode_header(const kvb_pd_model_t *m, size_t *header_byte
     put32(h + OFF_PAYLOAD_CRC, m->payload_crc);
     put64(h + OFF_PAYLOAD_BYTES, m->payload_bytes);
     for (size_t i = 0; i < m->num_tensors; i++) {
-        const kvb__pd_tensor_t *t = &m->tensors[i];
-        unsigned char *e = h + KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * i;
+        const kvb__model_tensor_t *t = &m->tensors[i];
+        unsigned char *e = h + KVB__MODEL_FILE_HEADER + KVB__MODEL_FILE_ENTRY * i;
         memcpy(e, t->name, strlen(t->name));
         put32(e + ENTRY_NAME, t->rows);
         put32(e + ENTRY_NAME + 4, t->cols);
@@ -162,24 +163,24 @@ int kvb_pd_model_save(const kvb_pd_model_t *m, const char *path, char *r, size_t
 /* Magic, version and the header's own size and checksum. */
 static int parse_frame(const unsigned char *b, size_t len, size_t *hb_out, char *r, size_t cap)
 {
-    if (len < KVB_PD_FILE_HEADER)
+    if (len < KVB__MODEL_FILE_HEADER)
         return kvb__fail(r, cap, INVAL,
                          "file is truncated: %zu bytes, the fixed header alone is %u", len,
-                         KVB_PD_FILE_HEADER);
+                         KVB__MODEL_FILE_HEADER);
     if (memcmp(b, magic, sizeof magic))
         return kvb__fail(r, cap, INVAL, "bad magic: not a kvbridge model file");
     uint32_t version = get32(b + OFF_VERSION);
-    if (version != KVB_PD_FILE_VERSION)
+    if (version != KVB__MODEL_FILE_VERSION)
         return kvb__fail(r, cap, KVB_ERR_UNSUPPORTED,
                          "unsupported file version %u (this build reads version %u)", version,
-                         KVB_PD_FILE_VERSION);
+                         KVB__MODEL_FILE_VERSION);
     uint32_t n = get32(b + OFF_N_TENSORS), hb = get32(b + OFF_HEADER_BYTES);
     uint32_t n_max = 3 + 11 * KVB_PD_LAYERS_MAX;
     if (n == 0 || n > n_max)
         return kvb__fail(r, cap, INVAL, "tensor count %u is out of range [1, %u]", n, n_max);
-    if (hb != KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * n)
+    if (hb != KVB__MODEL_FILE_HEADER + KVB__MODEL_FILE_ENTRY * n)
         return kvb__fail(r, cap, INVAL, "header_bytes %u, expected %u for %u tensors", hb,
-                         KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * n, n);
+                         KVB__MODEL_FILE_HEADER + KVB__MODEL_FILE_ENTRY * n, n);
     if (len < hb)
         return kvb__fail(r, cap, INVAL,
                          "file is truncated: %zu bytes, the header and tensor table take %u", len,
@@ -205,14 +206,14 @@ static int parse_config(const unsigned char *b, kvb_pd_config_t *c, char *name, 
         *dim_fields(c, i) = get32(b + OFF_DIMS + 4 * i);
     memcpy(&c->rope_theta, b + OFF_THETA, 4);
     memcpy(&c->norm_eps, b + OFF_EPS, 4);
-    if ((rc = kvb_pd_config_check(c, r, cap)))
+    if ((rc = kvb__model_config_check(c, r, cap)))
         return rc;
     const char *nm = (const char *)b + OFF_NAME;
     size_t nlen = strnlen(nm, NAME_BYTES);
     for (size_t i = nlen; i < NAME_BYTES; i++)
         if (nm[i])
             return kvb__fail(r, cap, INVAL, "model name is not NUL-terminated and padded");
-    if ((rc = kvb__pd_name_check(nm, nlen, r, cap)))
+    if ((rc = kvb__model_name_check(nm, nlen, r, cap)))
         return rc;
     memcpy(name, nm, nlen);
     name[nlen] = '\0';
@@ -220,7 +221,7 @@ static int parse_config(const unsigned char *b, kvb_pd_config_t *c, char *name, 
 }
 
 /* One table entry against the canonical tensor t. */
-static int parse_entry(const unsigned char *e, uint32_t i, const kvb__pd_tensor_t *t, char *r,
+static int parse_entry(const unsigned char *e, uint32_t i, const kvb__model_tensor_t *t, char *r,
                        size_t cap)
 {
     char name[ENTRY_NAME + 1];
@@ -248,7 +249,7 @@ static int parse_entry(const unsigned char *e, uint32_t i, const kvb__pd_tensor_
 }
 
 /* The table, the payload's size against the file's, and the payload checksum. */
-static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__pd_tensor_t *t,
+static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__model_tensor_t *t,
                       size_t num_tensors, uint64_t payload_bytes, char *r, size_t cap)
 {
     int rc;
@@ -257,8 +258,8 @@ static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__
         return kvb__fail(r, cap, INVAL, "file has %u tensors, the config needs %zu", n,
                          num_tensors);
     for (uint32_t i = 0; i < n; i++)
-        if ((rc = parse_entry(b + KVB_PD_FILE_HEADER + (size_t)KVB_PD_FILE_ENTRY * i, i, &t[i], r,
-                              cap)))
+        if ((rc = parse_entry(b + KVB__MODEL_FILE_HEADER + (size_t)KVB__MODEL_FILE_ENTRY * i, i,
+                              &t[i], r, cap)))
             return rc;
     uint64_t pb = get64(b + OFF_PAYLOAD_BYTES), total;
     if (pb != payload_bytes)
@@ -283,7 +284,7 @@ static int parse_body(const unsigned char *b, size_t len, size_t hb, const kvb__
 static int check_finite(const kvb_pd_model_t *m, char *r, size_t cap)
 {
     for (size_t k = 0; k < m->num_tensors; k++) {
-        const kvb__pd_tensor_t *t = &m->tensors[k];
+        const kvb__model_tensor_t *t = &m->tensors[k];
         const float *w = m->data + t->offset;
         size_t n = (size_t)t->rows * t->cols;
         for (size_t i = 0; i < n; i++)
@@ -307,19 +308,19 @@ int kvb_pd_model_parse(const void *buf, size_t len, kvb_pd_model_t **out, char *
         return rc;
     /* Every size is checked against the file before anything as large as the payload is
      * allocated, so a short hostile file cannot make us reserve gigabytes. */
-    kvb__pd_tensor_t *t;
+    kvb__model_tensor_t *t;
     size_t nt;
     uint64_t floats;
-    if (kvb__pd_tensor_table(&cfg, &t, &nt, &floats))
+    if (kvb__model_tensor_table(&cfg, &t, &nt, &floats))
         return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     rc = parse_body(b, len, hb, t, nt, floats * sizeof(float), r, cap);
     free(t);
-    if (rc || (rc = kvb__pd_model_alloc(&cfg, name, &m, r, cap)))
+    if (rc || (rc = kvb__model_alloc(&cfg, name, &m, r, cap)))
         return rc;
     memcpy(m->data, b + hb, (size_t)m->payload_bytes);
     if ((rc = check_finite(m, r, cap)))
         goto fail;
-    kvb__pd_model_seal(m);
+    kvb__model_seal(m);
     kvb__reason_clear(r, cap);
     *out = m;
     return KVB_OK;
@@ -354,7 +355,8 @@ static int read_file(int fd, size_t size, unsigned char **out, char *r, size_t c
 
 int kvb_pd_model_load(const char *path, kvb_pd_model_t **out, char *r, size_t cap)
 {
-    const uint64_t max = KVB_PD_FILE_HEADER + KVB_PD_FILE_ENTRY * 4096ull + KVB_PD_WEIGHTS_MAX;
+    const uint64_t max =
+        KVB__MODEL_FILE_HEADER + KVB__MODEL_FILE_ENTRY * 4096ull + KVB_PD_WEIGHTS_MAX;
     struct stat st;
     unsigned char *buf = NULL;
     int rc;

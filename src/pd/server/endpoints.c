@@ -11,16 +11,16 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
 /* One /pd request as it is handled: what was parsed, what is held, and how it failed. */
 typedef struct {
     kvb_pd_server_t *srv;
     const char *id;
-    kvb__pd_params_t p;
+    kvb__srv_params_t p;
     kvb_pd_kv_mode_t mode;
     uint32_t t0;
-    char *segs[KVB_PD_SEGS_MAX]; /* the other instance's segments (the body's strings) */
+    char *segs[KVB__SRV_SEGS_MAX]; /* the other instance's segments (the body's strings) */
     size_t nsegs;
     uint64_t *rblocks; /* the other instance's block ids */
     size_t nrblocks;
@@ -28,11 +28,11 @@ typedef struct {
     size_t ntoks;
     uint64_t nb;           /* blocks of the prompt */
     kvb_kv_link_t **links; /* [tp * nsegs] */
-    kvb__pd_ent_t *ent;    /* ACTIVE while the handler owns it; NULL once handed on */
+    kvb__srv_ent_t *ent;   /* ACTIVE while the handler owns it; NULL once handed on */
     uint64_t t_start;
     unsigned status; /* 0, or the failure's HTTP status */
     char why[1024];
-    kvb__pd_refusal_t ref; /* when status came from admission: answered with its reason */
+    kvb__srv_refusal_t ref; /* when status came from admission: answered with its reason */
     bool refused;
 } pdreq_t;
 
@@ -77,7 +77,7 @@ static void req_init(pdreq_t *q, kvb_pd_server_t *srv)
 static void req_free(pdreq_t *q)
 {
     if (q->ent)
-        kvb__pd_ent_done(q->srv, q->id);
+        kvb__srv_ent_done(q->srv, q->id);
     q->ent = NULL;
     free(q->toks);
     free(q->rblocks);
@@ -89,11 +89,11 @@ static enum MHD_Result req_answer(pdreq_t *q, struct MHD_Connection *conn, json_
 {
     enum MHD_Result ret;
     if (q->refused) {
-        ret = kvb__pd_http_refuse(q->srv, conn, &q->ref);
+        ret = kvb__srv_http_refuse(q->srv, conn, &q->ref);
         json_decref(ok);
     } else if (q->status || !ok) {
-        ret = kvb__pd_http_fail(q->srv, conn, q->status ? q->status : 500, "%s",
-                                q->status ? q->why : "out of memory");
+        ret = kvb__srv_http_fail(q->srv, conn, q->status ? q->status : 500, "%s",
+                                 q->status ? q->why : "out of memory");
         json_decref(ok);
     } else {
         ret = kvb__http_json(conn, 200, ok);
@@ -109,12 +109,12 @@ static int get_id(pdreq_t *q, json_t *b)
     json_t *v = json_object_get(b, "request_id");
     const char *s = json_is_string(v) ? json_string_value(v) : NULL;
     size_t n = s ? json_string_length(v) : 0;
-    bool ok = n >= 1 && n <= KVB_PD_REQ_ID_MAX;
+    bool ok = n >= 1 && n <= KVB__SRV_REQ_ID_MAX;
     for (size_t i = 0; ok && i < n; i++)
         ok = s[i] >= 0x21 && s[i] <= 0x7e;
     if (!ok)
         return req_fail(q, 400, "\"request_id\" must be 1..%u printable characters",
-                        KVB_PD_REQ_ID_MAX);
+                        KVB__SRV_REQ_ID_MAX);
     q->id = s;
     return 0;
 }
@@ -123,9 +123,9 @@ static int get_segs(pdreq_t *q, json_t *b, const char *key)
 {
     json_t *a = json_object_get(b, key);
     size_t n = json_is_array(a) ? json_array_size(a) : 0;
-    if (n < 1 || n > KVB_PD_SEGS_MAX)
+    if (n < 1 || n > KVB__SRV_SEGS_MAX)
         return req_fail(q, 400, "\"%s\" must be an array of 1..%u segment names", key,
-                        KVB_PD_SEGS_MAX);
+                        KVB__SRV_SEGS_MAX);
     for (size_t i = 0; i < n; i++) {
         json_t *v = json_array_get(a, i);
         size_t len = json_is_string(v) ? json_string_length(v) : 0;
@@ -202,7 +202,7 @@ static int check_ticket(pdreq_t *q, json_t *b, const char *key, const char *kind
 static json_t *ticket_json(pdreq_t *q, const char *kind, uint64_t valid_ms)
 {
     kvb_pd_server_t *srv = q->srv;
-    char *segs[KVB_PD_SEGS_MAX], t[KVB_PD_TICKET_MAX];
+    char *segs[KVB__SRV_SEGS_MAX], t[KVB_PD_TICKET_MAX];
     for (uint32_t r = 0; r < srv->tp; r++)
         segs[r] = (char *)kvb_engine_segment_name(srv->ranks[r].engine);
     kvb__pd_grant_t g = {.kind = kind,
@@ -224,7 +224,7 @@ static int parse_common(pdreq_t *q, json_t *b)
     /* A push decode may leave the prompt out: the reservation has its tokens. */
     bool need_prompt = q->mode == KVB_PD_KV_PULL || json_object_get(b, "prompt");
     char why[512];
-    if (kvb__pd_params_parse(b, &q->p, need_prompt, why, sizeof why))
+    if (kvb__srv_params_parse(b, &q->p, need_prompt, why, sizeof why))
         return req_fail(q, 400, "%s", why);
     return 0;
 }
@@ -233,11 +233,11 @@ static int parse_common(pdreq_t *q, json_t *b)
 static int prepare(pdreq_t *q, bool link)
 {
     kvb_pd_server_t *srv = q->srv;
-    int rc = kvb__pd_ent_add(srv, q->id, &q->ent);
+    int rc = kvb__srv_ent_add(srv, q->id, &q->ent);
     if (rc)
         return req_fail(q, rc == KVB_ERR_BUSY ? 409 : 500, "request id %s: %s", q->id,
                         rc == KVB_ERR_BUSY ? "already in use" : kvb_strerror(rc));
-    if (kvb__pd_tokenize(q->p.prompt, q->p.prompt_len, &q->toks, &q->ntoks))
+    if (kvb__srv_tokenize(q->p.prompt, q->p.prompt_len, &q->toks, &q->ntoks))
         return req_fail(q, 500, "out of memory tokenizing the prompt");
     q->nb = kvb_pd_blocks_for(q->ntoks, srv->tpb);
     if (!link)
@@ -246,10 +246,10 @@ static int prepare(pdreq_t *q, bool link)
     if (!q->links)
         return req_fail(q, 500, "out of memory");
     char why[sizeof q->why];
-    rc = kvb__pd_links_get(srv, q->segs, q->nsegs, q->links, why, sizeof why);
+    rc = kvb__srv_links_get(srv, q->segs, q->nsegs, q->links, why, sizeof why);
     if (rc == KVB_ERR_INCOMPATIBLE)
         return req_fail(q, 409, "%s", why);
-    if (kvb__pd_links_unknown(rc)) /* not a member of this cluster: nothing to retry */
+    if (kvb__srv_links_unknown(rc)) /* not a member of this cluster: nothing to retry */
         return req_deny(q, 400, "unknown_segment", "%s", why);
     if (rc)
         return req_fail(q, 502, "%s", why);
@@ -262,7 +262,7 @@ static int admit(pdreq_t *q, uint64_t tokens)
 {
     kvb_pd_server_t *srv = q->srv;
     uint64_t deadline = q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
-    if (!kvb__pd_admit(srv, &q->ent->seq, tokens, deadline, &q->ref))
+    if (!kvb__srv_admit(srv, &q->ent->seq, tokens, deadline, &q->ref))
         return 0;
     q->refused = true;
     return req_fail(q, q->ref.status, "%s", q->ref.msg);
@@ -298,7 +298,7 @@ static int status_of(int rc)
 static void drop_if_lost(pdreq_t *q, int rc)
 {
     for (size_t m = 0; KVB_IS_PEER_ERROR(rc) && m < q->nsegs; m++)
-        kvb__pd_links_drop(q->srv, q->segs[m]);
+        kvb__srv_links_drop(q->srv, q->segs[m]);
 }
 
 /* ---- transfers ---------------------------------------------------------------------------- */
@@ -400,7 +400,7 @@ static int run_prompt(pdreq_t *q, const kvb_pd_hook_t *hook)
         return req_fail(q, 500, "prefill failed: %s",
                         rc == KVB_ERR_INVALID_ARG ? why : kvb_strerror(rc));
     double ttft = (double)(kvb__now_ns() - q->t_start) / 1e9;
-    kvb__pd_metric_timing(srv, ttft, 0.0, false);
+    kvb__srv_metric_timing(srv, ttft, 0.0, false);
     return 0;
 }
 
@@ -438,10 +438,10 @@ static json_t *prefill_pull(pdreq_t *q)
     }
     uint64_t deadline = kvb__deadline_ms(srv->opts.lease_ms);
     pthread_mutex_lock(&srv->mu);
-    if (q->status || !ok || kvb__pd_ent_set_segs(q->ent, q->segs, n)) {
-        kvb__pd_ent_drain(srv, q->ent, mask, deadline); /* release what was expected */
+    if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, n)) {
+        kvb__srv_ent_drain(srv, q->ent, mask, deadline); /* release what was expected */
     } else {
-        q->ent->kind = KVB_PD_ENT_LEASE;
+        q->ent->kind = KVB__SRV_ENT_LEASE;
         q->ent->pending_mask = mask;
         q->ent->deadline_ns = deadline;
         pthread_cond_broadcast(&srv->cv);
@@ -487,18 +487,18 @@ static json_t *prefill_push(pdreq_t *q)
         bytes += kv_bytes(q->nb, slots_bytes(kvb_kv_link_layout(q->links[m])));
     if (failed)
         return NULL;
-    kvb__pd_metric_kv(srv, bytes, secs);
+    kvb__srv_metric_kv(srv, bytes, secs);
     return prefill_answer(q, bytes, secs);
 }
 
-enum MHD_Result kvb__pd_prefill(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
+enum MHD_Result kvb__srv_prefill(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
 {
     pdreq_t q;
     req_init(&q, srv);
     json_t *ok = NULL;
     if (srv->opts.role != KVB_PD_ROLE_PREFILL)
-        return kvb__pd_http_fail(srv, conn, 404, "/pd/prefill is served by prefill instances");
-    kvb__pd_metric_request(srv);
+        return kvb__srv_http_fail(srv, conn, 404, "/pd/prefill is served by prefill instances");
+    kvb__srv_metric_request(srv);
     if (!parse_common(&q, body) && !get_segs(&q, body, "decode_segments") &&
         (q.mode == KVB_PD_KV_PULL || (!get_blocks(&q, body, "decode_blocks") &&
                                       !check_ticket(&q, body, "decode_ticket", "reservation"))) &&
@@ -534,10 +534,10 @@ static json_t *reserve(pdreq_t *q)
                                        ticket_json(q, "reservation", q->p.timeout_ms));
     uint64_t deadline = kvb__deadline_ms(q->p.timeout_ms);
     pthread_mutex_lock(&srv->mu);
-    if (q->status || !ok || kvb__pd_ent_set_segs(q->ent, q->segs, n)) {
-        kvb__pd_ent_drain(srv, q->ent, mask, deadline);
+    if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, n)) {
+        kvb__srv_ent_drain(srv, q->ent, mask, deadline);
     } else {
-        q->ent->kind = KVB_PD_ENT_RESERVED;
+        q->ent->kind = KVB__SRV_ENT_RESERVED;
         q->ent->n_prompt = (uint32_t)q->ntoks;
         q->ent->toks = q->toks;
         q->toks = NULL;
@@ -551,34 +551,34 @@ static json_t *reserve(pdreq_t *q)
     return ok;
 }
 
-enum MHD_Result kvb__pd_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
+enum MHD_Result kvb__srv_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
 {
     pdreq_t q;
     req_init(&q, srv);
     json_t *ok = NULL;
     if (srv->opts.role != KVB_PD_ROLE_DECODE)
-        return kvb__pd_http_fail(srv, conn, 404, "/pd/reserve is served by decode instances");
+        return kvb__srv_http_fail(srv, conn, 404, "/pd/reserve is served by decode instances");
     if (!parse_common(&q, body) && !get_segs(&q, body, "prefill_segments") && !prepare(&q, true))
         ok = reserve(&q);
     return req_answer(&q, conn, ok);
 }
 
-enum MHD_Result kvb__pd_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
+enum MHD_Result kvb__srv_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
 {
     pdreq_t q;
     req_init(&q, srv);
     if (srv->opts.role != KVB_PD_ROLE_DECODE)
-        return kvb__pd_http_fail(srv, conn, 404, "/pd/abort is served by decode instances");
+        return kvb__srv_http_fail(srv, conn, 404, "/pd/abort is served by decode instances");
     if (get_id(&q, body))
         return req_answer(&q, conn, NULL);
     pthread_mutex_lock(&srv->mu);
-    kvb__pd_ent_t *e = kvb__pd_ent_find(srv, q.id);
+    kvb__srv_ent_t *e = kvb__srv_ent_find(srv, q.id);
     if (!e)
         req_fail(&q, 404, "no reservation for request %s", q.id);
-    else if (e->kind == KVB_PD_ENT_ACTIVE)
+    else if (e->kind == KVB__SRV_ENT_ACTIVE)
         req_fail(&q, 409, "request %s is being served", q.id);
-    else if (e->kind == KVB_PD_ENT_RESERVED)
-        kvb__pd_ent_drain(srv, e, e->pending_mask, e->deadline_ns);
+    else if (e->kind == KVB__SRV_ENT_RESERVED)
+        kvb__srv_ent_drain(srv, e, e->pending_mask, e->deadline_ns);
     pthread_mutex_unlock(&srv->mu);
     return req_answer(&q, conn, json_pack("{s:s,s:b}", "request_id", q.id, "aborted", 1));
 }
@@ -591,20 +591,20 @@ static enum MHD_Result decode_generate(pdreq_t *q, struct MHD_Connection *conn, 
 {
     kvb_pd_server_t *srv = q->srv;
     q->ent->seq.len = (uint32_t)q->ntoks;
-    kvb__pd_gen_t *g = NULL;
-    int rc = kvb__pd_gen_create(srv, q->id, &q->p, q->toks, q->ntoks, &q->ent->seq, true, q->t0,
-                                q->t_start, &g, &q->ref);
+    kvb__srv_gen_t *g = NULL;
+    int rc = kvb__srv_gen_create(srv, q->id, &q->p, q->toks, q->ntoks, &q->ent->seq, true, q->t0,
+                                 q->t_start, &g, &q->ref);
     q->toks = NULL; /* taken over, even on error */
     if (rc) {
         q->refused = true;
         req_fail(q, q->ref.status, "%s", q->ref.msg);
         return req_answer(q, conn, NULL);
     }
-    kvb__pd_metric_kv(srv, bytes, secs);
-    kvb__pd_gen_set_kv(g, bytes, secs);
+    kvb__srv_metric_kv(srv, bytes, secs);
+    kvb__srv_gen_set_kv(g, bytes, secs);
     q->ent = NULL; /* the generation drops the entry when it ends */
     req_free(q);
-    return kvb__pd_gen_respond(g, conn);
+    return kvb__srv_gen_respond(g, conn);
 }
 
 static uint64_t local_bytes(kvb_pd_server_t *srv, uint64_t nb)
@@ -650,13 +650,13 @@ static int claim(pdreq_t *q)
 {
     kvb_pd_server_t *srv = q->srv;
     pthread_mutex_lock(&srv->mu);
-    kvb__pd_ent_t *e = kvb__pd_ent_find(srv, q->id);
-    if (!e || e->kind == KVB_PD_ENT_DRAIN)
+    kvb__srv_ent_t *e = kvb__srv_ent_find(srv, q->id);
+    if (!e || e->kind == KVB__SRV_ENT_DRAIN)
         req_fail(q, 404, "no reservation for request %s (never made, expired or aborted)", q->id);
-    else if (e->kind != KVB_PD_ENT_RESERVED)
+    else if (e->kind != KVB__SRV_ENT_RESERVED)
         req_fail(q, 409, "request %s is already being served", q->id);
     else
-        e->kind = KVB_PD_ENT_ACTIVE;
+        e->kind = KVB__SRV_ENT_ACTIVE;
     pthread_mutex_unlock(&srv->mu);
     q->ent = q->status ? NULL : e;
     return q->status ? -1 : 0;
@@ -667,20 +667,20 @@ static int claim(pdreq_t *q)
 static int wait_pushed(pdreq_t *q)
 {
     kvb_pd_server_t *srv = q->srv;
-    kvb__pd_ent_t *e = q->ent;
+    kvb__srv_ent_t *e = q->ent;
     for (uint32_t r = 0; r < srv->tp; r++) {
         int rc = kvb_kv_wait(srv->ranks[r].agent, q->id, -1); /* until the reservation's end */
         if (!rc)
             continue;
         for (size_t m = 0; KVB_IS_PEER_ERROR(rc) && m < e->nsegs; m++)
-            kvb__pd_links_drop(srv, e->segs[m]);
+            kvb__srv_links_drop(srv, e->segs[m]);
         /* Said before the drain, which may free the entry (and its segments). */
         req_fail(q, status_of(rc), "KV push for request %s from %s failed: %s%s", q->id,
                  e->nsegs ? e->segs[0] : "?", kvb_strerror(rc),
                  rc == KVB_ERR_PEER_LOST ? " (the prefill instance was lost)" : "");
         uint64_t rest = (srv->tp >= 64 ? ~0ull : (1ull << srv->tp) - 1) & ~((2ull << r) - 1);
         pthread_mutex_lock(&srv->mu);
-        kvb__pd_ent_drain(srv, e, rest, e->deadline_ns);
+        kvb__srv_ent_drain(srv, e, rest, e->deadline_ns);
         pthread_mutex_unlock(&srv->mu);
         q->ent = NULL;
         return -1;
@@ -713,13 +713,13 @@ static enum MHD_Result decode_push(pdreq_t *q, struct MHD_Connection *conn)
     return decode_generate(q, conn, local_bytes(q->srv, q->nb), (double)(kvb__now_ns() - t0) / 1e9);
 }
 
-enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
+enum MHD_Result kvb__srv_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
 {
     pdreq_t q;
     req_init(&q, srv);
     if (srv->opts.role != KVB_PD_ROLE_DECODE)
-        return kvb__pd_http_fail(srv, conn, 404, "/pd/decode is served by decode instances");
-    kvb__pd_metric_request(srv);
+        return kvb__srv_http_fail(srv, conn, 404, "/pd/decode is served by decode instances");
+    kvb__srv_metric_request(srv);
     if (parse_common(&q, body) || get_t0(&q, body))
         return req_answer(&q, conn, NULL);
     if (q.mode == KVB_PD_KV_PUSH)
@@ -732,7 +732,7 @@ enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn
 
 /* ---- /pd/info ------------------------------------------------------------------------------- */
 
-enum MHD_Result kvb__pd_info(kvb_pd_server_t *srv, struct MHD_Connection *conn)
+enum MHD_Result kvb__srv_info(kvb_pd_server_t *srv, struct MHD_Connection *conn)
 {
     return kvb__http_json(conn, 200,
                           json_pack("{s:s,s:s,s:i,s:s,s:i,s:o*}", "role",

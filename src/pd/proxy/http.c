@@ -16,7 +16,7 @@
 
 #include "common/clock.h"
 #include "common/checked.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 void kvb__pxy_fmt(char *buf, size_t cap, const char *fmt, ...)
 {

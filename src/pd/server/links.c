@@ -7,10 +7,10 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "pd/internal.h"
-#include "pd/server_int.h"
+#include "common/reason.h"
+#include "pd/server/internal.h"
 
-static kvb__pd_peer_t *peer_find(kvb_pd_server_t *srv, const char *seg)
+static kvb__srv_peer_t *peer_find(kvb_pd_server_t *srv, const char *seg)
 {
     for (size_t i = 0; i < srv->npeers; i++)
         if (!strcmp(srv->peers[i].seg, seg))
@@ -18,13 +18,13 @@ static kvb__pd_peer_t *peer_find(kvb_pd_server_t *srv, const char *seg)
     return NULL;
 }
 
-static kvb__pd_peer_t *peer_add(kvb_pd_server_t *srv, const char *seg)
+static kvb__srv_peer_t *peer_add(kvb_pd_server_t *srv, const char *seg)
 {
-    kvb__pd_peer_t *np = realloc(srv->peers, (srv->npeers + 1) * sizeof *np);
+    kvb__srv_peer_t *np = realloc(srv->peers, (srv->npeers + 1) * sizeof *np);
     if (!np)
         return NULL;
     srv->peers = np;
-    kvb__pd_peer_t *p = &np[srv->npeers];
+    kvb__srv_peer_t *p = &np[srv->npeers];
     memset(p, 0, sizeof *p);
     p->links = calloc(srv->tp, sizeof *p->links);
     if (!p->links)
@@ -58,7 +58,7 @@ static kvb_kv_verdict_t refusal_verdict(kvb_pd_server_t *srv, const char *seg)
     return v;
 }
 
-static void peer_close_links(kvb_pd_server_t *srv, kvb__pd_peer_t *p)
+static void peer_close_links(kvb_pd_server_t *srv, kvb__srv_peer_t *p)
 {
     for (uint32_t r = 0; r < srv->tp; r++) {
         kvb_kv_link_close(p->links[r]);
@@ -67,7 +67,7 @@ static void peer_close_links(kvb_pd_server_t *srv, kvb__pd_peer_t *p)
 }
 
 /* Opens rank r's link to p->seg for every rank; a refusal is remembered in p. */
-static int peer_open(kvb_pd_server_t *srv, kvb__pd_peer_t *p, char *why, size_t cap)
+static int peer_open(kvb_pd_server_t *srv, kvb__srv_peer_t *p, char *why, size_t cap)
 {
     char reason[KVB_KV_REASON_MAX] = "";
     for (uint32_t r = 0; r < srv->tp; r++) {
@@ -89,7 +89,7 @@ static int peer_open(kvb_pd_server_t *srv, kvb__pd_peer_t *p, char *why, size_t 
     return KVB_OK;
 }
 
-bool kvb__pd_links_unknown(int rc)
+bool kvb__srv_links_unknown(int rc)
 {
     return rc == KVB_ERR_SEGMENT_NOT_FOUND || rc == KVB_ERR_NOT_FOUND || rc == KVB_ERR_RESOLVE ||
            rc == KVB_ERR_AUTH || rc == KVB_ERR_VERSION || rc == KVB_ERR_PROTOCOL ||
@@ -100,20 +100,20 @@ bool kvb__pd_links_unknown(int rc)
  * (remembered for /health): a name that led nowhere leaves nothing behind. */
 static void peer_forget_last(kvb_pd_server_t *srv)
 {
-    kvb__pd_peer_t *p = &srv->peers[srv->npeers - 1];
+    kvb__srv_peer_t *p = &srv->peers[srv->npeers - 1];
     free(p->links);
     srv->npeers--;
 }
 
-int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
-                      char *why, size_t why_cap)
+int kvb__srv_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
+                       char *why, size_t why_cap)
 {
     int rc = KVB_OK;
     /* Held across link opens (each bounded by the connect timeout) so that two requests to a
      * new peer do not both open its links. */
     pthread_mutex_lock(&srv->links_mu);
     for (size_t m = 0; !rc && m < n; m++) {
-        kvb__pd_peer_t *p = peer_find(srv, segs[m]);
+        kvb__srv_peer_t *p = peer_find(srv, segs[m]);
         bool added = !p;
         if (!p && !(p = peer_add(srv, segs[m])))
             rc = kvb__fail(why, why_cap, KVB_ERR_NOMEM, "out of memory");
@@ -128,10 +128,10 @@ int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_
     return rc;
 }
 
-void kvb__pd_links_drop(kvb_pd_server_t *srv, const char *seg)
+void kvb__srv_links_drop(kvb_pd_server_t *srv, const char *seg)
 {
     pthread_mutex_lock(&srv->links_mu);
-    kvb__pd_peer_t *p = peer_find(srv, seg);
+    kvb__srv_peer_t *p = peer_find(srv, seg);
     kvb_kv_link_t **nd =
         p && p->links[0] ? realloc(srv->dead, (srv->ndead + srv->tp) * sizeof *nd) : NULL;
     if (nd) { /* other requests may still use them: closed at shutdown */
@@ -145,11 +145,11 @@ void kvb__pd_links_drop(kvb_pd_server_t *srv, const char *seg)
     pthread_mutex_unlock(&srv->links_mu);
 }
 
-void kvb__pd_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded)
+void kvb__srv_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded)
 {
     pthread_mutex_lock(&srv->links_mu);
     for (size_t i = 0; i < srv->npeers; i++) {
-        kvb__pd_peer_t *p = &srv->peers[i];
+        kvb__srv_peer_t *p = &srv->peers[i];
         if (!p->refused && !p->links[0])
             continue; /* dropped after its peer was lost */
         json_array_append_new(arr, json_pack("{s:s,s:s,s:s}", "peer", p->seg, "verdict",
@@ -159,7 +159,7 @@ void kvb__pd_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded)
     pthread_mutex_unlock(&srv->links_mu);
 }
 
-void kvb__pd_links_free(kvb_pd_server_t *srv)
+void kvb__srv_links_free(kvb_pd_server_t *srv)
 {
     for (size_t i = 0; i < srv->npeers; i++) {
         peer_close_links(srv, &srv->peers[i]);

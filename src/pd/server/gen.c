@@ -10,13 +10,13 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
-struct kvb__pd_gen {
+struct kvb__srv_gen {
     kvb_pd_server_t *srv;
-    char req_id[KVB_PD_REQ_ID_MAX + 1]; /* the entry dropped at the end; "" for none */
+    char req_id[KVB__SRV_REQ_ID_MAX + 1]; /* the entry dropped at the end; "" for none */
     char cmpl_id[96];
-    kvb__pd_params_t p;
+    kvb__srv_params_t p;
     uint32_t *prompt;
     size_t n_prompt;
     kvb_pd_seq_t seq; /* colocated: empty until the first step; decode: the prompt's KV */
@@ -71,7 +71,7 @@ static int get_float(json_t *b, const char *key, float *out, char *why, size_t c
     return KVB_OK;
 }
 
-static int get_prompt(json_t *b, kvb__pd_params_t *p, bool need, char *why, size_t cap)
+static int get_prompt(json_t *b, kvb__srv_params_t *p, bool need, char *why, size_t cap)
 {
     json_t *v = json_object_get(b, "prompt");
     if ((v || need) && !json_is_string(v)) {
@@ -93,7 +93,7 @@ static int get_prompt(json_t *b, kvb__pd_params_t *p, bool need, char *why, size
     return KVB_OK;
 }
 
-int kvb__pd_params_parse(json_t *b, kvb__pd_params_t *p, bool need_prompt, char *why, size_t cap)
+int kvb__srv_params_parse(json_t *b, kvb__srv_params_t *p, bool need_prompt, char *why, size_t cap)
 {
     uint64_t max_tokens = 16, seed = 0, timeout = KVB_PD_SERVER_TIMEOUT_MS;
     memset(p, 0, sizeof *p);
@@ -112,7 +112,7 @@ int kvb__pd_params_parse(json_t *b, kvb__pd_params_t *p, bool need_prompt, char 
     return rc;
 }
 
-int kvb__pd_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n)
+int kvb__srv_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n)
 {
     if (len > KVB_PD_SERVER_BODY_MAX) /* bodies are smaller; this keeps len + 1 exact */
         return KVB_ERR_TOO_LARGE;
@@ -131,20 +131,20 @@ int kvb__pd_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n)
 /* ---- generation -------------------------------------------------------------------------------
  */
 
-static void gen_free(kvb__pd_gen_t *g)
+static void gen_free(kvb__srv_gen_t *g)
 {
     kvb_pd_server_t *srv = g->srv;
     if (g->failed)
-        kvb__pd_metric_failure(srv);
+        kvb__srv_metric_failure(srv);
     else if (g->n_out) {
         double tpot =
             g->n_out > 1 ? (double)(g->t_last - g->t_first) / 1e9 / (double)(g->n_out - 1) : 0.0;
-        kvb__pd_metric_timing(srv, (double)(g->t_first - g->t_start) / 1e9, tpot, g->n_out > 1);
+        kvb__srv_metric_timing(srv, (double)(g->t_first - g->t_start) / 1e9, tpot, g->n_out > 1);
     }
     kvb_pd_seq_release(&g->seq, srv->pool);
-    kvb__pd_admit_wake_locked(srv);
+    kvb__srv_admit_wake_locked(srv);
     if (g->req_id[0])
-        kvb__pd_ent_done(srv, g->req_id);
+        kvb__srv_ent_done(srv, g->req_id);
     free(g->prompt);
     free(g->out);
     free(g->logits);
@@ -152,7 +152,7 @@ static void gen_free(kvb__pd_gen_t *g)
     free(g);
 }
 
-static int nomem(kvb__pd_refusal_t *ref)
+static int nomem(kvb__srv_refusal_t *ref)
 {
     ref->status = 500;
     ref->reason = "out_of_memory";
@@ -161,14 +161,15 @@ static int nomem(kvb__pd_refusal_t *ref)
     return KVB_ERR_NOMEM;
 }
 
-int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_params_t *p,
-                       uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
-                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out, kvb__pd_refusal_t *ref)
+int kvb__srv_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__srv_params_t *p,
+                        uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
+                        uint32_t t0, uint64_t t_start, kvb__srv_gen_t **out,
+                        kvb__srv_refusal_t *ref)
 {
-    kvb__pd_gen_t *g = calloc(1, sizeof *g);
+    kvb__srv_gen_t *g = calloc(1, sizeof *g);
     if (!g) {
         kvb_pd_seq_release(seq, srv->pool);
-        kvb__pd_admit_wake_locked(srv);
+        kvb__srv_admit_wake_locked(srv);
         free(prompt);
         return nomem(ref);
     }
@@ -195,7 +196,7 @@ int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_p
     uint64_t positions = (uint64_t)n_prompt + p->max_tokens - 1;
     int rc = g->out && g->logits ? KVB_OK : nomem(ref);
     if (!rc)
-        rc = kvb__pd_admit(srv, &g->seq, positions, g->deadline, ref);
+        rc = kvb__srv_admit(srv, &g->seq, positions, g->deadline, ref);
     if (rc) {
         g->req_id[0] = '\0'; /* the caller answers the error and drops the entry */
         gen_free(g);
@@ -205,13 +206,13 @@ int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_p
     return KVB_OK;
 }
 
-void kvb__pd_gen_set_kv(kvb__pd_gen_t *g, uint64_t bytes, double seconds)
+void kvb__srv_gen_set_kv(kvb__srv_gen_t *g, uint64_t bytes, double seconds)
 {
     g->kv_bytes = bytes;
     g->kv_s = seconds;
 }
 
-static void gen_fail(kvb__pd_gen_t *g, unsigned status, const char *msg, const char *detail)
+static void gen_fail(kvb__srv_gen_t *g, unsigned status, const char *msg, const char *detail)
 {
     g->failed = true;
     g->err_status = status;
@@ -223,8 +224,8 @@ static void gen_fail(kvb__pd_gen_t *g, unsigned status, const char *msg, const c
 #define BATCH_MAX 64u /* decode steps in one pass; the rest wait for the next */
 
 /* One generation's decode step waiting for a batched pass (on its thread's stack). */
-typedef struct kvb__pd_step {
-    struct kvb__pd_step *next;
+typedef struct kvb__srv_step {
+    struct kvb__srv_step *next;
     kvb_pd_seq_t *seq;
     uint32_t tok;
     float *logits;
@@ -300,7 +301,7 @@ static int batched_step(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint32_t tok, f
     return me.rc;
 }
 
-json_t *kvb__pd_batch_health(kvb_pd_server_t *srv)
+json_t *kvb__srv_batch_health(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->bat_mu);
     json_t *o =
@@ -313,7 +314,7 @@ json_t *kvb__pd_batch_health(kvb_pd_server_t *srv)
 
 /* The next token's logits: the prompt on a colocated instance's first step (a pass of its own),
  * else the last token, in a batched pass with the other generations' steps. */
-static int gen_forward(kvb__pd_gen_t *g, char *why, size_t cap)
+static int gen_forward(kvb__srv_gen_t *g, char *why, size_t cap)
 {
     kvb_pd_server_t *srv = g->srv;
     if (g->n_out)
@@ -326,7 +327,7 @@ static int gen_forward(kvb__pd_gen_t *g, char *why, size_t cap)
 }
 
 /* Generates one token (T0 as given on a decode). Ends the generation after EOS or max_tokens. */
-static void gen_step(kvb__pd_gen_t *g)
+static void gen_step(kvb__srv_gen_t *g)
 {
     char why[KVB_PD_REASON_MAX] = "";
     uint32_t tok = 0;
@@ -377,7 +378,7 @@ static json_t *text_json(const uint32_t *t, size_t n)
     return j;
 }
 
-static json_t *stats_json(const kvb__pd_gen_t *g)
+static json_t *stats_json(const kvb__srv_gen_t *g)
 {
     json_t *toks = json_array();
     for (size_t i = 0; toks && i < g->n_out; i++)
@@ -389,14 +390,14 @@ static json_t *stats_json(const kvb__pd_gen_t *g)
                      (json_int_t)g->kv_bytes, "kv_transfer_ms", g->kv_s * 1e3, "tokens", toks);
 }
 
-static json_t *usage_json(const kvb__pd_gen_t *g)
+static json_t *usage_json(const kvb__srv_gen_t *g)
 {
     return json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)g->n_prompt, "completion_tokens",
                      (json_int_t)g->n_out, "total_tokens", (json_int_t)(g->n_prompt + g->n_out));
 }
 
 /* A completion (tokens [from, from + n), finish NULL while streaming) in the OpenAI shape. */
-static json_t *completion_json(const kvb__pd_gen_t *g, size_t from, size_t n, bool last)
+static json_t *completion_json(const kvb__srv_gen_t *g, size_t from, size_t n, bool last)
 {
     json_t *choice = json_pack("{s:i,s:o*,s:s?}", "index", 0, "text", text_json(g->out + from, n),
                                "finish_reason", last ? g->finish : NULL);
@@ -412,7 +413,7 @@ static json_t *completion_json(const kvb__pd_gen_t *g, size_t from, size_t n, bo
     return o;
 }
 
-static enum MHD_Result respond_whole(kvb__pd_gen_t *g, struct MHD_Connection *conn)
+static enum MHD_Result respond_whole(kvb__srv_gen_t *g, struct MHD_Connection *conn)
 {
     while (!g->done && !g->failed)
         gen_step(g);
@@ -428,7 +429,7 @@ static enum MHD_Result respond_whole(kvb__pd_gen_t *g, struct MHD_Connection *co
 }
 
 /* Puts "data: <json>\n\n" (or the [DONE] marker when obj is NULL) in the event buffer. */
-static void set_event(kvb__pd_gen_t *g, json_t *obj)
+static void set_event(kvb__srv_gen_t *g, json_t *obj)
 {
     char *s = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
     json_decref(obj);
@@ -442,7 +443,7 @@ static void set_event(kvb__pd_gen_t *g, json_t *obj)
 }
 
 /* The next event of the stream: a token, then the final chunk, then [DONE]; or an error. */
-static void next_event(kvb__pd_gen_t *g)
+static void next_event(kvb__srv_gen_t *g)
 {
     if (g->phase == 1) {
         set_event(g, NULL);
@@ -478,7 +479,7 @@ static void next_event(kvb__pd_gen_t *g)
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
-    kvb__pd_gen_t *g = cls;
+    kvb__srv_gen_t *g = cls;
     (void)pos;
     while (g->ev_off == g->ev_len) {
         if (g->phase >= 2 && g->ev_off == g->ev_len && g->ev)
@@ -498,7 +499,7 @@ static void stream_free(void *cls)
     gen_free(cls);
 }
 
-enum MHD_Result kvb__pd_gen_respond(kvb__pd_gen_t *g, struct MHD_Connection *conn)
+enum MHD_Result kvb__srv_gen_respond(kvb__srv_gen_t *g, struct MHD_Connection *conn)
 {
     if (!g->p.stream)
         return respond_whole(g, conn);
@@ -517,29 +518,30 @@ enum MHD_Result kvb__pd_gen_respond(kvb__pd_gen_t *g, struct MHD_Connection *con
 
 /* ---- POST /v1/completions ------------------------------------------------------------------- */
 
-enum MHD_Result kvb__pd_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
+enum MHD_Result kvb__srv_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                     json_t *body)
 {
     uint64_t t_start = kvb__now_ns();
     char why[512];
     if (srv->opts.role != KVB_PD_ROLE_BOTH)
-        return kvb__pd_http_fail(srv, conn, 404,
-                                 "/v1/completions is served by colocated instances and the proxy; "
-                                 "this is a %s instance",
-                                 kvb_pd_role_name(srv->opts.role));
-    kvb__pd_metric_request(srv);
-    kvb__pd_params_t p;
-    if (kvb__pd_params_parse(body, &p, true, why, sizeof why))
-        return kvb__pd_http_fail(srv, conn, 400, "%s", why);
+        return kvb__srv_http_fail(srv, conn, 404,
+                                  "/v1/completions is served by colocated instances and the proxy; "
+                                  "this is a %s instance",
+                                  kvb_pd_role_name(srv->opts.role));
+    kvb__srv_metric_request(srv);
+    kvb__srv_params_t p;
+    if (kvb__srv_params_parse(body, &p, true, why, sizeof why))
+        return kvb__srv_http_fail(srv, conn, 400, "%s", why);
     uint32_t *toks = NULL;
     size_t n = 0;
-    if (kvb__pd_tokenize(p.prompt, p.prompt_len, &toks, &n))
-        return kvb__pd_http_fail(srv, conn, 500, "out of memory tokenizing the prompt");
+    if (kvb__srv_tokenize(p.prompt, p.prompt_len, &toks, &n))
+        return kvb__srv_http_fail(srv, conn, 500, "out of memory tokenizing the prompt");
     kvb_pd_seq_t seq;
     kvb_pd_seq_init(&seq);
-    kvb__pd_gen_t *g = NULL;
-    kvb__pd_refusal_t ref;
-    int rc = kvb__pd_gen_create(srv, NULL, &p, toks, n, &seq, false, 0, t_start, &g, &ref);
+    kvb__srv_gen_t *g = NULL;
+    kvb__srv_refusal_t ref;
+    int rc = kvb__srv_gen_create(srv, NULL, &p, toks, n, &seq, false, 0, t_start, &g, &ref);
     if (rc)
-        return kvb__pd_http_refuse(srv, conn, &ref);
-    return kvb__pd_gen_respond(g, conn);
+        return kvb__srv_http_refuse(srv, conn, &ref);
+    return kvb__srv_gen_respond(g, conn);
 }

@@ -141,10 +141,6 @@ typedef struct kvb_pd_blocks kvb_pd_blocks_t;
  * head dims 32). Returns KVB_OK or KVB_ERR_NOT_FOUND. */
 int kvb_pd_preset_config(const char *preset, kvb_pd_config_t *out);
 
-/* Checks a config against the limits and rules above. Returns KVB_OK, or KVB_ERR_INVALID_ARG
- * (KVB_ERR_TOO_LARGE if the weights exceed KVB_PD_WEIGHTS_MAX) with a reason. */
-int kvb_pd_config_check(const kvb_pd_config_t *cfg, char *reason, size_t reason_cap);
-
 /* Creates a model of config `cfg` named `name` (1..KVB_PD_NAME_MAX printable ASCII characters,
  * no space or '@') with weights drawn from `seed` as described above. Returns KVB_OK,
  * KVB_ERR_INVALID_ARG, KVB_ERR_TOO_LARGE or KVB_ERR_NOMEM with a reason; *out is set only on

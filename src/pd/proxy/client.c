@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "common/clock.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 typedef struct {
     kvb_pd_completion_t *out;

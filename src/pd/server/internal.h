@@ -1,8 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* What the server modules share: the instance, its ranks, peer links, the table of active requests
- * (leases, reservations) and metrics. Private to src/pd/server*.c. */
-#ifndef KVB_PD_SERVER_INT_H
-#define KVB_PD_SERVER_INT_H
+ * (leases, reservations) and metrics. Private to src/pd/server/ and its tests.
+ *
+ * Names: what other programs, the tools and the tests call is in server.h (kvb_pd_*); a non-static
+ * name used only inside src/pd/server/ is declared here as kvb__srv_* (macros KVB__SRV_*), as
+ * kvb__model_* is in model/ and kvb__pxy_* in proxy/. Static functions are short and unprefixed. */
+#ifndef KVB_PD_SERVER_INTERNAL_H
+#define KVB_PD_SERVER_INTERNAL_H
 
 #include <jansson.h>
 #include <microhttpd.h>
@@ -15,12 +19,12 @@
 #include "meta/meta.h"
 #include "pd/auth.h"
 #include "pd/http.h"
-#include "pd/model.h"
-#include "pd/server.h"
+#include "pd/model/model.h"
+#include "pd/server/server.h"
 
-#define KVB_PD_REQ_ID_MAX 64u
-#define KVB_PD_SEGS_MAX   KVB_PD_SERVER_TP_MAX
-#define KVB_PD_HIST_N     14 /* histogram buckets, +Inf included */
+#define KVB__SRV_REQ_ID_MAX 64u
+#define KVB__SRV_SEGS_MAX   KVB_PD_SERVER_TP_MAX
+#define KVB__SRV_HIST_N     14 /* histogram buckets, +Inf included */
 
 /* One TP rank: its engine, the cache in that engine's kvb_alloc memory, and its KV agent. */
 typedef struct {
@@ -30,7 +34,7 @@ typedef struct {
     kvb_kv_layout_t layout;
     kvb_kv_slot_t *slots;
     uint64_t block_bytes; /* sum of the layout's block_bytes: what one block of this rank holds */
-} kvb__pd_rank_t;
+} kvb__srv_rank_t;
 
 /* The links of every local rank to one remote rank (segment), or why the guard refused them. */
 typedef struct {
@@ -39,21 +43,21 @@ typedef struct {
     kvb_kv_verdict_t verdict;
     char reason[KVB_KV_REASON_MAX];
     bool refused;
-} kvb__pd_peer_t;
+} kvb__srv_peer_t;
 
 /* An id the instance holds: a prefill's lease (pull), a decode's reservation (push), or a request
  * being served (so that an id used twice while active is refused). */
 typedef enum {
-    KVB_PD_ENT_ACTIVE = 1, /* a request in a handler: nothing for the reaper */
-    KVB_PD_ENT_LEASE,      /* prefill, pull: blocks kept until every routed decode rank read */
-    KVB_PD_ENT_RESERVED,   /* decode, push: blocks reserved, notices expected */
-    KVB_PD_ENT_DRAIN,      /* blocks gone; the agents' expectations still to be released */
-} kvb__pd_ent_kind_t;
+    KVB__SRV_ENT_ACTIVE = 1, /* a request in a handler: nothing for the reaper */
+    KVB__SRV_ENT_LEASE,      /* prefill, pull: blocks kept until every routed decode rank read */
+    KVB__SRV_ENT_RESERVED,   /* decode, push: blocks reserved, notices expected */
+    KVB__SRV_ENT_DRAIN,      /* blocks gone; the agents' expectations still to be released */
+} kvb__srv_ent_kind_t;
 
-typedef struct kvb__pd_ent {
-    struct kvb__pd_ent *next;
-    char id[KVB_PD_REQ_ID_MAX + 1];
-    kvb__pd_ent_kind_t kind;
+typedef struct kvb__srv_ent {
+    struct kvb__srv_ent *next;
+    char id[KVB__SRV_REQ_ID_MAX + 1];
+    kvb__srv_ent_kind_t kind;
     kvb_pd_seq_t seq;               /* LEASE / RESERVED: the blocks held */
     uint32_t n_prompt;              /* RESERVED: tokens of the prompt */
     uint32_t *toks;                 /* RESERVED: the prompt's tokens */
@@ -61,13 +65,13 @@ typedef struct kvb__pd_ent {
     uint64_t pending_mask;          /* ranks whose kvb_kv_wait has not returned (bit r) */
     char (*segs)[KVB_NAME_MAX + 1]; /* the peer's segments, to relink if it is lost */
     size_t nsegs;
-} kvb__pd_ent_t;
+} kvb__srv_ent_t;
 
 typedef struct {
     uint64_t count;
     double sum;
-    uint64_t buckets[KVB_PD_HIST_N];
-} kvb__pd_hist_t;
+    uint64_t buckets[KVB__SRV_HIST_N];
+} kvb__srv_hist_t;
 
 /* Why a request was not admitted: the HTTP status, a machine-readable reason ("queue_full",
  * "deadline", "too_large", "stopping") and the seconds a client should wait before retrying. */
@@ -76,9 +80,9 @@ typedef struct {
     const char *reason; /* static */
     unsigned retry_after_s;
     char msg[512];
-} kvb__pd_refusal_t;
+} kvb__srv_refusal_t;
 
-struct kvb__pd_waiter;
+struct kvb__srv_waiter;
 
 struct kvb_pd_server {
     kvb_pd_server_opts_t opts;
@@ -86,7 +90,7 @@ struct kvb_pd_server {
     char model_spec[4096];
     kvb_pd_model_t *model;
     uint32_t tp, tpb;
-    kvb__pd_rank_t *ranks;
+    kvb__srv_rank_t *ranks;
     kvb_pd_cache_t **caches; /* [tp], for kvb_pd_forward */
     kvb_pd_blocks_t *pool;
     uint64_t total_blocks;
@@ -97,43 +101,43 @@ struct kvb_pd_server {
     pthread_mutex_t fwd_mu;
 
     pthread_mutex_t links_mu; /* peers, dead links */
-    kvb__pd_peer_t *peers;
+    kvb__srv_peer_t *peers;
     size_t npeers;
     kvb_kv_link_t **dead; /* links to lost peers, closed at destroy (in-flight users may remain) */
     size_t ndead;
 
     pthread_mutex_t mu; /* the entry table, metrics, stop */
     pthread_cond_t cv;
-    kvb__pd_ent_t *ents;
+    kvb__srv_ent_t *ents;
     bool stop;
     pthread_t reaper;
     bool reaper_started;
     atomic_ulong req_counter;
 
-    /* Admission (server_admit.c), under mu: the FIFO of requests waiting for blocks. */
+    /* Admission (admit.c), under mu: the FIFO of requests waiting for blocks. */
     pthread_cond_t adm_cv; /* broadcast when blocks come back or the head changes */
-    struct kvb__pd_waiter *q_head, *q_tail;
+    struct kvb__srv_waiter *q_head, *q_tail;
     uint32_t q_len, max_queue;
     bool adm_stop;
     uint64_t m_admitted, m_waited, m_rej_full, m_rej_deadline; /* m_waited: had to queue */
-    kvb__pd_hist_t m_wait;
+    kvb__srv_hist_t m_wait;
 
-    /* Continuous batching (server_gen.c): decode steps waiting for the next batched pass. */
+    /* Continuous batching (gen.c): decode steps waiting for the next batched pass. */
     pthread_mutex_t bat_mu;
     pthread_cond_t bat_cv;
-    struct kvb__pd_step *bat_head, *bat_tail;
+    struct kvb__srv_step *bat_head, *bat_tail;
     bool bat_running;
     uint64_t m_batches, m_batch_tokens, m_batch_max; /* under bat_mu */
 
     uint64_t m_requests, m_failures, m_kv_bytes;
     double m_kv_seconds;
-    kvb__pd_hist_t m_ttft, m_tpot;
+    kvb__srv_hist_t m_ttft, m_tpot;
 
     struct MHD_Daemon *httpd;
     uint16_t port;
     kvb__pd_auth_t *auth; /* signed /pd/ calls, tickets, API keys */
 
-    /* Registration with a metadata store (server_reg.c); meta is NULL without one. */
+    /* Registration with a metadata store (reg.c); meta is NULL without one. */
     char metadata[KVB_META_URI_MAX + 1];
     char cluster[64];
     kvb_meta_t *meta;
@@ -144,81 +148,81 @@ struct kvb_pd_server {
 /* ---- server.c -------------------------------------------------------------------------------- */
 
 /* Routes one complete request; `body` is NUL-terminated. */
-enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
-                              const char *url, const char *body, size_t len);
+enum MHD_Result kvb__srv_route(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                               const char *method, const char *url, const char *body, size_t len);
 
-/* ---- server_ents.c: the entry table and the reaper ------------------------------------------ */
+/* ---- ents.c: the entry table and the reaper -------------------------------------------------- */
 
 /* Adds an entry for `id` (ACTIVE); KVB_ERR_BUSY if the id is held, KVB_ERR_NOMEM. */
-int kvb__pd_ent_add(kvb_pd_server_t *srv, const char *id, kvb__pd_ent_t **out);
+int kvb__srv_ent_add(kvb_pd_server_t *srv, const char *id, kvb__srv_ent_t **out);
 /* Finds the entry of `id`; caller holds srv->mu. */
-kvb__pd_ent_t *kvb__pd_ent_find(kvb_pd_server_t *srv, const char *id);
+kvb__srv_ent_t *kvb__srv_ent_find(kvb_pd_server_t *srv, const char *id);
 /* Unlinks and frees an entry (its blocks must be released already); caller holds srv->mu. */
-void kvb__pd_ent_remove(kvb_pd_server_t *srv, kvb__pd_ent_t *e);
+void kvb__srv_ent_remove(kvb_pd_server_t *srv, kvb__srv_ent_t *e);
 /* Drops the ACTIVE entry of `id` (handlers call this when they end). */
-void kvb__pd_ent_done(kvb_pd_server_t *srv, const char *id);
+void kvb__srv_ent_done(kvb_pd_server_t *srv, const char *id);
 /* Copies segs[0..n) into the entry (KVB_ERR_NOMEM). Caller holds srv->mu or owns the entry. */
-int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n);
+int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n);
 /* Turns the entry into DRAIN for the ranks in `mask` (releasing its blocks now), or removes it
  * when mask is 0. Caller holds srv->mu. */
-void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, uint64_t deadline);
-void *kvb__pd_reaper_main(void *arg);
-/* Counts the entries by kind: counts[KVB_PD_ENT_ACTIVE] ... counts[KVB_PD_ENT_DRAIN]. */
-void kvb__pd_ents_count(kvb_pd_server_t *srv, uint64_t counts[5]);
+void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline);
+void *kvb__srv_reaper_main(void *arg);
+/* Counts the entries by kind: counts[KVB__SRV_ENT_ACTIVE] ... counts[KVB__SRV_ENT_DRAIN]. */
+void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[5]);
 /* Frees every entry's blocks (at shutdown). */
-void kvb__pd_ents_clear(kvb_pd_server_t *srv);
+void kvb__srv_ents_clear(kvb_pd_server_t *srv);
 
-/* ---- server_admit.c: admission ------------------------------------------------------------ */
+/* ---- admit.c: admission ---------------------------------------------------------------------- */
 
 /* Reserves blocks for `tokens` positions in seq, waiting in the instance's FIFO queue while they
  * are not free, until deadline_ns. Returns KVB_OK; KVB_ERR_TOO_LARGE (400: more blocks than the
  * instance has, refused at once) or KVB_ERR_BUSY (503: queue full, deadline passed, stopping)
  * with *ref filled. */
-int kvb__pd_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint64_t deadline_ns,
-                  kvb__pd_refusal_t *ref);
+int kvb__srv_admit(kvb_pd_server_t *srv, kvb_pd_seq_t *seq, uint64_t tokens, uint64_t deadline_ns,
+                   kvb__srv_refusal_t *ref);
 /* Wakes the queue after blocks went back to the pool; caller holds srv->mu. */
-void kvb__pd_admit_wake(kvb_pd_server_t *srv);
+void kvb__srv_admit_wake(kvb_pd_server_t *srv);
 /* The same, taking srv->mu. */
-void kvb__pd_admit_wake_locked(kvb_pd_server_t *srv);
+void kvb__srv_admit_wake_locked(kvb_pd_server_t *srv);
 /* Fails every waiter and every later admission (the server is stopping). */
-void kvb__pd_admit_stop(kvb_pd_server_t *srv);
+void kvb__srv_admit_stop(kvb_pd_server_t *srv);
 /* The /health "queue" object. */
-json_t *kvb__pd_admit_health(kvb_pd_server_t *srv);
+json_t *kvb__srv_admit_health(kvb_pd_server_t *srv);
 /* Answers a refusal: the error JSON with its "reason", Retry-After on a 503. Counts a failure. */
-enum MHD_Result kvb__pd_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
-                                    const kvb__pd_refusal_t *ref);
+enum MHD_Result kvb__srv_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                     const kvb__srv_refusal_t *ref);
 
-/* ---- server_reg.c: registration with a metadata store ------------------------------------- */
+/* ---- reg.c: registration with a metadata store ----------------------------------------------- */
 
 /* Checks the metadata options (cluster name, TTL, URI length); the reason says what is wrong. */
-int kvb__pd_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap);
+int kvb__srv_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap);
 /* Opens the store client (when opts name a store) and checks that the store answers, before
  * anything slow starts. KVB_ERR_INVALID_ARG for a malformed URI, KVB_ERR_META_UNREACHABLE. */
-int kvb__pd_reg_open(kvb_pd_server_t *srv, char *reason, size_t cap);
+int kvb__srv_reg_open(kvb_pd_server_t *srv, char *reason, size_t cap);
 /* Registers the instance (HTTP must serve already); the store client keeps the key alive. */
-int kvb__pd_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap);
+int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap);
 /* Appends the /health "metadata" object (nothing without a store). */
-void kvb__pd_reg_health(kvb_pd_server_t *srv, json_t *health);
+void kvb__srv_reg_health(kvb_pd_server_t *srv, json_t *health);
 /* Withdraws the registration and closes the client (idempotent). */
-void kvb__pd_reg_close(kvb_pd_server_t *srv);
+void kvb__srv_reg_close(kvb_pd_server_t *srv);
 
-/* ---- server_links.c ------------------------------------------------------------------------- */
+/* ---- links.c --------------------------------------------------------------------------------- */
 
 /* Links every local rank to every segment of segs[0..n): out[r * n + m] is rank r's link to
  * segs[m]. Cached by segment. On a refusal returns KVB_ERR_INCOMPATIBLE; on any error `why`
  * says which peer and why. */
-int kvb__pd_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
-                      char *why, size_t why_cap);
-/* True for a kvb__pd_links_get failure that says the segment is no member of this cluster (no
+int kvb__srv_links_get(kvb_pd_server_t *srv, char *const *segs, size_t n, kvb_kv_link_t **out,
+                       char *why, size_t why_cap);
+/* True for a kvb__srv_links_get failure that says the segment is no member of this cluster (no
  * such name, not a kvbridge engine, or it does not know the cluster secret). */
-bool kvb__pd_links_unknown(int rc);
+bool kvb__srv_links_unknown(int rc);
 /* Moves the cached links to `seg` aside (the peer was lost), so the next request relinks. */
-void kvb__pd_links_drop(kvb_pd_server_t *srv, const char *seg);
+void kvb__srv_links_drop(kvb_pd_server_t *srv, const char *seg);
 /* Appends the /health "links" array. */
-void kvb__pd_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded);
-void kvb__pd_links_free(kvb_pd_server_t *srv);
+void kvb__srv_links_health(kvb_pd_server_t *srv, json_t *arr, bool *degraded);
+void kvb__srv_links_free(kvb_pd_server_t *srv);
 
-/* ---- server_gen.c: generation, completions, streaming --------------------------------------- */
+/* ---- gen.c: generation, completions, streaming ----------------------------------------------- */
 
 /* Parameters of a generation, parsed from a body. */
 typedef struct {
@@ -229,59 +233,60 @@ typedef struct {
     float temperature;
     uint64_t seed;
     uint32_t timeout_ms;
-} kvb__pd_params_t;
+} kvb__srv_params_t;
 
-typedef struct kvb__pd_gen kvb__pd_gen_t;
+typedef struct kvb__srv_gen kvb__srv_gen_t;
 
 /* Reads the generation fields of `body` (defaults for missing ones; "prompt" may be missing
  * unless need_prompt, then p->prompt is NULL); an error's 400 text in `why`. */
-int kvb__pd_params_parse(json_t *body, kvb__pd_params_t *p, bool need_prompt, char *why,
-                         size_t cap);
+int kvb__srv_params_parse(json_t *body, kvb__srv_params_t *p, bool need_prompt, char *why,
+                          size_t cap);
 
 /* Creates a generation over `seq` (taken over: the generation releases its blocks) holding
  * n_prompt cached positions (or, when colocated, none yet: the first step runs the prompt),
  * admitting it for every position it can need (waiting in the queue until the deadline).
  * has_t0: t0 is the first token, already sampled by a prefill. On an error *ref says why. */
-int kvb__pd_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__pd_params_t *p,
-                       uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
-                       uint32_t t0, uint64_t t_start, kvb__pd_gen_t **out, kvb__pd_refusal_t *ref);
+int kvb__srv_gen_create(kvb_pd_server_t *srv, const char *req_id, const kvb__srv_params_t *p,
+                        uint32_t *prompt, size_t n_prompt, kvb_pd_seq_t *seq, bool has_t0,
+                        uint32_t t0, uint64_t t_start, kvb__srv_gen_t **out,
+                        kvb__srv_refusal_t *ref);
 /* Records the KV transfer of this request (for the answer's stats). */
-void kvb__pd_gen_set_kv(kvb__pd_gen_t *g, uint64_t bytes, double seconds);
+void kvb__srv_gen_set_kv(kvb__srv_gen_t *g, uint64_t bytes, double seconds);
 /* Answers: the whole completion as JSON, or an SSE stream. Frees `g` (now or when the stream
  * ends) and drops the request's entry. */
-enum MHD_Result kvb__pd_gen_respond(kvb__pd_gen_t *g, struct MHD_Connection *conn);
+enum MHD_Result kvb__srv_gen_respond(kvb__srv_gen_t *g, struct MHD_Connection *conn);
 
 /* The /health "batching" object: passes, tokens, largest batch. */
-json_t *kvb__pd_batch_health(kvb_pd_server_t *srv);
+json_t *kvb__srv_batch_health(kvb_pd_server_t *srv);
 
 /* POST /v1/completions on a colocated instance. */
-enum MHD_Result kvb__pd_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn,
-                                    json_t *body);
+enum MHD_Result kvb__srv_completions(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                     json_t *body);
 
 /* Tokenizes prompt with BOS into a malloc'd array. */
-int kvb__pd_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n);
+int kvb__srv_tokenize(const char *prompt, size_t len, uint32_t **out, size_t *n);
 
-/* ---- server_pd.c: the /pd endpoints --------------------------------------------------------- */
+/* ---- endpoints.c: the /pd endpoints ---------------------------------------------------------- */
 
-enum MHD_Result kvb__pd_info(kvb_pd_server_t *srv, struct MHD_Connection *conn);
-enum MHD_Result kvb__pd_prefill(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
-enum MHD_Result kvb__pd_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
-enum MHD_Result kvb__pd_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
-enum MHD_Result kvb__pd_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__srv_info(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+enum MHD_Result kvb__srv_prefill(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__srv_decode(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__srv_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
+enum MHD_Result kvb__srv_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body);
 
-/* ---- server_metrics.c ----------------------------------------------------------------------- */
+/* ---- metrics.c ------------------------------------------------------------------------------- */
 
-void kvb__pd_hist_add(kvb__pd_hist_t *h, double v);
-void kvb__pd_metric_request(kvb_pd_server_t *srv);
-void kvb__pd_metric_failure(kvb_pd_server_t *srv);
-void kvb__pd_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot);
-void kvb__pd_metric_kv(kvb_pd_server_t *srv, uint64_t bytes, double seconds);
-enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn);
-enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+void kvb__srv_hist_add(kvb__srv_hist_t *h, double v);
+void kvb__srv_metric_request(kvb_pd_server_t *srv);
+void kvb__srv_metric_failure(kvb_pd_server_t *srv);
+void kvb__srv_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot);
+void kvb__srv_metric_kv(kvb_pd_server_t *srv, uint64_t bytes, double seconds);
+enum MHD_Result kvb__srv_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn);
+enum MHD_Result kvb__srv_health(kvb_pd_server_t *srv, struct MHD_Connection *conn);
 
 /* A failure answer that also counts in the failures metric. */
-enum MHD_Result kvb__pd_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *conn,
-                                  unsigned status, const char *fmt, ...)
+enum MHD_Result kvb__srv_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                   unsigned status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
 #endif

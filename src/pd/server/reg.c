@@ -12,8 +12,8 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/internal.h"
-#include "pd/server_int.h"
+#include "common/reason.h"
+#include "pd/server/internal.h"
 
 bool kvb_pd_cluster_valid(const char *c)
 {
@@ -35,7 +35,7 @@ bool kvb_pd_store_uri_valid(const char *uri)
     return true;
 }
 
-int kvb__pd_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
+int kvb__srv_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
 {
     if (o->cluster && !kvb_pd_cluster_valid(o->cluster))
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG,
@@ -49,7 +49,7 @@ int kvb__pd_reg_check(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
     return KVB_OK;
 }
 
-int kvb__pd_reg_open(kvb_pd_server_t *srv, char *reason, size_t cap)
+int kvb__srv_reg_open(kvb_pd_server_t *srv, char *reason, size_t cap)
 {
     if (!has_store(srv->metadata))
         return KVB_OK;
@@ -122,7 +122,7 @@ static char *reg_value(kvb_pd_server_t *srv, const char *host)
     return text;
 }
 
-int kvb__pd_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
+int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
 {
     if (!srv->meta)
         return KVB_OK;
@@ -150,7 +150,7 @@ int kvb__pd_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
     return KVB_OK;
 }
 
-void kvb__pd_reg_health(kvb_pd_server_t *srv, json_t *health)
+void kvb__srv_reg_health(kvb_pd_server_t *srv, json_t *health)
 {
     if (!srv->meta || !health)
         return;
@@ -160,7 +160,7 @@ void kvb__pd_reg_health(kvb_pd_server_t *srv, json_t *health)
                                   srv->incarnation, "reachable", kvb__meta_reachable(srv->meta)));
 }
 
-void kvb__pd_reg_close(kvb_pd_server_t *srv)
+void kvb__srv_reg_close(kvb_pd_server_t *srv)
 {
     /* Closing deletes the owned key: proxies drop us on their next round instead of after the
      * TTL, and, since this runs before HTTP stops, never pick us while we refuse connections. */

@@ -6,46 +6,46 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
 /* Upper bounds of the histogram buckets in seconds; the last bucket is +Inf. */
-static const double bounds[KVB_PD_HIST_N - 1] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                                 0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+static const double bounds[KVB__SRV_HIST_N - 1] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                   0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
 
-void kvb__pd_hist_add(kvb__pd_hist_t *h, double v)
+void kvb__srv_hist_add(kvb__srv_hist_t *h, double v)
 {
     size_t i = 0;
-    while (i < KVB_PD_HIST_N - 1 && v > bounds[i])
+    while (i < KVB__SRV_HIST_N - 1 && v > bounds[i])
         i++;
     h->buckets[i]++;
     h->count++;
     h->sum += v;
 }
 
-void kvb__pd_metric_request(kvb_pd_server_t *srv)
+void kvb__srv_metric_request(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
     srv->m_requests++;
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__pd_metric_failure(kvb_pd_server_t *srv)
+void kvb__srv_metric_failure(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
     srv->m_failures++;
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__pd_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot)
+void kvb__srv_metric_timing(kvb_pd_server_t *srv, double ttft_s, double tpot_s, bool has_tpot)
 {
     pthread_mutex_lock(&srv->mu);
-    kvb__pd_hist_add(&srv->m_ttft, ttft_s);
+    kvb__srv_hist_add(&srv->m_ttft, ttft_s);
     if (has_tpot)
-        kvb__pd_hist_add(&srv->m_tpot, tpot_s);
+        kvb__srv_hist_add(&srv->m_tpot, tpot_s);
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__pd_metric_kv(kvb_pd_server_t *srv, uint64_t bytes, double seconds)
+void kvb__srv_metric_kv(kvb_pd_server_t *srv, uint64_t bytes, double seconds)
 {
     pthread_mutex_lock(&srv->mu);
     srv->m_kv_bytes += bytes;
@@ -84,13 +84,13 @@ static void put(text_t *t, const char *fmt, ...)
 }
 
 static void put_hist(text_t *t, const char *name, const char *help, const char *role,
-                     const kvb__pd_hist_t *h)
+                     const kvb__srv_hist_t *h)
 {
     put(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     uint64_t cum = 0;
-    for (size_t i = 0; i < KVB_PD_HIST_N; i++) {
+    for (size_t i = 0; i < KVB__SRV_HIST_N; i++) {
         cum += h->buckets[i];
-        if (i < KVB_PD_HIST_N - 1)
+        if (i < KVB__SRV_HIST_N - 1)
             put(t, "%s_bucket{role=\"%s\",le=\"%g\"} %llu\n", name, role, bounds[i],
                 (unsigned long long)cum);
         else
@@ -113,7 +113,7 @@ static void put_gauge(text_t *t, const char *name, const char *help, const char 
         v);
 }
 
-enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn)
+enum MHD_Result kvb__srv_metrics(kvb_pd_server_t *srv, struct MHD_Connection *conn)
 {
     const char *role = kvb_pd_role_name(srv->opts.role);
     text_t t = {.s = malloc(4096), .cap = 4096};
@@ -143,14 +143,14 @@ enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *con
         role, (unsigned long long)srv->m_rej_full, role, (unsigned long long)srv->m_rej_deadline);
     pthread_mutex_unlock(&srv->mu);
     uint64_t n[5];
-    kvb__pd_ents_count(srv, n);
+    kvb__srv_ents_count(srv, n);
     put_gauge(&t, "kvbridge_kv_free_blocks", "KV blocks free.", role,
               (double)kvb_pd_blocks_available(srv->pool));
     put_gauge(&t, "kvbridge_kv_total_blocks", "KV blocks in all.", role, (double)srv->total_blocks);
     put_gauge(&t, "kvbridge_leases", "Pull leases held (prefill).", role,
-              (double)n[KVB_PD_ENT_LEASE]);
+              (double)n[KVB__SRV_ENT_LEASE]);
     put_gauge(&t, "kvbridge_reservations", "Push reservations held (decode).", role,
-              (double)n[KVB_PD_ENT_RESERVED]);
+              (double)n[KVB__SRV_ENT_RESERVED]);
     if (!t.s)
         return kvb__http_error(conn, 500, "out of memory");
     enum MHD_Result ret =
@@ -159,12 +159,12 @@ enum MHD_Result kvb__pd_metrics(kvb_pd_server_t *srv, struct MHD_Connection *con
     return ret;
 }
 
-enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn)
+enum MHD_Result kvb__srv_health(kvb_pd_server_t *srv, struct MHD_Connection *conn)
 {
     json_t *links = json_array();
     bool degraded = false;
     if (links && srv->opts.role != KVB_PD_ROLE_BOTH)
-        kvb__pd_links_health(srv, links, &degraded);
+        kvb__srv_links_health(srv, links, &degraded);
     json_t *o =
         json_pack("{s:s,s:s,s:s,s:i,s:s,s:I,s:I,s:o*}", "status", degraded ? "degraded" : "ok",
                   "role", kvb_pd_role_name(srv->opts.role), "model", kvb_pd_model_id(srv->model),
@@ -172,15 +172,15 @@ enum MHD_Result kvb__pd_health(kvb_pd_server_t *srv, struct MHD_Connection *conn
                   "free_blocks", (json_int_t)kvb_pd_blocks_available(srv->pool), "total_blocks",
                   (json_int_t)srv->total_blocks, "links", links);
     uint64_t n[5];
-    kvb__pd_ents_count(srv, n);
+    kvb__srv_ents_count(srv, n);
     if (o) {
-        json_object_set_new(o, "queue", kvb__pd_admit_health(srv));
-        json_object_set_new(o, "batching", kvb__pd_batch_health(srv));
-        json_object_set_new(o, "active", json_integer((json_int_t)n[KVB_PD_ENT_ACTIVE]));
-        json_object_set_new(o, "leases", json_integer((json_int_t)n[KVB_PD_ENT_LEASE]));
-        json_object_set_new(o, "reservations", json_integer((json_int_t)n[KVB_PD_ENT_RESERVED]));
-        json_object_set_new(o, "draining", json_integer((json_int_t)n[KVB_PD_ENT_DRAIN]));
+        json_object_set_new(o, "queue", kvb__srv_admit_health(srv));
+        json_object_set_new(o, "batching", kvb__srv_batch_health(srv));
+        json_object_set_new(o, "active", json_integer((json_int_t)n[KVB__SRV_ENT_ACTIVE]));
+        json_object_set_new(o, "leases", json_integer((json_int_t)n[KVB__SRV_ENT_LEASE]));
+        json_object_set_new(o, "reservations", json_integer((json_int_t)n[KVB__SRV_ENT_RESERVED]));
+        json_object_set_new(o, "draining", json_integer((json_int_t)n[KVB__SRV_ENT_DRAIN]));
     }
-    kvb__pd_reg_health(srv, o);
+    kvb__srv_reg_health(srv, o);
     return kvb__http_json(conn, 200, o);
 }

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Model configs: the built-in presets, the rules a config (and so a weight file) must follow, and
  * the canonical tensor table that both the preset generator and the file format are built on. */
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -79,7 +79,7 @@ static int mla_check(const kvb_pd_config_t *c, char *r, size_t cap)
     return KVB_OK;
 }
 
-int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
+int kvb__model_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
 {
     int rc;
     if (!c)
@@ -101,10 +101,10 @@ int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
     if (rc)
         return rc;
     /* The limits keep every single product far below 2^64; only the total needs a bound. */
-    kvb__pd_tensor_t *t;
+    kvb__model_tensor_t *t;
     size_t n;
     uint64_t floats;
-    if (kvb__pd_tensor_table(c, &t, &n, &floats))
+    if (kvb__model_tensor_table(c, &t, &n, &floats))
         return kvb__fail(r, cap, KVB_ERR_NOMEM, "out of memory");
     free(t);
     if (floats > KVB_PD_WEIGHTS_MAX / sizeof(float))
@@ -114,7 +114,7 @@ int kvb_pd_config_check(const kvb_pd_config_t *c, char *r, size_t cap)
     return KVB_OK;
 }
 
-int kvb__pd_name_check(const char *name, size_t len, char *r, size_t cap)
+int kvb__model_name_check(const char *name, size_t len, char *r, size_t cap)
 {
     if (!name || len == 0 || len > KVB_PD_NAME_MAX)
         return kvb__fail(r, cap, INVAL, "model name must have 1..%u characters", KVB_PD_NAME_MAX);
@@ -128,7 +128,7 @@ int kvb__pd_name_check(const char *name, size_t len, char *r, size_t cap)
 }
 
 typedef struct {
-    kvb__pd_tensor_t *t;
+    kvb__model_tensor_t *t;
     size_t n;
     uint64_t floats; /* payload so far, in floats */
 } table_t;
@@ -136,7 +136,7 @@ typedef struct {
 /* Appends a tensor at the next 64-byte boundary. Config limits keep the arithmetic in range. */
 static void add(table_t *tb, const char *name, uint32_t layer, uint32_t rows, uint32_t cols)
 {
-    kvb__pd_tensor_t *t = &tb->t[tb->n++];
+    kvb__model_tensor_t *t = &tb->t[tb->n++];
     if (layer == UINT32_MAX)
         snprintf(t->name, sizeof t->name, "%s", name);
     else
@@ -145,7 +145,8 @@ static void add(table_t *tb, const char *name, uint32_t layer, uint32_t rows, ui
     t->cols = cols;
     t->offset = tb->floats;
     uint64_t end = tb->floats + (uint64_t)rows * cols;
-    tb->floats = (end + KVB_PD_ALIGN_FLOATS - 1) / KVB_PD_ALIGN_FLOATS * KVB_PD_ALIGN_FLOATS;
+    tb->floats =
+        (end + KVB__MODEL_ALIGN_FLOATS - 1) / KVB__MODEL_ALIGN_FLOATS * KVB__MODEL_ALIGN_FLOATS;
 }
 
 static void add_layer(table_t *tb, const kvb_pd_config_t *c, uint32_t l)
@@ -171,11 +172,11 @@ static void add_layer(table_t *tb, const kvb_pd_config_t *c, uint32_t l)
     add(tb, "ffn_down", l, h, c->ffn);
 }
 
-int kvb__pd_tensor_table(const kvb_pd_config_t *c, kvb__pd_tensor_t **out, size_t *n,
-                         uint64_t *floats)
+int kvb__model_tensor_table(const kvb_pd_config_t *c, kvb__model_tensor_t **out, size_t *n,
+                            uint64_t *floats)
 {
     size_t per_layer = c->attn == KVB_KV_ATTN_GQA ? 9 : 11;
-    table_t tb = {.t = calloc(3 + per_layer * c->n_layers, sizeof(kvb__pd_tensor_t))};
+    table_t tb = {.t = calloc(3 + per_layer * c->n_layers, sizeof(kvb__model_tensor_t))};
     if (!tb.t)
         return KVB_ERR_NOMEM;
     add(&tb, "tok_embd", UINT32_MAX, c->vocab, c->hidden);

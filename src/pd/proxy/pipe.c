@@ -6,7 +6,7 @@
 
 #include "common/checked.h"
 #include "common/clock.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 /* ---- Server-sent events ---------------------------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The byte-level tokenizer, the sampler (greedy, or temperature with a stateless seeded draw per
  * step so that a decode instance continues a prefill's stream), and colocated generation. */
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -13,7 +13,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 #define STORE_TIMEOUT_MS 2000u       /* one list call; also bounds how long a stop waits for it */
 #define VALUE_MAX        (64u << 10) /* an instance's value over this is refused */

@@ -6,7 +6,7 @@
  * bitwise independent of the TP size. The MLP and lm_head are shared out among the threads by
  * token or by output row: every value is still one dot product of the same inputs, so how the
  * work is split changes no bit either. */
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -42,7 +42,7 @@ typedef struct {
     float *mlp_xn, *mlp_ffn; /* row-split MLP (fewer tokens than ranks): the normed input, gate */
 } fwd_t;
 
-float kvb__pd_dot(const float *a, const float *b, size_t n)
+float kvb__model_dot(const float *a, const float *b, size_t n)
 {
     /* Eight independent partial sums, combined in a fixed tree: the compiler may vectorise the
      * lanes, which never changes a lane's result, so the value depends only on the inputs. */
@@ -65,9 +65,9 @@ float kvb__pd_dot(const float *a, const float *b, size_t n)
     return t;
 }
 
-void kvb__pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps)
+void kvb__model_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps)
 {
-    float r = 1.0f / sqrtf(kvb__pd_dot(x, x, n) / (float)n + eps);
+    float r = 1.0f / sqrtf(kvb__model_dot(x, x, n) / (float)n + eps);
     for (uint32_t i = 0; i < n; i++)
         out[i] = x[i] * r * w[i];
 }
@@ -76,7 +76,7 @@ void kvb__pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, flo
 static void matvec(float *out, const float *w, const float *x, size_t rows, size_t cols)
 {
     for (size_t i = 0; i < rows; i++)
-        out[i] = kvb__pd_dot(w + i * cols, x, cols);
+        out[i] = kvb__model_dot(w + i * cols, x, cols);
 }
 
 static uint32_t rope_dim(const kvb_pd_config_t *c)
@@ -150,7 +150,7 @@ static void softmax(float *s, size_t n)
 /* GQA: rank r computes and stores the K and V of the KV heads it holds. */
 static void write_gqa(fwd_t *f, uint32_t l, uint32_t r)
 {
-    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb__model_layer_t *w = &f->m->layers[l];
     uint32_t hd = f->c->head_dim, H = f->c->hidden;
     const kvb_pd_cache_t *c = f->caches[r];
     for (size_t t = 0; t < f->n; t++) {
@@ -171,12 +171,12 @@ static void write_gqa(fwd_t *f, uint32_t l, uint32_t r)
  * once and stored on every rank (replicated compute in a real deployment gives the same bits). */
 static void write_mla(fwd_t *f, uint32_t l, uint32_t r)
 {
-    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb__model_layer_t *w = &f->m->layers[l];
     uint32_t rank = f->c->kv_lora_rank, H = f->c->hidden;
     size_t row = rank + f->c->rope_dim;
     for (size_t t = r; t < f->n; t += f->tp) {
         matvec(f->kv, w->wkv_a, f->xn + t * H, row, H);
-        kvb__pd_rmsnorm(f->kv, f->kv, w->kv_norm, rank, f->c->norm_eps);
+        kvb__model_rmsnorm(f->kv, f->kv, w->kv_norm, rank, f->c->norm_eps);
         rope(f, f->kv + rank, t);
         for (uint32_t k = 0; k < f->tp; k++)
             memcpy(cache_row(f, f->caches[k], tok_blocks(f, t), l, tok_pos(f, t), 0), f->kv,
@@ -190,7 +190,7 @@ static void write_mla(fwd_t *f, uint32_t l, uint32_t r)
  * h's columns of wo, into `out` (hidden floats). */
 static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, float *out)
 {
-    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb__model_layer_t *w = &f->m->layers[l];
     const kvb_pd_cache_t *c = f->caches[r];
     uint32_t hd = f->c->head_dim, H = f->c->hidden, nh = f->c->n_heads;
     uint32_t j = h / (nh / f->c->n_kv_heads) - r * c->heads_held;
@@ -201,7 +201,7 @@ static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
     rope(f, f->q, t);
     for (size_t p = 0; p < len; p++)
         f->scores[p] =
-            kvb__pd_dot(f->q, cache_row(f, c, bt, 2 * (size_t)l, (uint32_t)p, j), hd) * scale;
+            kvb__model_dot(f->q, cache_row(f, c, bt, 2 * (size_t)l, (uint32_t)p, j), hd) * scale;
     softmax(f->scores, len);
     memset(f->hout, 0, hd * sizeof(float));
     for (size_t p = 0; p < len; p++) {
@@ -210,14 +210,14 @@ static void head_gqa(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
             f->hout[d] += f->scores[p] * v[d];
     }
     for (uint32_t i = 0; i < H; i++)
-        out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * hd + (size_t)h * hd, f->hout, hd);
+        out[i] = kvb__model_dot(w->wo + (size_t)i * nh * hd + (size_t)h * hd, f->hout, hd);
 }
 
 /* MLA head h for new token t, in the absorbed form: the query is taken into latent space through
  * wk_b[h], the softmax-weighted latent out through wv_b[h]. */
 static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, float *out)
 {
-    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb__model_layer_t *w = &f->m->layers[l];
     const kvb_pd_cache_t *c = f->caches[r];
     uint32_t nope = f->c->nope_dim, rd = f->c->rope_dim, rank = f->c->kv_lora_rank;
     uint32_t vd = f->c->v_head_dim, H = f->c->hidden, nh = f->c->n_heads;
@@ -235,7 +235,8 @@ static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
     for (size_t p = 0; p < len; p++) {
         const float *lat = cache_row(f, c, bt, l, (uint32_t)p, 0);
         f->scores[p] =
-            (kvb__pd_dot(f->qlat, lat, rank) + kvb__pd_dot(f->q + nope, lat + rank, rd)) * scale;
+            (kvb__model_dot(f->qlat, lat, rank) + kvb__model_dot(f->q + nope, lat + rank, rd)) *
+            scale;
     }
     softmax(f->scores, len);
     memset(f->hout, 0, rank * sizeof(float));
@@ -246,7 +247,7 @@ static void head_mla(fwd_t *f, uint32_t l, uint32_t r, uint32_t h, size_t t, flo
     }
     matvec(f->vout, w->wv_b + (size_t)h * vd * rank, f->hout, vd, rank);
     for (uint32_t i = 0; i < H; i++)
-        out[i] = kvb__pd_dot(w->wo + (size_t)i * nh * vd + (size_t)h * vd, f->vout, vd);
+        out[i] = kvb__model_dot(w->wo + (size_t)i * nh * vd + (size_t)h * vd, f->vout, vd);
 }
 
 /* Waits for every rank thread of the pass (nothing to wait for at TP 1). */
@@ -287,17 +288,17 @@ static void attention(fwd_t *f, uint32_t l, uint32_t r)
 }
 
 /* The MLP of token t, whole, in rank-private scratch (xn and ffn are this rank's). */
-static void mlp_token(fwd_t *f, const kvb__pd_layer_t *w, size_t t)
+static void mlp_token(fwd_t *f, const kvb__model_layer_t *w, size_t t)
 {
     uint32_t H = f->c->hidden, F = f->c->ffn;
     float *gate = f->ffn, *up = f->ffn + F, *x = f->x + t * H;
-    kvb__pd_rmsnorm(f->xt, x, w->ffn_norm, H, f->c->norm_eps);
+    kvb__model_rmsnorm(f->xt, x, w->ffn_norm, H, f->c->norm_eps);
     matvec(gate, w->ffn_gate, f->xt, F, H);
     matvec(up, w->ffn_up, f->xt, F, H);
     for (uint32_t i = 0; i < F; i++)
         gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     for (uint32_t i = 0; i < H; i++)
-        x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+        x[i] += kvb__model_dot(w->ffn_down + (size_t)i * F, gate, F);
 }
 
 /* Rows [lo, hi) of `rows` for rank r of tp: an even share, the remainder to the first ranks. */
@@ -310,12 +311,12 @@ static void share(uint32_t rows, uint32_t r, uint32_t tp, uint32_t *lo, uint32_t
 
 /* The MLP of token t with its output rows shared out among the ranks (fewer tokens than ranks:
  * a decode step). */
-static void mlp_rows(fwd_t *f, const kvb__pd_layer_t *w, size_t t, uint32_t r)
+static void mlp_rows(fwd_t *f, const kvb__model_layer_t *w, size_t t, uint32_t r)
 {
     uint32_t H = f->c->hidden, F = f->c->ffn, lo, hi;
     float *x = f->x + t * H, *gate = f->mlp_ffn, *up = f->mlp_ffn + F;
     if (r == 0)
-        kvb__pd_rmsnorm(f->mlp_xn, x, w->ffn_norm, H, f->c->norm_eps);
+        kvb__model_rmsnorm(f->mlp_xn, x, w->ffn_norm, H, f->c->norm_eps);
     rank_sync(f);
     share(F, r, f->tp, &lo, &hi);
     matvec(gate + lo, w->ffn_gate + (size_t)lo * H, f->mlp_xn, hi - lo, H);
@@ -325,13 +326,13 @@ static void mlp_rows(fwd_t *f, const kvb__pd_layer_t *w, size_t t, uint32_t r)
     rank_sync(f);
     share(H, r, f->tp, &lo, &hi);
     for (uint32_t i = lo; i < hi; i++)
-        x[i] += kvb__pd_dot(w->ffn_down + (size_t)i * F, gate, F);
+        x[i] += kvb__model_dot(w->ffn_down + (size_t)i * F, gate, F);
     rank_sync(f); /* x complete before the next token's norm */
 }
 
 static void mlp(fwd_t *f, uint32_t l, uint32_t r)
 {
-    const kvb__pd_layer_t *w = &f->m->layers[l];
+    const kvb__model_layer_t *w = &f->m->layers[l];
     if (f->n >= f->tp || !f->mlp_ffn) {
         for (size_t t = r; t < f->n; t += f->tp)
             mlp_token(f, w, t);
@@ -348,7 +349,7 @@ static void batch_logits(fwd_t *f, uint32_t r)
     uint32_t H = f->c->hidden, V = f->c->vocab, lo, hi;
     if (f->n >= f->tp || !f->bar) {
         for (size_t t = r; t < f->n; t += f->tp) {
-            kvb__pd_rmsnorm(f->xt, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
+            kvb__model_rmsnorm(f->xt, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
             matvec(f->blogits[t], f->m->lm_head, f->xt, V, H);
         }
         return;
@@ -356,7 +357,7 @@ static void batch_logits(fwd_t *f, uint32_t r)
     share(V, r, f->tp, &lo, &hi);
     for (size_t t = 0; t < f->n; t++) {
         if (r == 0)
-            kvb__pd_rmsnorm(f->mlp_xn, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
+            kvb__model_rmsnorm(f->mlp_xn, f->x + t * H, f->m->out_norm, H, f->c->norm_eps);
         rank_sync(f);
         matvec(f->blogits[t] + lo, f->m->lm_head + (size_t)lo * H, f->mlp_xn, hi - lo, H);
         rank_sync(f); /* mlp_xn is the next token's */
@@ -369,8 +370,8 @@ static void run_rank(fwd_t *f, uint32_t r, float *logits, const kvb_pd_hook_t *h
     uint32_t H = f->c->hidden;
     for (uint32_t l = 0; l < f->c->n_layers; l++) {
         for (size_t t = r; t < f->n; t += f->tp)
-            kvb__pd_rmsnorm(f->xn + t * H, f->x + t * H, f->m->layers[l].attn_norm, H,
-                            f->c->norm_eps);
+            kvb__model_rmsnorm(f->xn + t * H, f->x + t * H, f->m->layers[l].attn_norm, H,
+                               f->c->norm_eps);
         rank_sync(f);
         if (f->c->attn == KVB_KV_ATTN_GQA)
             write_gqa(f, l, r);
@@ -392,7 +393,7 @@ static void run_rank(fwd_t *f, uint32_t r, float *logits, const kvb_pd_hook_t *h
         return;
     uint32_t lo, hi;
     if (r == 0)
-        kvb__pd_rmsnorm(f->xn, f->x + (f->n - 1) * H, f->m->out_norm, H, f->c->norm_eps);
+        kvb__model_rmsnorm(f->xn, f->x + (f->n - 1) * H, f->m->out_norm, H, f->c->norm_eps);
     rank_sync(f);
     share(f->c->vocab, r, f->tp, &lo, &hi);
     matvec(logits + lo, f->m->lm_head + (size_t)lo * H, f->xn, hi - lo, H);

@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "pd/internal.h"
-#include "pd/server_int.h"
+#include "common/reason.h"
+#include "pd/server/internal.h"
 
 const char *kvb_pd_role_name(kvb_pd_role_t role)
 {
@@ -69,7 +69,7 @@ static void rank_free(void *user, void *ptr, size_t len)
         KVB_WARN("freeing a rank cache: %s", kvb_strerror(rc));
 }
 
-static int rank_layout(kvb_pd_server_t *srv, kvb__pd_rank_t *rk, char *reason, size_t cap)
+static int rank_layout(kvb_pd_server_t *srv, kvb__srv_rank_t *rk, char *reason, size_t cap)
 {
     size_t ns = kvb_pd_cache_num_slots(rk->cache);
     rk->slots = calloc(ns, sizeof *rk->slots);
@@ -84,7 +84,7 @@ static int rank_layout(kvb_pd_server_t *srv, kvb__pd_rank_t *rk, char *reason, s
 
 static int rank_init(kvb_pd_server_t *srv, uint32_t r, char *reason, size_t cap)
 {
-    kvb__pd_rank_t *rk = &srv->ranks[r];
+    kvb__srv_rank_t *rk = &srv->ranks[r];
     kvb_config_t c;
     kvb_config_init(&c);
     c.bind_addr = srv->addr;
@@ -117,7 +117,7 @@ static int rank_init(kvb_pd_server_t *srv, uint32_t r, char *reason, size_t cap)
     return kvb_kv_agent_create(rk->engine, &rk->layout, kr, &rk->agent, reason, cap);
 }
 
-static void rank_fini(kvb__pd_rank_t *rk)
+static void rank_fini(kvb__srv_rank_t *rk)
 {
     kvb_kv_agent_destroy(rk->agent);
     kvb_pd_cache_destroy(rk->cache);
@@ -128,24 +128,24 @@ static void rank_fini(kvb__pd_rank_t *rk)
 /* ---- HTTP -------------------------------------------------------------------------------------
  */
 
-enum MHD_Result kvb__pd_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *conn,
-                                  unsigned status, const char *fmt, ...)
+enum MHD_Result kvb__srv_http_fail(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                   unsigned status, const char *fmt, ...)
 {
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    kvb__pd_metric_failure(srv);
+    kvb__srv_metric_failure(srv);
     if (status >= 500)
         KVB_WARN("answering %u: %s", status, msg);
     return kvb__http_error(conn, status, msg);
 }
 
-enum MHD_Result kvb__pd_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
-                                    const kvb__pd_refusal_t *ref)
+enum MHD_Result kvb__srv_http_refuse(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                                     const kvb__srv_refusal_t *ref)
 {
-    kvb__pd_metric_failure(srv);
+    kvb__srv_metric_failure(srv);
     if (ref->status >= 500)
         KVB_WARN("answering %u (%s): %s", ref->status, ref->reason, ref->msg);
     return kvb__http_error_ex(conn, ref->status, ref->msg, ref->reason,
@@ -156,14 +156,14 @@ static enum MHD_Result route_post(kvb_pd_server_t *srv, struct MHD_Connection *c
                                   const char *url, json_t *body)
 {
     if (!strcmp(url, "/v1/completions"))
-        return kvb__pd_completions(srv, conn, body);
+        return kvb__srv_completions(srv, conn, body);
     if (!strcmp(url, "/pd/prefill"))
-        return kvb__pd_prefill(srv, conn, body);
+        return kvb__srv_prefill(srv, conn, body);
     if (!strcmp(url, "/pd/decode"))
-        return kvb__pd_decode(srv, conn, body);
+        return kvb__srv_decode(srv, conn, body);
     if (!strcmp(url, "/pd/reserve"))
-        return kvb__pd_reserve(srv, conn, body);
-    return kvb__pd_abort(srv, conn, body);
+        return kvb__srv_reserve(srv, conn, body);
+    return kvb__srv_abort(srv, conn, body);
 }
 
 static bool is_post_path(const char *url)
@@ -182,7 +182,7 @@ static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, con
         const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, KVB_PD_AUTH_HEADER);
         if (!kvb__pd_auth_check(srv->auth, method, url, h, body, len, &reason))
             return false;
-        kvb__pd_metric_failure(srv);
+        kvb__srv_metric_failure(srv);
         KVB_WARN("refused %s %s: %s", method, url, reason);
         *ret = kvb__http_error_ex(conn, 401,
                                   "internal endpoints take only calls signed with the cluster "
@@ -195,7 +195,7 @@ static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, con
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         if (!kvb__pd_auth_api_key(srv->auth, h))
             return false;
-        kvb__pd_metric_failure(srv);
+        kvb__srv_metric_failure(srv);
         *ret = kvb__http_error_ex(conn, 401, "a valid API key is required (Authorization: Bearer)",
                                   "invalid_api_key", 0);
         return true;
@@ -203,8 +203,8 @@ static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, con
     return false;
 }
 
-enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
-                              const char *url, const char *body, size_t len)
+enum MHD_Result kvb__srv_route(kvb_pd_server_t *srv, struct MHD_Connection *conn,
+                               const char *method, const char *url, const char *body, size_t len)
 {
     enum MHD_Result ret;
     if (refuse_caller(srv, conn, method, url, body, len, &ret))
@@ -212,20 +212,20 @@ enum MHD_Result kvb__pd_route(kvb_pd_server_t *srv, struct MHD_Connection *conn,
     bool get = !strcmp(method, "GET");
     bool get_path = !strcmp(url, "/health") || !strcmp(url, "/metrics") || !strcmp(url, "/pd/info");
     if (get_path && get)
-        return !strcmp(url, "/health")    ? kvb__pd_health(srv, conn)
-               : !strcmp(url, "/metrics") ? kvb__pd_metrics(srv, conn)
-                                          : kvb__pd_info(srv, conn);
+        return !strcmp(url, "/health")    ? kvb__srv_health(srv, conn)
+               : !strcmp(url, "/metrics") ? kvb__srv_metrics(srv, conn)
+                                          : kvb__srv_info(srv, conn);
     if (!get_path && !is_post_path(url))
-        return kvb__pd_http_fail(srv, conn, 404, "no such endpoint: %s", url);
+        return kvb__srv_http_fail(srv, conn, 404, "no such endpoint: %s", url);
     if (get_path || strcmp(method, "POST"))
-        return kvb__pd_http_fail(srv, conn, 405, "%s does not take %s", url, method);
+        return kvb__srv_http_fail(srv, conn, 405, "%s does not take %s", url, method);
     json_error_t err;
     json_t *j = json_loadb(body, len, JSON_REJECT_DUPLICATES, &err);
     if (!j)
-        return kvb__pd_http_fail(srv, conn, 400, "malformed JSON body: %s (line %d, column %d)",
-                                 err.text, err.line, err.column);
+        return kvb__srv_http_fail(srv, conn, 400, "malformed JSON body: %s (line %d, column %d)",
+                                  err.text, err.line, err.column);
     ret = json_is_object(j) ? route_post(srv, conn, url, j)
-                            : kvb__pd_http_fail(srv, conn, 400, "the body must be a JSON object");
+                            : kvb__srv_http_fail(srv, conn, 400, "the body must be a JSON object");
     json_decref(j);
     return ret;
 }
@@ -245,8 +245,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoull(cl, NULL, 10) > KVB_PD_SERVER_BODY_MAX) {
             b->too_large = true;
-            return kvb__pd_http_fail(srv, conn, 413, "request body over %u bytes",
-                                     KVB_PD_SERVER_BODY_MAX);
+            return kvb__srv_http_fail(srv, conn, 413, "request body over %u bytes",
+                                      KVB_PD_SERVER_BODY_MAX);
         }
         return MHD_YES;
     }
@@ -256,11 +256,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         return MHD_YES;
     }
     if (b->too_large)
-        return kvb__pd_http_fail(srv, conn, 413, "request body over %u bytes",
-                                 KVB_PD_SERVER_BODY_MAX);
+        return kvb__srv_http_fail(srv, conn, 413, "request body over %u bytes",
+                                  KVB_PD_SERVER_BODY_MAX);
     if (b->nomem)
-        return kvb__pd_http_fail(srv, conn, 500, "out of memory reading the body");
-    return kvb__pd_route(srv, conn, method, url, b->data ? b->data : "", b->len);
+        return kvb__srv_http_fail(srv, conn, 500, "out of memory reading the body");
+    return kvb__srv_route(srv, conn, method, url, b->data ? b->data : "", b->len);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -324,7 +324,7 @@ static int check_opts(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bind address too long");
     if (strlen(o->model) >= 4096)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "model path too long");
-    return kvb__pd_reg_check(o, reason, cap);
+    return kvb__srv_reg_check(o, reason, cap);
 }
 
 static void copy_opts(kvb_pd_server_t *srv, const kvb_pd_server_opts_t *o)
@@ -364,7 +364,7 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
     int rc = kvb__pd_auth_create(srv->opts.api_key_file, &srv->auth, reason, cap);
     srv->opts.api_key_file = NULL; /* the caller's string, read now */
     if (!rc)
-        rc = kvb__pd_reg_open(srv, reason, cap);
+        rc = kvb__srv_reg_open(srv, reason, cap);
     if (!rc)
         rc = kvb_pd_model_open(srv->opts.model, srv->opts.seed, &srv->model, reason, cap);
     if (!rc)
@@ -378,7 +378,7 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
         srv->caches[r] = srv->ranks[r].cache;
     }
     if (!rc && srv->opts.role != KVB_PD_ROLE_BOTH) {
-        rc = pthread_create(&srv->reaper, NULL, kvb__pd_reaper_main, srv) ? KVB_ERR_SYSTEM : 0;
+        rc = pthread_create(&srv->reaper, NULL, kvb__srv_reaper_main, srv) ? KVB_ERR_SYSTEM : 0;
         srv->reaper_started = !rc;
         if (rc)
             kvb__fail(reason, cap, rc, "cannot start the lease thread");
@@ -386,7 +386,7 @@ static int start_all(kvb_pd_server_t *srv, char *reason, size_t cap)
     if (!rc)
         rc = http_start(srv, reason, cap);
     if (!rc) /* only now: a proxy must never find an instance that cannot answer yet */
-        rc = kvb__pd_reg_publish(srv, reason, cap);
+        rc = kvb__srv_reg_publish(srv, reason, cap);
     return rc;
 }
 
@@ -435,9 +435,9 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
 {
     if (!srv)
         return;
-    kvb__pd_reg_close(srv);  /* withdrawn first: proxies stop routing here before HTTP stops */
-    kvb__pd_admit_stop(srv); /* queued requests answer 503 now rather than at their deadline */
-    if (srv->httpd)          /* joins the connection threads: no handler runs after this */
+    kvb__srv_reg_close(srv);  /* withdrawn first: proxies stop routing here before HTTP stops */
+    kvb__srv_admit_stop(srv); /* queued requests answer 503 now rather than at their deadline */
+    if (srv->httpd)           /* joins the connection threads: no handler runs after this */
         MHD_stop_daemon(srv->httpd);
     pthread_mutex_lock(&srv->mu);
     srv->stop = true;
@@ -445,8 +445,8 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
     pthread_mutex_unlock(&srv->mu);
     if (srv->reaper_started)
         pthread_join(srv->reaper, NULL);
-    kvb__pd_ents_clear(srv);
-    kvb__pd_links_free(srv); /* links before agents: an agent must have none left */
+    kvb__srv_ents_clear(srv);
+    kvb__srv_links_free(srv); /* links before agents: an agent must have none left */
     for (uint32_t r = 0; srv->ranks && r < srv->tp; r++)
         rank_fini(&srv->ranks[r]);
     free(srv->ranks);

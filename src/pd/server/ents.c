@@ -7,23 +7,23 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/server_int.h"
+#include "pd/server/internal.h"
 
 /* One kvb_kv_wait of the reaper is short, so that one slow id delays no other. */
 #define WAIT_SLICE_MS 10
 #define IDLE_MS       100 /* sleep when there is nothing to wait for */
 #define JOBS_MAX      64  /* ids served per pass */
 
-int kvb__pd_ent_add(kvb_pd_server_t *srv, const char *id, kvb__pd_ent_t **out)
+int kvb__srv_ent_add(kvb_pd_server_t *srv, const char *id, kvb__srv_ent_t **out)
 {
-    kvb__pd_ent_t *e = calloc(1, sizeof *e);
+    kvb__srv_ent_t *e = calloc(1, sizeof *e);
     if (!e)
         return KVB_ERR_NOMEM;
     snprintf(e->id, sizeof e->id, "%s", id);
-    e->kind = KVB_PD_ENT_ACTIVE;
+    e->kind = KVB__SRV_ENT_ACTIVE;
     kvb_pd_seq_init(&e->seq);
     pthread_mutex_lock(&srv->mu);
-    int rc = kvb__pd_ent_find(srv, id) ? KVB_ERR_BUSY : KVB_OK;
+    int rc = kvb__srv_ent_find(srv, id) ? KVB_ERR_BUSY : KVB_OK;
     if (!rc) {
         e->next = srv->ents;
         srv->ents = e;
@@ -38,38 +38,38 @@ int kvb__pd_ent_add(kvb_pd_server_t *srv, const char *id, kvb__pd_ent_t **out)
     return KVB_OK;
 }
 
-kvb__pd_ent_t *kvb__pd_ent_find(kvb_pd_server_t *srv, const char *id)
+kvb__srv_ent_t *kvb__srv_ent_find(kvb_pd_server_t *srv, const char *id)
 {
-    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next)
+    for (kvb__srv_ent_t *e = srv->ents; e; e = e->next)
         if (!strcmp(e->id, id))
             return e;
     return NULL;
 }
 
-void kvb__pd_ent_remove(kvb_pd_server_t *srv, kvb__pd_ent_t *e)
+void kvb__srv_ent_remove(kvb_pd_server_t *srv, kvb__srv_ent_t *e)
 {
-    for (kvb__pd_ent_t **p = &srv->ents; *p; p = &(*p)->next)
+    for (kvb__srv_ent_t **p = &srv->ents; *p; p = &(*p)->next)
         if (*p == e) {
             *p = e->next;
             break;
         }
     kvb_pd_seq_release(&e->seq, srv->pool);
-    kvb__pd_admit_wake(srv);
+    kvb__srv_admit_wake(srv);
     free(e->toks);
     free(e->segs);
     free(e);
 }
 
-void kvb__pd_ent_done(kvb_pd_server_t *srv, const char *id)
+void kvb__srv_ent_done(kvb_pd_server_t *srv, const char *id)
 {
     pthread_mutex_lock(&srv->mu);
-    kvb__pd_ent_t *e = kvb__pd_ent_find(srv, id);
-    if (e && e->kind == KVB_PD_ENT_ACTIVE)
-        kvb__pd_ent_remove(srv, e);
+    kvb__srv_ent_t *e = kvb__srv_ent_find(srv, id);
+    if (e && e->kind == KVB__SRV_ENT_ACTIVE)
+        kvb__srv_ent_remove(srv, e);
     pthread_mutex_unlock(&srv->mu);
 }
 
-int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n)
+int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n)
 {
     e->segs = calloc(n ? n : 1, sizeof *e->segs);
     if (!e->segs)
@@ -80,15 +80,15 @@ int kvb__pd_ent_set_segs(kvb__pd_ent_t *e, char *const *segs, size_t n)
     return KVB_OK;
 }
 
-void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, uint64_t deadline)
+void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline)
 {
     if (!mask) {
-        kvb__pd_ent_remove(srv, e);
+        kvb__srv_ent_remove(srv, e);
         return;
     }
     kvb_pd_seq_release(&e->seq, srv->pool);
-    kvb__pd_admit_wake(srv);
-    e->kind = KVB_PD_ENT_DRAIN;
+    kvb__srv_admit_wake(srv);
+    e->kind = KVB__SRV_ENT_DRAIN;
     e->pending_mask = mask;
     e->deadline_ns = deadline;
     pthread_cond_broadcast(&srv->cv);
@@ -98,8 +98,8 @@ void kvb__pd_ent_drain(kvb_pd_server_t *srv, kvb__pd_ent_t *e, uint64_t mask, ui
  */
 
 typedef struct {
-    kvb__pd_ent_t *e; /* LEASE and DRAIN entries are removed by the reaper only: stable */
-    char id[KVB_PD_REQ_ID_MAX + 1];
+    kvb__srv_ent_t *e; /* LEASE and DRAIN entries are removed by the reaper only: stable */
+    char id[KVB__SRV_REQ_ID_MAX + 1];
     uint64_t mask;
 } job_t;
 
@@ -108,14 +108,14 @@ static size_t collect(kvb_pd_server_t *srv, job_t *jobs)
 {
     uint64_t now = kvb__now_ns();
     size_t n = 0;
-    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next) {
-        if (e->kind == KVB_PD_ENT_RESERVED && now >= e->deadline_ns) {
+    for (kvb__srv_ent_t *e = srv->ents; e; e = e->next) {
+        if (e->kind == KVB__SRV_ENT_RESERVED && now >= e->deadline_ns) {
             KVB_WARN("reservation of request %s expired unused; freeing its blocks", e->id);
             kvb_pd_seq_release(&e->seq, srv->pool);
-            kvb__pd_admit_wake(srv);
-            e->kind = KVB_PD_ENT_DRAIN;
+            kvb__srv_admit_wake(srv);
+            e->kind = KVB__SRV_ENT_DRAIN;
         }
-        bool waits = e->kind == KVB_PD_ENT_LEASE || e->kind == KVB_PD_ENT_DRAIN;
+        bool waits = e->kind == KVB__SRV_ENT_LEASE || e->kind == KVB__SRV_ENT_DRAIN;
         if (waits && e->pending_mask && n < JOBS_MAX) {
             jobs[n].e = e;
             jobs[n].mask = e->pending_mask;
@@ -129,7 +129,7 @@ static size_t collect(kvb_pd_server_t *srv, job_t *jobs)
 /* One rank of a lease or drain has its answer: log what a lease ended with. */
 static void rank_done(kvb_pd_server_t *srv, job_t *j, uint32_t r, int rc)
 {
-    bool lease = j->e->kind == KVB_PD_ENT_LEASE;
+    bool lease = j->e->kind == KVB__SRV_ENT_LEASE;
     if (lease && rc == KVB_ERR_TIMEOUT)
         KVB_WARN("lease of request %s expired after %u ms (rank %u): freeing its blocks", j->id,
                  srv->opts.lease_ms, r);
@@ -138,7 +138,7 @@ static void rank_done(kvb_pd_server_t *srv, job_t *j, uint32_t r, int rc)
                  kvb_strerror(rc));
     if (KVB_IS_PEER_ERROR(rc))
         for (size_t i = 0; i < j->e->nsegs; i++)
-            kvb__pd_links_drop(srv, j->e->segs[i]);
+            kvb__srv_links_drop(srv, j->e->segs[i]);
     pthread_mutex_lock(&srv->mu);
     j->e->pending_mask &= ~(1ull << r);
     pthread_mutex_unlock(&srv->mu);
@@ -158,16 +158,16 @@ static void run_job(kvb_pd_server_t *srv, job_t *j)
 /* Frees the entries whose every rank has answered. Caller holds srv->mu. */
 static void sweep(kvb_pd_server_t *srv)
 {
-    kvb__pd_ent_t *e = srv->ents, *next;
+    kvb__srv_ent_t *e = srv->ents, *next;
     for (; e; e = next) {
         next = e->next;
-        bool waits = e->kind == KVB_PD_ENT_LEASE || e->kind == KVB_PD_ENT_DRAIN;
+        bool waits = e->kind == KVB__SRV_ENT_LEASE || e->kind == KVB__SRV_ENT_DRAIN;
         if (waits && !e->pending_mask)
-            kvb__pd_ent_remove(srv, e);
+            kvb__srv_ent_remove(srv, e);
     }
 }
 
-void *kvb__pd_reaper_main(void *arg)
+void *kvb__srv_reaper_main(void *arg)
 {
     kvb_pd_server_t *srv = arg;
     job_t *jobs = calloc(JOBS_MAX, sizeof *jobs);
@@ -190,19 +190,19 @@ void *kvb__pd_reaper_main(void *arg)
     return NULL;
 }
 
-void kvb__pd_ents_clear(kvb_pd_server_t *srv)
+void kvb__srv_ents_clear(kvb_pd_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
     while (srv->ents)
-        kvb__pd_ent_remove(srv, srv->ents);
+        kvb__srv_ent_remove(srv, srv->ents);
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__pd_ents_count(kvb_pd_server_t *srv, uint64_t counts[5])
+void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[5])
 {
     memset(counts, 0, 5 * sizeof *counts);
     pthread_mutex_lock(&srv->mu);
-    for (kvb__pd_ent_t *e = srv->ents; e; e = e->next)
+    for (kvb__srv_ent_t *e = srv->ents; e; e = e->next)
         counts[e->kind < 5 ? e->kind : 0]++;
     pthread_mutex_unlock(&srv->mu);
 }

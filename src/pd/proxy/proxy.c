@@ -1,8 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The PD proxy's HTTP front end (libmicrohttpd, one thread per connection): routes, request bodies,
- * JSON errors, /health and /metrics, and the proxy's lifetime. The flow itself is in
- * proxy_flow.c, the streaming relay in proxy_stream.c, the instance sets and their discovery in
- * proxy_discover.c. */
+ * JSON errors, /health and /metrics, and the proxy's lifetime. The flow itself is in flow.c, the
+ * streaming relay in stream.c, the instance sets and their discovery in discover.c. */
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <stdarg.h>
@@ -18,7 +17,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "kvbridge/status.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 #define HEALTH_TIMEOUT_MS 1000u
 

@@ -11,7 +11,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 #define PIPE_BYTES (64u << 10)
 #define GRACE_NS   2000000000ull /* past the deadline, to deliver the final error event */

@@ -11,7 +11,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
-#include "pd/proxy_internal.h"
+#include "pd/proxy/internal.h"
 
 #define INFO_TIMEOUT_MS  5000u
 #define ABORT_TIMEOUT_MS 2000u

@@ -2,7 +2,7 @@
 /* The paged KV cache: an instance's block pool (free list), sequences' block tables, and each TP
  * rank's cache buffers, laid out exactly as the kvb_kv_layout_t that describes them so that the
  * KV layer can move blocks between instances without knowing anything about the model. */
-#include "pd/internal.h"
+#include "pd/model/internal.h"
 
 #include <pthread.h>
 #include <stdio.h>

@@ -1,7 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* What the proxy's modules share: a libcurl call with a deadline and a cancel flag, a server-sent
  * events splitter, and the bounded pipe between a libcurl write callback and a libmicrohttpd
- * content reader. Private to src/pd/proxy*.c and its tests. */
+ * content reader. Private to src/pd/proxy/ and its tests.
+ *
+ * Names: what other programs, the tools and the tests call is in proxy.h (kvb_pd_*); a non-static
+ * name used only inside src/pd/proxy/ is declared here as kvb__pxy_* (macros KVB__PXY_*), as
+ * kvb__model_* is in model/ and kvb__srv_* in server/. Static functions are short and
+ * unprefixed. */
 #ifndef KVB_PD_PROXY_INTERNAL_H
 #define KVB_PD_PROXY_INTERNAL_H
 
@@ -14,7 +19,7 @@
 
 #include "meta/meta.h"
 #include "pd/auth.h"
-#include "pd/proxy.h"
+#include "pd/proxy/proxy.h"
 
 #define KVB__PXY_BODY_MAX  (16u << 20) /* largest upstream answer kept in memory */
 #define KVB__PXY_EVENT_MAX (1u << 20)  /* largest server-sent event */
@@ -44,7 +49,7 @@ typedef struct {
 } kvb__pxy_res_t;
 
 /* Performs one HTTP call on an easy handle of its own for the call's duration, taken from a
- * process-wide pool that keeps idle keep-alive connections per origin (proxy_http.c). Returns 0
+ * process-wide pool that keeps idle keep-alive connections per origin (http.c). Returns 0
  * when an answer arrived complete (whatever its status), -1 otherwise (rs->error says why).
  * rs->body must be freed by the caller in both cases. */
 int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs);
@@ -156,7 +161,7 @@ struct kvb_pd_proxy {
     kvb__pxy_metrics_t m;
     kvb__pd_auth_t *auth; /* signs calls to instances; checks clients' API keys */
 
-    /* Discovery (proxy_discover.c); meta is NULL without a store. */
+    /* Discovery (discover.c); meta is NULL without a store. */
     kvb_meta_t *meta;
     char cluster[64];
     char prefix[KVB_META_KEY_MAX + 1]; /* kvbridge/<cluster>/instances/ */
@@ -247,7 +252,7 @@ double kvb__pxy_bucket_bound(int i);
  * Takes the job over in both cases. */
 int kvb__pxy_stream(kvb__pxy_job_t *job, struct MHD_Response **resp, kvb__pxy_err_t *err);
 
-/* ---- Instance sets and discovery (proxy_discover.c) ------------------------------------------ */
+/* ---- Instance sets and discovery (discover.c) ------------------------------------------------ */
 
 void kvb__pxy_upstream_ref(kvb__upstream_t *u);
 /* Drops a reference; the last one frees the upstream. NULL is ignored. */
