@@ -1,10 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `kvbridge metadata-server`: the store behind "http://host:port[/prefix]" metadata URIs
- * (src/meta/meta.h) - keys, values and TTLs in memory, served over HTTP until SIGINT or SIGTERM.
- * The protocol is written down above route(). */
+ * (src/meta/meta.h) - keys, values and TTLs in memory (src/tools/metastore.c), served over HTTP
+ * until SIGINT or SIGTERM. The protocol is written down above route(). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -16,248 +15,20 @@
 #include "common/log.h"
 #include "pd/http.h"
 #include "tools/cli.h"
+#include "tools/metastore.h"
 
-#define MS_KEY_MAX      1024u         /* longest key, bytes (the client's KVB_META_KEY_MAX) */
-#define MS_VALUE_MAX    (16u << 20)   /* largest value, bytes (the client's KVB_META_VALUE_MAX) */
-#define MS_KEYS_MAX     100000u       /* keys in the store */
-#define MS_BYTES_MAX    (1ull << 30)  /* bytes of values in the store, all keys together */
-#define MS_TTL_MAX_MS   86400000u     /* longest TTL: a day */
-#define MS_SWEEP_NS     1000000000ull /* expired keys are purged at least this often (when busy) */
-#define MS_PREFIX_MAX   256u          /* longest --prefix */
-#define MS_CONNS_MAX    256u          /* connections at once (a thread each) */
-#define MS_IDLE_TIMEOUT 30u           /* seconds a silent connection is kept */
-
-/* ---- The store ------------------------------------------------------------------------------- */
-
-/* One key. Key and value are jansson strings: immutable and atomically reference-counted, so an
- * answer can hold on to a value after the lock is released, even while a PUT replaces it. */
-typedef struct {
-    json_t *key, *val;
-    uint64_t expires; /* CLOCK_MONOTONIC ns; UINT64_MAX: never */
-} entry_t;
-
-typedef struct {
-    pthread_mutex_t mu;
-    entry_t *v; /* sorted by key, byte order (strcmp compares as unsigned char) */
-    size_t n, cap;
-    size_t max_keys;
-    uint64_t bytes;      /* value bytes of all entries, expired ones included */
-    uint64_t next_sweep; /* when the next request purges every expired key */
-} store_t;
-
-typedef enum { PUT_OK, PUT_FULL_KEYS, PUT_FULL_BYTES, PUT_NOMEM, PUT_TAKEN } put_rc_t;
-
-static const char *ekey(const entry_t *e)
-{
-    return json_string_value(e->key);
-}
-
-/* Index of `key`, or where it would go; *found says which. */
-static size_t find(const store_t *st, const char *key, bool *found)
-{
-    size_t lo = 0, hi = st->n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (strcmp(ekey(&st->v[mid]), key) < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    *found = lo < st->n && !strcmp(ekey(&st->v[lo]), key);
-    return lo;
-}
-
-static void entry_drop(store_t *st, entry_t *e)
-{
-    st->bytes -= json_string_length(e->val);
-    json_decref(e->key);
-    json_decref(e->val);
-}
-
-/* Purges every key expired by `now`, in one pass that keeps the order. */
-static void sweep(store_t *st, uint64_t now)
-{
-    size_t w = 0;
-    for (size_t r = 0; r < st->n; r++) {
-        if (st->v[r].expires <= now)
-            entry_drop(st, &st->v[r]);
-        else
-            st->v[w++] = st->v[r];
-    }
-    st->n = w;
-    st->next_sweep = now + MS_SWEEP_NS;
-}
-
-/* Expired keys are invisible at once (every reader compares with `now`); their memory goes back
- * here, on the first request a second after the last sweep, so no thread is needed for it. */
-static void sweep_due(store_t *st, uint64_t now)
-{
-    if (now >= st->next_sweep)
-        sweep(st, now);
-}
-
-/* The live entry of `key`, or NULL (an expired one is purged on the way). */
-static entry_t *lookup(store_t *st, const char *key, uint64_t now)
-{
-    bool found;
-    sweep_due(st, now);
-    size_t i = find(st, key, &found);
-    if (!found)
-        return NULL;
-    if (st->v[i].expires > now)
-        return &st->v[i];
-    entry_drop(st, &st->v[i]);
-    memmove(&st->v[i], &st->v[i + 1], (st->n - i - 1) * sizeof *st->v);
-    st->n--;
-    return NULL;
-}
-
-static put_rc_t insert_at(store_t *st, size_t i, const char *key, json_t *val, uint64_t expires)
-{
-    if (st->n == st->cap) {
-        size_t ncap = st->cap ? st->cap * 2 : 64;
-        entry_t *v = realloc(st->v, ncap * sizeof *v);
-        if (!v)
-            return PUT_NOMEM;
-        st->v = v;
-        st->cap = ncap;
-    }
-    json_t *k = json_string_nocheck(key); /* checked by key_problem() */
-    if (!k)
-        return PUT_NOMEM;
-    memmove(&st->v[i + 1], &st->v[i], (st->n - i) * sizeof *st->v);
-    st->v[i] = (entry_t){.key = k, .val = val, .expires = expires};
-    st->n++;
-    st->bytes += json_string_length(val);
-    return PUT_OK;
-}
-
-static put_rc_t room_for(const store_t *st, bool found, size_t old_len, size_t len)
-{
-    if (!found && st->n >= st->max_keys)
-        return PUT_FULL_KEYS;
-    return st->bytes - old_len + len > MS_BYTES_MAX ? PUT_FULL_BYTES : PUT_OK;
-}
-
-/* True if a live entry at i holds a value other than `val`. */
-static bool holds_other(const store_t *st, size_t i, bool found, const json_t *val, uint64_t now)
-{
-    const json_t *old = found && st->v[i].expires > now ? st->v[i].val : NULL;
-    return old && (json_string_length(old) != json_string_length(val) ||
-                   memcmp(json_string_value(old), json_string_value(val), json_string_length(val)));
-}
-
-/* Sets `key` to `val` (the reference is stolen, also on error) until `expires`. With `renew`,
- * only if the key is absent or already holds this very value (else PUT_TAKEN): checked under the
- * same lock as the write, so that an owner renewing its key never overwrites another's. */
-static put_rc_t store_put(store_t *st, const char *key, json_t *val, uint64_t expires, bool renew,
-                          uint64_t now)
-{
-    size_t len = json_string_length(val);
-    bool found;
-    pthread_mutex_lock(&st->mu);
-    sweep_due(st, now);
-    size_t i = find(st, key, &found);
-    size_t old_len = found ? json_string_length(st->v[i].val) : 0;
-    put_rc_t rc = renew && holds_other(st, i, found, val, now) ? PUT_TAKEN
-                                                               : room_for(st, found, old_len, len);
-    if (rc != PUT_OK && rc != PUT_TAKEN) { /* full: expired keys count until purged: purge */
-        sweep(st, now);
-        i = find(st, key, &found);
-        old_len = found ? json_string_length(st->v[i].val) : 0;
-        rc = room_for(st, found, old_len, len);
-    }
-    if (rc == PUT_OK && found) {
-        json_decref(st->v[i].val);
-        st->v[i].val = val;
-        st->v[i].expires = expires;
-        st->bytes = st->bytes - old_len + len;
-    } else if (rc == PUT_OK) {
-        rc = insert_at(st, i, key, val, expires);
-    }
-    pthread_mutex_unlock(&st->mu);
-    if (rc != PUT_OK)
-        json_decref(val);
-    return rc;
-}
-
-/* The value of `key` with a reference for the caller, or NULL. */
-static json_t *store_get(store_t *st, const char *key, uint64_t now)
-{
-    pthread_mutex_lock(&st->mu);
-    entry_t *e = lookup(st, key, now);
-    json_t *v = e ? json_incref(e->val) : NULL;
-    pthread_mutex_unlock(&st->mu);
-    return v;
-}
-
-static bool store_del(store_t *st, const char *key, uint64_t now)
-{
-    pthread_mutex_lock(&st->mu);
-    entry_t *e = lookup(st, key, now);
-    if (e) {
-        size_t i = (size_t)(e - st->v);
-        entry_drop(st, e);
-        memmove(&st->v[i], &st->v[i + 1], (st->n - i - 1) * sizeof *st->v);
-        st->n--;
-    }
-    pthread_mutex_unlock(&st->mu);
-    return e != NULL;
-}
-
-/* Milliseconds until `expires`, rounded up (0 is "never" on the wire, so a key about to expire
- * reports 1). */
-static json_int_t ttl_left(uint64_t expires, uint64_t now)
-{
-    return expires == UINT64_MAX ? 0 : (json_int_t)((expires - now + 999999) / 1000000);
-}
-
-/* [{"key","value","ttl_ms"}, ...] of the live keys starting with `prefix`, in key order; NULL if
- * out of memory. The items share the store's strings, so the lock is held only to collect them. */
-static json_t *store_list(store_t *st, const char *prefix, uint64_t now)
-{
-    json_t *items = json_array();
-    size_t plen = strlen(prefix);
-    bool found;
-    pthread_mutex_lock(&st->mu);
-    sweep_due(st, now);
-    for (size_t i = find(st, prefix, &found);
-         items && i < st->n && !strncmp(ekey(&st->v[i]), prefix, plen); i++) {
-        const entry_t *e = &st->v[i];
-        if (e->expires <= now)
-            continue;
-        json_t *it = json_pack("{s:O,s:O,s:I}", "key", e->key, "value", e->val, "ttl_ms",
-                               ttl_left(e->expires, now));
-        if (!it || json_array_append_new(items, it)) {
-            json_decref(items);
-            items = NULL;
-        }
-    }
-    pthread_mutex_unlock(&st->mu);
-    return items;
-}
-
-static size_t store_count(store_t *st, uint64_t now)
-{
-    pthread_mutex_lock(&st->mu);
-    sweep(st, now);
-    size_t n = st->n;
-    pthread_mutex_unlock(&st->mu);
-    return n;
-}
-
-static void store_free(store_t *st)
-{
-    for (size_t i = 0; i < st->n; i++)
-        entry_drop(st, &st->v[i]);
-    free(st->v);
-    pthread_mutex_destroy(&st->mu);
-}
+#define MS_VALUE_MAX    (16u << 20)  /* largest value, bytes (the client's KVB_META_VALUE_MAX) */
+#define MS_KEYS_MAX     100000u      /* keys in the store */
+#define MS_BYTES_MAX    (1ull << 30) /* bytes of values in the store, all keys together */
+#define MS_TTL_MAX_MS   86400000u    /* longest TTL: a day */
+#define MS_PREFIX_MAX   256u         /* longest --prefix */
+#define MS_CONNS_MAX    256u         /* connections at once (a thread each) */
+#define MS_IDLE_TIMEOUT 30u          /* seconds a silent connection is kept */
 
 /* ---- HTTP ------------------------------------------------------------------------------------ */
 
 typedef struct {
-    store_t st;
+    kvb__ms_store_t st;
     struct MHD_Daemon *httpd;
     char prefix[MS_PREFIX_MAX + 1];
     size_t plen;
@@ -277,63 +48,6 @@ typedef struct {
     kvb__http_body_t body; /* a PUT's value */
     uint64_t dropped;      /* body bytes not kept (of another request, or past an error) */
 } req_t;
-
-/* RFC 3629 UTF-8, as jansson checks it: no overlong forms, no surrogates, nothing past
- * U+10FFFF. Values must be valid because /v1/list returns them as JSON strings. */
-static bool utf8_valid(const unsigned char *s, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        unsigned c = s[i];
-        size_t len = c < 0x80                 ? 1
-                     : c >= 0xc2 && c <= 0xdf ? 2
-                     : c >= 0xe0 && c <= 0xef ? 3
-                     : c >= 0xf0 && c <= 0xf4 ? 4
-                                              : 0;
-        if (!len || n - i < len)
-            return false;
-        uint32_t cp = len == 1 ? c : c & (0x7fu >> len);
-        for (size_t k = 1; k < len; k++) {
-            if ((s[i + k] & 0xc0) != 0x80)
-                return false;
-            cp = cp << 6 | (s[i + k] & 0x3fu);
-        }
-        if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10ffff ||
-            (cp >= 0xd800 && cp <= 0xdfff))
-            return false;
-        i += len;
-    }
-    return true;
-}
-
-static const char *key_problem(const char *key)
-{
-    size_t n = strlen(key);
-    if (!n)
-        return "empty key";
-    if (n > MS_KEY_MAX)
-        return "key longer than 1024 bytes";
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)key[i] < 0x20 || key[i] == 0x7f)
-            return "key holds a control byte (below 0x20, or 0x7f)";
-    return utf8_valid((const unsigned char *)key, n) ? NULL : "key is not valid UTF-8";
-}
-
-/* A decimal integer <= max, digits only (strtoull would take spaces and signs). */
-static int parse_dec(const char *s, uint64_t max, uint64_t *out)
-{
-    uint64_t v = 0;
-    if (!s || !*s)
-        return -1;
-    for (; *s; s++) {
-        if (*s < '0' || *s > '9')
-            return -1;
-        v = v * 10 + (uint64_t)(*s - '0');
-        if (v > max) /* checked every digit, so v never overflows */
-            return -1;
-    }
-    *out = v;
-    return 0;
-}
 
 static void reject(req_t *rq, unsigned status, const char *allow, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -410,7 +124,7 @@ static void route(const msrv_t *ms, struct MHD_Connection *conn, const char *url
              : !strcmp(method, "DELETE") ? OP_DEL
                                          : OP_NONE;
     rq->key = p + 7;
-    const char *why = key_problem(rq->key);
+    const char *why = kvb__ms_key_problem(rq->key);
     if (rq->op == OP_NONE)
         reject(rq, 405, "GET, HEAD, PUT, DELETE", "/v1/kv/<key> takes GET, PUT or DELETE");
     else if (why)
@@ -420,13 +134,13 @@ static void route(const msrv_t *ms, struct MHD_Connection *conn, const char *url
     const char *ttl = NULL;
     bool has_ttl = MHD_lookup_connection_value_n(conn, MHD_GET_ARGUMENT_KIND, "ttl_ms", 6, &ttl,
                                                  NULL) == MHD_YES;
-    if (rq->op == OP_PUT && has_ttl && parse_dec(ttl, MS_TTL_MAX_MS, &rq->ttl_ms))
+    if (rq->op == OP_PUT && has_ttl && kvb__ms_parse_dec(ttl, MS_TTL_MAX_MS, &rq->ttl_ms))
         reject(rq, 400, NULL, "ttl_ms must be a decimal integer from 0 to 86400000");
     const char *renew = NULL;
     uint64_t r = 0;
     bool has_renew = MHD_lookup_connection_value_n(conn, MHD_GET_ARGUMENT_KIND, "renew", 5, &renew,
                                                    NULL) == MHD_YES;
-    if (rq->op == OP_PUT && has_renew && parse_dec(renew, 1, &r))
+    if (rq->op == OP_PUT && has_renew && kvb__ms_parse_dec(renew, 1, &r))
         reject(rq, 400, NULL, "renew must be 0 or 1");
     rq->renew = r == 1;
 }
@@ -438,7 +152,7 @@ static void free_value(void *val)
 
 static enum MHD_Result do_get(msrv_t *ms, struct MHD_Connection *conn, const char *key)
 {
-    json_t *v = store_get(&ms->st, key, kvb__now_ns());
+    json_t *v = kvb__ms_store_get(&ms->st, key, kvb__now_ns());
     if (!v)
         return fail(conn, 404, NULL, "not found");
     /* The response holds the reference: no copy of a value of up to 16 MiB. */
@@ -467,7 +181,7 @@ static enum MHD_Result no_content(struct MHD_Connection *conn)
 static enum MHD_Result do_put(msrv_t *ms, struct MHD_Connection *conn, req_t *rq)
 {
     const char *data = rq->body.data ? rq->body.data : "";
-    if (!utf8_valid((const unsigned char *)data, rq->body.len))
+    if (!kvb__ms_utf8_valid((const unsigned char *)data, rq->body.len))
         return fail(conn, 400, NULL,
                     "the value is not valid UTF-8 (/v1/list returns values as JSON strings)");
     json_t *v = json_stringn_nocheck(data, rq->body.len);
@@ -476,14 +190,14 @@ static enum MHD_Result do_put(msrv_t *ms, struct MHD_Connection *conn, req_t *rq
         return fail(conn, 500, NULL, "out of memory");
     uint64_t now = kvb__now_ns();
     uint64_t expires = rq->ttl_ms ? now + rq->ttl_ms * 1000000ull : UINT64_MAX;
-    switch (store_put(&ms->st, rq->key, v, expires, rq->renew, now)) {
-    case PUT_OK:
+    switch (kvb__ms_store_put(&ms->st, rq->key, v, expires, rq->renew, now)) {
+    case KVB__MS_PUT_OK:
         return no_content(conn);
-    case PUT_TAKEN:
+    case KVB__MS_PUT_TAKEN:
         return fail(conn, 412, NULL, "renew=1: the key holds another value");
-    case PUT_FULL_KEYS:
+    case KVB__MS_PUT_FULL_KEYS:
         return fail(conn, 507, NULL, "store full: %zu keys already", ms->st.max_keys);
-    case PUT_FULL_BYTES:
+    case KVB__MS_PUT_FULL_BYTES:
         return fail(conn, 507, NULL, "store full: values would take over %llu bytes",
                     (unsigned long long)MS_BYTES_MAX);
     default:
@@ -494,7 +208,7 @@ static enum MHD_Result do_put(msrv_t *ms, struct MHD_Connection *conn, req_t *rq
 static enum MHD_Result do_list(msrv_t *ms, struct MHD_Connection *conn)
 {
     const char *prefix = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "prefix");
-    json_t *items = store_list(&ms->st, prefix ? prefix : "", kvb__now_ns());
+    json_t *items = kvb__ms_store_list(&ms->st, prefix ? prefix : "", kvb__now_ns());
     json_t *o = items ? json_pack("{s:o}", "items", items) : NULL;
     if (!o)
         return fail(conn, 500, NULL, "out of memory");
@@ -504,7 +218,7 @@ static enum MHD_Result do_list(msrv_t *ms, struct MHD_Connection *conn)
 static enum MHD_Result do_health(msrv_t *ms, struct MHD_Connection *conn)
 {
     json_t *o = json_pack("{s:s,s:I}", "status", "ok", "keys",
-                          (json_int_t)store_count(&ms->st, kvb__now_ns()));
+                          (json_int_t)kvb__ms_store_count(&ms->st, kvb__now_ns()));
     return o ? kvb__http_json(conn, MHD_HTTP_OK, o) : fail(conn, 500, NULL, "out of memory");
 }
 
@@ -518,8 +232,9 @@ static enum MHD_Result answer(msrv_t *ms, struct MHD_Connection *conn, req_t *rq
     case OP_PUT:
         return do_put(ms, conn, rq);
     case OP_DEL:
-        return store_del(&ms->st, rq->key, kvb__now_ns()) ? no_content(conn)
-                                                          : fail(conn, 404, NULL, "not found");
+        return kvb__ms_store_del(&ms->st, rq->key, kvb__now_ns())
+                   ? no_content(conn)
+                   : fail(conn, 404, NULL, "not found");
     case OP_LIST:
         return do_list(ms, conn);
     case OP_HEALTH:
@@ -727,15 +442,15 @@ static int start(msrv_t *ms, args_t *a)
     return 0;
 }
 
-static void store_init(store_t *st)
+/* The key limit: MS_KEYS_MAX, or what the test hook KVB_METASERVER_MAX_KEYS says, so that a
+ * full store can be tested in a few requests. */
+static size_t keys_limit(void)
 {
-    pthread_mutex_init(&st->mu, NULL);
-    st->max_keys = MS_KEYS_MAX;
-    /* Test hook: a smaller key limit, so that a full store can be tested in a few requests. */
     const char *max = getenv("KVB_METASERVER_MAX_KEYS");
     uint64_t v;
-    if (max && !parse_dec(max, MS_KEYS_MAX, &v) && v)
-        st->max_keys = (size_t)v;
+    if (max && !kvb__ms_parse_dec(max, MS_KEYS_MAX, &v) && v)
+        return (size_t)v;
+    return MS_KEYS_MAX;
 }
 
 int kvb_cmd_metadata_server(int argc, char **argv)
@@ -753,14 +468,14 @@ int kvb_cmd_metadata_server(int argc, char **argv)
     msrv_t ms = {0};
     snprintf(ms.prefix, sizeof ms.prefix, "%s", a.prefix);
     ms.plen = strlen(ms.prefix);
-    store_init(&ms.st);
+    kvb__ms_store_init(&ms.st, keys_limit(), MS_BYTES_MAX);
     bool v6 = a.sa.ss_family == AF_INET6;
     if (start(&ms, &a)) {
         fprintf(stderr,
                 "kvbridge metadata-server: cannot listen on %s%s%s:%u (in use, or not an "
                 "address of this host)\n",
                 v6 ? "[" : "", a.bind, v6 ? "]" : "", (unsigned)a.port);
-        store_free(&ms.st);
+        kvb__ms_store_free(&ms.st);
         return 1;
     }
     printf("metadata server on http://%s%s%s:%u%s\n", v6 ? "[" : "", a.bind, v6 ? "]" : "",
@@ -770,6 +485,6 @@ int kvb_cmd_metadata_server(int argc, char **argv)
     fprintf(stderr, "kvbridge metadata-server: %s, stopping\n",
             sig == SIGINT ? "SIGINT" : "SIGTERM");
     MHD_stop_daemon(ms.httpd); /* joins the connection threads: no handler runs after this */
-    store_free(&ms.st);
+    kvb__ms_store_free(&ms.st);
     return 0;
 }
