@@ -9,6 +9,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -17,13 +18,24 @@
 #include "common/log.h"
 #include "kvbridge/status.h"
 
+/* The HMAC implementation, fetched once: EVP_MAC_fetch searches the provider tables under a lock
+ * each time (most of the cost of one small HMAC), while a fetched EVP_MAC may be shared by
+ * threads, each with a context of its own. Kept for the life of the process. */
+static pthread_once_t hmac_once = PTHREAD_ONCE_INIT;
+static EVP_MAC *hmac_alg;
+
+static void hmac_fetch(void)
+{
+    hmac_alg = EVP_MAC_fetch(NULL, "HMAC", NULL);
+}
+
 int kvb__hmac(const void *key, size_t key_len, const kvb_mac_part_t *parts, size_t nparts,
               uint8_t out[KVB_MAC_LEN])
 {
     /* HMAC_CTX is deprecated in OpenSSL 3; EVP_MAC is the supported interface. */
     static const unsigned char empty[1];
-    EVP_MAC *mac = EVP_MAC_fetch(NULL, "HMAC", NULL);
-    EVP_MAC_CTX *ctx = mac ? EVP_MAC_CTX_new(mac) : NULL;
+    pthread_once(&hmac_once, hmac_fetch);
+    EVP_MAC_CTX *ctx = hmac_alg ? EVP_MAC_CTX_new(hmac_alg) : NULL;
     OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", "SHA256", 0),
                            OSSL_PARAM_construct_end()};
     size_t outl = 0;
@@ -32,7 +44,6 @@ int kvb__hmac(const void *key, size_t key_len, const kvb_mac_part_t *parts, size
         ok = EVP_MAC_update(ctx, parts[i].p, parts[i].len);
     ok = ok && EVP_MAC_final(ctx, out, &outl, KVB_MAC_LEN) && outl == KVB_MAC_LEN;
     EVP_MAC_CTX_free(ctx);
-    EVP_MAC_free(mac);
     if (!ok) {
         KVB_ERROR("HMAC-SHA256 failed in libcrypto");
         return KVB_ERR_SYSTEM;

@@ -292,11 +292,18 @@ int kvb__pd_auth_sign(const kvb__pd_auth_t *a, const char *method, const char *p
     return KVB_OK;
 }
 
+/* All 16 bytes mixed (a signer's nonces are random, but nothing here should depend on which of
+ * their bytes vary: chains stay short whoever made them). */
 static uint32_t bucket_of(const uint8_t *nonce)
 {
-    uint32_t h;
-    memcpy(&h, nonce, sizeof h); /* random bytes: already a good hash */
-    return h & (KVB_PD_AUTH_SEEN_MAX - 1);
+    uint64_t lo, hi;
+    memcpy(&lo, nonce, sizeof lo);
+    memcpy(&hi, nonce + 8, sizeof hi);
+    uint64_t h = lo ^ (hi + 0x9e3779b97f4a7c15ull); /* splitmix64's finalizer: every bit counts */
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+    return (uint32_t)h & (KVB_PD_AUTH_SEEN_MAX - 1);
 }
 
 static bool seen_find(const kvb__pd_auth_t *a, const uint8_t *nonce)
