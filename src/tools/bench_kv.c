@@ -326,13 +326,28 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     uint64_t n = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK, pool = n * POOL_FACTOR;
     uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
     uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
-    /* The ceiling for this path, measured now on the same working set - a buffer as large as
-     * the pool, moved in blocks of the KV block size: a raw socket stream over as many
-     * connections as the engine's lanes for TCP, the best copy with the copy path's threads
-     * otherwise. */
+    /* The ceiling for this path, measured now on the same working set: the blocks a pull moves
+     * (the prompt's, drawn as the timed pulls draw theirs) from one pool of this size to another
+     * - a raw socket stream over as many connections as the engine's lanes for TCP, the best
+     * copy with the copy path's threads otherwise. */
     kvb_ceiling_t c;
-    double ceiling =
-        kvb_ceiling(ceiling_kind(protocol), ws, block_bytes(m), 2, 0.5, 3, &c) ? -1 : c.gbps;
+    double ceiling = -1;
+    uint64_t *ids = calloc(2 * n, sizeof *ids), *off = calloc(2 * n * slots, sizeof *off), seed = 7;
+    if (ids && off) {
+        shuffled_ids(ids, n, pool, &seed);
+        shuffled_ids(ids + n, n, pool, &seed);
+        uint64_t bb = block_bytes(m), slot_bytes = bb * pool;
+        for (uint64_t sl = 0, i = 0; sl < slots; sl++)
+            for (uint64_t k = 0; k < n; k++, i++) {
+                off[i] = sl * slot_bytes + ids[k] * bb;
+                off[n * slots + i] = sl * slot_bytes + ids[n + k] * bb;
+            }
+        if (!kvb_ceiling_blocks(ceiling_kind(protocol), ws, bb, off, off + n * slots, n * slots, 2,
+                                0.25, 6, &c))
+            ceiling = c.gbps;
+    }
+    free(ids);
+    free(off);
     uint64_t llc = kvb_llc_bytes();
     char cache[32] = "unknown (sysfs has none)";
     if (llc)

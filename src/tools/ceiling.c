@@ -2,13 +2,18 @@
 /* Ceilings: what this machine gives without kvbridge, for the same working set, so that a ratio
  * to one means something.
  *
+ * The working set is every block of two buffers of the benchmark's size, or the blocks a KV
+ * transfer moves (a prompt's blocks, scattered over pools several times larger).
+ *
  * TCP: plain streaming sockets on loopback, as many connections as kvbridge's lanes, a sender
  * process and this one, each with a buffer of its own allocated and populated after the fork (a
  * buffer shared copy-on-write across fork() makes the first write to each page a fault and the
  * measurement a measurement of page faults), the benchmark's blocks gathered into sends of at
  * least 1 MiB and received in pieces as large, straight into place (as kvbridge's lanes do: a
  * syscall per small block is not what the hardware gives), kernel-tuned socket buffers as
- * kvbridge has them; the best of a few runs.
+ * kvbridge has them, one thread per side driving all connections where there are two cores (as
+ * kvbridge's progress thread); one pass over the working set not counted (the first time the
+ * kernel reaches a page is not what a long-lived pool costs), then the best of a few windows.
  *
  * Copy: the best of glibc memcpy and `rep movsb` between two buffers of the benchmark's size,
  * allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks spread over as many
@@ -16,6 +21,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,6 +40,8 @@
 
 #define CONN_MAX    16
 #define THREADS_MAX 16
+#define IOVS_MAX    256
+#define RUNS_MAX    16
 
 uint8_t *kvb_cli_populated(uint64_t len)
 {
@@ -65,115 +73,236 @@ static uint8_t *shared_buffer(uint64_t len)
     return p;
 }
 
+/* ---- the working set --------------------------------------------------------------------------
+ */
+
+/* Where a connection or a copying thread is in its share of the blocks: block i of `n`, `in`
+ * bytes into it. Passes wrap around. */
+typedef struct {
+    const uint64_t *src, *dst; /* the share's block offsets on the sending and receiving side */
+    size_t n, i;
+    uint64_t in;
+} cursor_t;
+
+/* The next up to `max` bytes from the cursor on, as iovecs over `base` at the offsets of `off`
+ * (the cursor's src or dst), adjacent blocks merged; the number of iovecs. */
+static int cursor_iov(const cursor_t *c, const uint64_t *off, uint8_t *base, uint64_t block,
+                      uint64_t max, struct iovec *iov)
+{
+    int k = 0;
+    size_t i = c->i;
+    uint64_t in = c->in;
+    for (uint64_t bytes = 0; k < IOVS_MAX && bytes < max; i = (i + 1) % c->n, in = 0) {
+        uint8_t *p = base + off[i] + in;
+        uint64_t len = block - in;
+        if (k > 0 && (uint8_t *)iov[k - 1].iov_base + iov[k - 1].iov_len == p)
+            iov[k - 1].iov_len += len;
+        else
+            iov[k++] = (struct iovec){.iov_base = p, .iov_len = len};
+        bytes += len;
+    }
+    return k;
+}
+
+static void cursor_advance(cursor_t *c, uint64_t block, uint64_t bytes)
+{
+    bytes += c->in;
+    c->i = (size_t)((c->i + bytes / block) % c->n);
+    c->in = bytes % block;
+}
+
 /* ---- TCP ------------------------------------------------------------------------------------- */
 
+/* The receivers' shared clock: a warm pass, then `runs` windows of `window_ns` from t0. */
+typedef struct {
+    pthread_barrier_t warm; /* every receiving thread past its warm pass, and the main thread */
+    uint64_t t0, window_ns;
+    int runs;
+} windows_t;
+
+/* One connection's end. */
 typedef struct {
     int fd;
-    uint8_t *buf; /* this connection's slice */
-    uint64_t slice, block, start_ns, end_ns;
-    uint64_t chunk; /* bytes per send and per receive: whole blocks, at least CHUNK_MIN */
-    uint64_t bytes;
-} stream_t;
+    uint8_t *buf;
+    uint64_t block, chunk; /* chunk: bytes offered to one sendmsg or recvmsg */
+    cursor_t at;
+} end_t;
+
+/* The connections one thread drives: as kvbridge's progress thread drives its lanes, every
+ * socket non-blocking, poll() when none can move. */
+typedef struct {
+    end_t *e[CONN_MAX];
+    int n;
+    windows_t *w;
+    uint64_t bytes[RUNS_MAX]; /* received in each window */
+} group_t;
 
 /* Bytes per syscall: a stream of small blocks is gathered into large sends (sendmsg with one
- * iovec per block) and received in large pieces straight into place, as kvbridge does - the
- * ceiling is the kernel's copies, not a syscall per block. */
+ * iovec per block) and received in large pieces straight into place (recvmsg, one iovec per
+ * block), as kvbridge does - the ceiling is the kernel's copies, not a syscall per block. */
 #define CHUNK_MIN (1ull << 20)
-#define WARMUP_NS (200ull * 1000 * 1000) /* not counted: slow start, buffers growing */
-#define IOVS      256
 
-static uint64_t chunk_of(uint64_t block, uint64_t slice)
+static uint64_t chunk_of(uint64_t block)
 {
     uint64_t c = block >= CHUNK_MIN ? block : CHUNK_MIN / block * block;
-    if (c / block > IOVS)
-        c = IOVS * block;
-    return c <= slice ? c : slice / block * block;
+    return c / block > IOVS_MAX ? IOVS_MAX * block : c;
+}
+
+/* Threads per side: each side gets half the CPUs, at most one thread per connection (on two
+ * cores, two threads per side contend for the CPUs and stream 15-20% less than one). */
+static int threads_per_side(int conns)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    long t = cpus >= 2 ? cpus / 2 : 1;
+    return t < conns ? (int)t : conns;
+}
+
+/* Polls a group's sockets for `events`; false when a socket failed or the peer left. */
+static bool wait_group(const group_t *g, short events)
+{
+    struct pollfd pf[CONN_MAX];
+    for (int i = 0; i < g->n; i++)
+        pf[i] = (struct pollfd){.fd = g->e[i]->fd, .events = events};
+    if (poll(pf, (nfds_t)g->n, 1000) < 0)
+        return errno == EINTR;
+    for (int i = 0; i < g->n; i++)
+        if (pf[i].revents & (POLLERR | POLLHUP | POLLNVAL))
+            return false;
+    return true;
+}
+
+/* One non-blocking sendmsg or recvmsg on each of a group's sockets (receiving: whatever has
+ * arrived, straight into place - no MSG_WAITALL, which would leave the sender blocked on a full
+ * socket buffer meanwhile); the bytes moved, 0 when none could move, -1 when a socket failed. */
+static int64_t group_round(group_t *g, bool send)
+{
+    int64_t total = 0;
+    for (int i = 0; i < g->n; i++) {
+        end_t *e = g->e[i];
+        struct iovec iov[IOVS_MAX];
+        struct msghdr m = {.msg_iov = iov};
+        m.msg_iovlen = (size_t)cursor_iov(&e->at, send ? e->at.src : e->at.dst, e->buf, e->block,
+                                          e->chunk, iov);
+        ssize_t n = send ? sendmsg(e->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT)
+                         : recvmsg(e->fd, &m, MSG_DONTWAIT);
+        if (n > 0) {
+            cursor_advance(&e->at, e->block, (uint64_t)n);
+            total += n;
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+            return -1;
+        }
+    }
+    return total;
 }
 
 static void *receive_main(void *arg)
 {
-    stream_t *s = arg;
-    /* Whatever has arrived, straight into place (no MSG_WAITALL: waiting for a whole chunk would
-     * leave the sender blocked on a full socket buffer meanwhile). Bytes before start_ns (the
-     * connection's slow start, the socket buffers growing) do not count: the ceiling is the
-     * steady stream, which is what a benchmark of several seconds sees. */
-    for (uint64_t off = 0;;) {
+    group_t *g = arg;
+    windows_t *w = g->w;
+    /* The warm pass, not counted: every block of the working set once through the socket path
+     * on both sides. A serving instance's pools have been, for hours; the first time the kernel
+     * reaches a page of a process may cost far more than a copy (on this project's VMs, shadow
+     * page tables: 0.7 GB/s for the first pass over 2 GiB, 3-4 GB/s for the next), and a ceiling
+     * that counts it measures the mapping, not the stream. Slow start and socket buffers settle
+     * meanwhile. */
+    uint64_t got = 0, need = 0;
+    for (int i = 0; i < g->n; i++)
+        need += g->e[i]->at.n * g->e[i]->block;
+    bool ok = true;
+    while (ok && got < need) {
+        int64_t n = group_round(g, false);
+        ok = n >= 0 && (n > 0 || wait_group(g, POLLIN));
+        got += n > 0 ? (uint64_t)n : 0;
+    }
+    pthread_barrier_wait(&w->warm); /* the main thread sets t0 once every receiver is warm */
+    pthread_barrier_wait(&w->warm);
+    uint64_t end = w->t0 + (uint64_t)w->runs * w->window_ns;
+    while (ok) {
         uint64_t now = kvb__now_ns();
-        if (now >= s->end_ns)
+        if (now >= end)
             break;
-        ssize_t n = recv(s->fd, s->buf + off, s->slice - off, 0);
-        if (n <= 0)
-            break;
-        if (now >= s->start_ns)
-            s->bytes += (uint64_t)n;
-        off = (off + (uint64_t)n) % s->slice;
+        int64_t n = group_round(g, false);
+        ok = n >= 0 && (n > 0 || wait_group(g, POLLIN));
+        if (n > 0)
+            g->bytes[(now - w->t0) / w->window_ns] += (uint64_t)n;
     }
     return NULL;
 }
 
 static void *send_main(void *arg)
 {
-    stream_t *s = arg;
-    uint64_t nchunks = s->slice / s->chunk, per = s->chunk / s->block;
-    struct iovec iov[IOVS];
-    for (uint64_t i = 0;; i++) {
-        uint8_t *p = s->buf + (i % nchunks) * s->chunk;
-        for (uint64_t k = 0; k < per; k++)
-            iov[k] = (struct iovec){.iov_base = p + k * s->block, .iov_len = s->block};
-        struct msghdr m = {.msg_iov = iov, .msg_iovlen = per};
-        while (m.msg_iovlen > 0) {
-            ssize_t n = sendmsg(s->fd, &m, MSG_NOSIGNAL);
-            if (n <= 0)
-                return NULL;
-            while (n > 0 && m.msg_iovlen > 0) { /* a short send: resume where it stopped */
-                if ((size_t)n >= m.msg_iov->iov_len) {
-                    n -= (ssize_t)m.msg_iov->iov_len;
-                    m.msg_iov++;
-                    m.msg_iovlen--;
-                } else {
-                    m.msg_iov->iov_base = (uint8_t *)m.msg_iov->iov_base + n;
-                    m.msg_iov->iov_len -= (size_t)n;
-                    n = 0;
-                }
-            }
-        }
+    group_t *g = arg;
+    for (;;) {
+        int64_t n = group_round(g, true);
+        if (n < 0 || (n == 0 && !wait_group(g, POLLOUT)))
+            return NULL;
     }
 }
 
-/* The sender process: its own buffer, one thread per connection; ends when they break. */
-static void sender(const struct sockaddr_in *sa, int conns, uint64_t buffer, uint64_t block)
+/* Connection i's share of the working set: a contiguous run of its blocks. */
+static cursor_t share(const uint64_t *src, const uint64_t *dst, size_t n, int i, int conns)
 {
-    uint8_t *buf = kvb_cli_populated(buffer);
-    stream_t s[CONN_MAX];
+    size_t lo = n * (size_t)i / (size_t)conns, hi = n * (size_t)(i + 1) / (size_t)conns;
+    return (cursor_t){.src = src + lo, .dst = dst + lo, .n = hi - lo};
+}
+
+/* Connections dealt round-robin to `threads` groups, each driven by a thread running `fn`. */
+static void run_groups(end_t *e, int conns, int threads, windows_t *w, group_t *g, pthread_t *t,
+                       void *(*fn)(void *))
+{
+    for (int k = 0; k < threads; k++)
+        g[k] = (group_t){.w = w};
+    for (int i = 0; i < conns; i++) {
+        group_t *gk = &g[i % threads];
+        gk->e[gk->n++] = &e[i];
+    }
+    for (int k = 0; k < threads; k++)
+        pthread_create(&t[k], NULL, fn, &g[k]);
+}
+
+typedef struct {
+    uint64_t buffer, block;
+    const uint64_t *src, *dst; /* block offsets, `n` of them */
+    size_t n;
+    int conns;
+} set_t;
+
+/* The sender process: its own buffer; ends when its connections break. */
+static void sender(const struct sockaddr_in *sa, const set_t *ws)
+{
+    uint8_t *buf = kvb_cli_populated(ws->buffer);
+    static end_t e[CONN_MAX];
+    group_t g[CONN_MAX];
     pthread_t t[CONN_MAX];
     if (!buf)
         _exit(1);
-    memset(buf, 0x5a, buffer);
-    uint64_t slice = buffer / (uint64_t)conns / block * block;
-    for (int i = 0; i < conns; i++) {
+    memset(buf, 0x5a, ws->buffer);
+    for (int i = 0; i < ws->conns; i++) {
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
         if (fd < 0 || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
             _exit(1);
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
-        s[i] = (stream_t){.fd = fd,
-                          .buf = buf + (uint64_t)i * slice,
-                          .slice = slice,
-                          .block = block,
-                          .chunk = chunk_of(block, slice)};
+        e[i] = (end_t){.fd = fd,
+                       .buf = buf,
+                       .block = ws->block,
+                       .chunk = chunk_of(ws->block),
+                       .at = share(ws->src, ws->dst, ws->n, i, ws->conns)};
     }
-    for (int i = 0; i < conns; i++)
-        pthread_create(&t[i], NULL, send_main, &s[i]);
-    for (int i = 0; i < conns; i++)
-        pthread_join(t[i], NULL);
+    int threads = threads_per_side(ws->conns);
+    run_groups(e, ws->conns, threads, NULL, g, t, send_main);
+    for (int k = 0; k < threads; k++)
+        pthread_join(t[k], NULL);
     _exit(0);
 }
 
-static double tcp_once(int conns, uint64_t buffer, uint64_t block, double secs)
+/* One sender process and one set of connections; after the warm pass, `runs` back-to-back
+ * windows of `secs`; the best window's rate. */
+static double tcp_best(const set_t *ws, double secs, int runs)
 {
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, conns) ||
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, ws->conns) ||
         getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
         perror("bench: ceiling socket");
         if (lfd >= 0)
@@ -185,46 +314,50 @@ static double tcp_once(int conns, uint64_t buffer, uint64_t block, double secs)
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(lfd);
-        sender(&sa, conns, buffer, block);
+        sender(&sa, ws);
     }
     double gbps = -1;
-    uint8_t *buf = pid > 0 ? kvb_cli_populated(buffer) : NULL;
-    stream_t s[CONN_MAX];
+    uint8_t *buf = pid > 0 ? kvb_cli_populated(ws->buffer) : NULL;
+    windows_t w = {.window_ns = (uint64_t)(secs * 1e9), .runs = runs};
+    static end_t e[CONN_MAX];
+    group_t g[CONN_MAX];
     pthread_t t[CONN_MAX];
-    int n = 0;
-    uint64_t slice = buffer / (uint64_t)conns / block * block;
-    for (; buf && n < conns; n++) {
+    int n = 0, threads = threads_per_side(ws->conns);
+    for (; buf && n < ws->conns; n++) {
         int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0)
             break;
-        s[n] = (stream_t){.fd = fd,
-                          .buf = buf + (uint64_t)n * slice,
-                          .slice = slice,
-                          .block = block,
-                          .chunk = chunk_of(block, slice)};
+        e[n] = (end_t){.fd = fd,
+                       .buf = buf,
+                       .block = ws->block,
+                       .chunk = chunk_of(ws->block),
+                       .at = share(ws->src, ws->dst, ws->n, n, ws->conns)};
     }
     close(lfd);
-    if (n == conns) {
-        uint64_t t0 = kvb__now_ns() + WARMUP_NS, bytes = 0;
-        for (int i = 0; i < n; i++) {
-            s[i].start_ns = t0;
-            s[i].end_ns = t0 + (uint64_t)(secs * 1e9);
-            pthread_create(&t[i], NULL, receive_main, &s[i]);
+    if (n == ws->conns && pthread_barrier_init(&w.warm, NULL, (unsigned)threads + 1) == 0) {
+        run_groups(e, n, threads, &w, g, t, receive_main);
+        pthread_barrier_wait(&w.warm);
+        w.t0 = kvb__now_ns();
+        pthread_barrier_wait(&w.warm);
+        for (int k = 0; k < threads; k++)
+            pthread_join(t[k], NULL);
+        pthread_barrier_destroy(&w.warm);
+        for (int r = 0; r < runs; r++) {
+            uint64_t bytes = 0;
+            for (int k = 0; k < threads; k++)
+                bytes += g[k].bytes[r];
+            double rate = (double)bytes / secs / 1e9;
+            gbps = rate > gbps ? rate : gbps;
         }
-        for (int i = 0; i < n; i++) {
-            pthread_join(t[i], NULL);
-            bytes += s[i].bytes;
-        }
-        gbps = (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
     }
     for (int i = 0; i < n; i++)
-        close(s[i].fd);
+        close(e[i].fd);
     if (pid > 0) {
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
     }
     if (buf)
-        munmap(buf, buffer);
+        munmap(buf, ws->buffer);
     return gbps;
 }
 
@@ -233,7 +366,9 @@ static double tcp_once(int conns, uint64_t buffer, uint64_t block, double secs)
 typedef struct {
     const uint8_t *src;
     uint8_t *dst;
-    uint64_t nblocks, block, first, step, end_ns;
+    const set_t *ws;
+    size_t first, step;
+    uint64_t end_ns;
     bool movsb;
     uint64_t bytes;
 } copier_t;
@@ -241,21 +376,21 @@ typedef struct {
 static void *copy_main(void *arg)
 {
     copier_t *c = arg;
-    for (uint64_t i = c->first; kvb__now_ns() < c->end_ns;) {
-        for (int k = 0; k < 16; k++, i += c->step) { /* 16 blocks between clock reads */
-            uint64_t off = (i % c->nblocks) * c->block;
+    const set_t *ws = c->ws;
+    for (size_t i = c->first % ws->n; kvb__now_ns() < c->end_ns;) {
+        for (int k = 0; k < 16; k++, i = (i + c->step) % ws->n) { /* 16 blocks per clock read */
             if (c->movsb)
-                kvb__copy_movsb(c->dst + off, c->src + off, c->block);
+                kvb__copy_movsb(c->dst + ws->dst[i], c->src + ws->src[i], ws->block);
             else
-                memcpy(c->dst + off, c->src + off, c->block);
-            c->bytes += c->block;
+                memcpy(c->dst + ws->dst[i], c->src + ws->src[i], ws->block);
+            c->bytes += ws->block;
         }
     }
     return NULL;
 }
 
-static double copy_once(const uint8_t *a, uint8_t *b, uint64_t buffer, uint64_t block, int threads,
-                        bool movsb, double secs)
+static double copy_once(const uint8_t *a, uint8_t *b, const set_t *ws, int threads, bool movsb,
+                        double secs)
 {
     copier_t c[THREADS_MAX];
     pthread_t t[THREADS_MAX];
@@ -263,10 +398,9 @@ static double copy_once(const uint8_t *a, uint8_t *b, uint64_t buffer, uint64_t 
     for (int i = 0; i < threads; i++) {
         c[i] = (copier_t){.src = a,
                           .dst = b,
-                          .nblocks = buffer / block,
-                          .block = block,
-                          .first = (uint64_t)i,
-                          .step = (uint64_t)threads,
+                          .ws = ws,
+                          .first = (size_t)i,
+                          .step = (size_t)threads,
                           .end_ns = t0 + (uint64_t)(secs * 1e9),
                           .movsb = movsb};
         pthread_create(&t[i], NULL, copy_main, &c[i]);
@@ -278,57 +412,81 @@ static double copy_once(const uint8_t *a, uint8_t *b, uint64_t buffer, uint64_t 
     return (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
 }
 
-/* ---- the interface -----------------------------------------------------------------------------
- */
-
-int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
-                int runs, kvb_ceiling_t *out)
+static int copy_best(const set_t *ws, int threads, double secs, int runs, kvb_ceiling_t *out)
 {
-    memset(out, 0, sizeof *out);
-    if (block == 0 || buffer < block || parallel < 1 || runs < 1 || secs <= 0) {
-        fprintf(stderr, "bench: ceiling: bad arguments\n");
-        return -1;
-    }
-    if (!strcmp(what, "tcp")) {
-        if (parallel > CONN_MAX || buffer / (uint64_t)parallel < block)
-            return -1;
-        for (int r = 0; r < runs; r++) {
-            double g = tcp_once(parallel, buffer, block, secs);
-            if (g > out->gbps)
-                out->gbps = g;
-        }
-        snprintf(out->method, sizeof out->method,
-                 "raw loopback TCP stream, %d connection%s, %llu B blocks gathered into %llu B "
-                 "sends, best of %d",
-                 parallel, parallel == 1 ? "" : "s", (unsigned long long)block,
-                 (unsigned long long)chunk_of(block, buffer / (uint64_t)parallel / block * block),
-                 runs);
-        return out->gbps > 0 ? 0 : -1;
-    }
-    if (strcmp(what, "copy") || parallel > THREADS_MAX)
-        return -1;
-    uint8_t *a = shared_buffer(buffer), *b = shared_buffer(buffer);
+    uint8_t *a = shared_buffer(ws->buffer), *b = shared_buffer(ws->buffer);
     int rc = a && b ? 0 : -1;
     double best_memcpy = 0, best_movsb = 0;
     for (int r = 0; rc == 0 && r < runs; r++) { /* interleaved: the two see the same moments */
-        double m = copy_once(a, b, buffer, block, parallel, false, secs / 2);
-        double v = copy_once(a, b, buffer, block, parallel, true, secs / 2);
+        double m = copy_once(a, b, ws, threads, false, secs / 2);
+        double v = copy_once(a, b, ws, threads, true, secs / 2);
         best_memcpy = m > best_memcpy ? m : best_memcpy;
         best_movsb = v > best_movsb ? v : best_movsb;
     }
     if (a)
-        munmap(a, buffer);
+        munmap(a, ws->buffer);
     if (b)
-        munmap(b, buffer);
+        munmap(b, ws->buffer);
     if (rc)
         fprintf(stderr, "bench: ceiling: cannot allocate 2 x %llu bytes\n",
-                (unsigned long long)buffer);
+                (unsigned long long)ws->buffer);
     out->gbps = best_memcpy > best_movsb ? best_memcpy : best_movsb;
     snprintf(out->method, sizeof out->method,
              "best copy of memfd pages, %d thread%s, %llu B blocks: memcpy %.2f, rep movsb %.2f "
              "GB/s, best of %d",
-             parallel, parallel == 1 ? "" : "s", (unsigned long long)block, best_memcpy, best_movsb,
-             runs);
+             threads, threads == 1 ? "" : "s", (unsigned long long)ws->block, best_memcpy,
+             best_movsb, runs);
+    return rc;
+}
+
+/* ---- the interface ----------------------------------------------------------------------------
+ */
+
+int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
+                       kvb_ceiling_t *out)
+{
+    memset(out, 0, sizeof *out);
+    bool tcp = !strcmp(what, "tcp");
+    if ((!tcp && strcmp(what, "copy")) || block == 0 || buffer < block || n == 0 || parallel < 1 ||
+        parallel > (tcp ? CONN_MAX : THREADS_MAX) || (size_t)parallel > n || runs < 1 ||
+        runs > RUNS_MAX || secs <= 0) {
+        fprintf(stderr, "bench: ceiling: bad arguments\n");
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (src[i] > buffer - block || dst[i] > buffer - block) {
+            fprintf(stderr, "bench: ceiling: block %zu is outside the buffer\n", i);
+            return -1;
+        }
+    set_t ws = {
+        .buffer = buffer, .block = block, .src = src, .dst = dst, .n = n, .conns = parallel};
+    if (!tcp)
+        return copy_best(&ws, parallel, secs, runs, out);
+    out->gbps = tcp_best(&ws, secs, runs);
+    int t = threads_per_side(parallel);
+    snprintf(out->method, sizeof out->method,
+             "raw loopback TCP stream, %d connection%s, %d thread%s per side, %llu B blocks "
+             "gathered into %llu B syscalls, one warm pass, then the best of %d windows",
+             parallel, parallel == 1 ? "" : "s", t, t == 1 ? "" : "s", (unsigned long long)block,
+             (unsigned long long)chunk_of(block), runs);
+    return out->gbps > 0 ? 0 : -1;
+}
+
+int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
+                int runs, kvb_ceiling_t *out)
+{
+    size_t n = block ? (size_t)(buffer / block) : 0;
+    uint64_t *off = n ? malloc(n * sizeof *off) : NULL;
+    if (!off) {
+        memset(out, 0, sizeof *out);
+        fprintf(stderr, "bench: ceiling: bad arguments\n");
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        off[i] = (uint64_t)i * block;
+    int rc = kvb_ceiling_blocks(what, buffer, block, off, off, n, parallel, secs, runs, out);
+    free(off);
     return rc;
 }
 

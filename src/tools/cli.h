@@ -23,13 +23,19 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
  * "tcp" - a raw loopback stream over `parallel` connections, sender and receiver in separate
  * processes with buffers of their own; "copy" - the best of memcpy and rep movsb over `parallel`
  * threads between two populated memfd buffers. `buffer` bytes per side, `block` bytes per send or
- * copy, the best of `runs` runs of `secs` seconds. Returns 0 (out->gbps > 0) or -1. */
+ * copy, the best of `runs` windows (tcp, after a warm pass) or runs (copy) of `secs` seconds.
+ * kvb_ceiling moves every block of the buffers in order; kvb_ceiling_blocks the `n` blocks at
+ * offsets src[i] (sending side) to dst[i] (receiving side), as a KV transfer does. Returns 0
+ * (out->gbps > 0) or -1. */
 typedef struct {
     double gbps;
     char method[192];
 } kvb_ceiling_t;
 int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
                 int runs, kvb_ceiling_t *out);
+int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
+                       kvb_ceiling_t *out);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
  * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
 uint8_t *kvb_cli_populated(uint64_t len);
