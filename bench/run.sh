@@ -32,7 +32,8 @@ round() { awk '{if ($1 == "nan" || $1 == "") print "nan"; else printf "%.3f\n", 
 run() { "$BIN" bench "$@" --json 2>/dev/null | tail -n 1; }
 kvb_gbps() { run --loopback --buffer-size "$BUF" "$@" | field gbps; }
 # A ceiling on the same working set: a raw TCP stream over $LANES connections, or the best copy
-# (memcpy or rep movsb) with the copy path's 2 threads; best of 3 runs within the duration.
+# (memcpy or rep movsb) with the copy path's 2 threads; TCP: one warm pass over the buffers, then
+# the best of 3 windows; copy: the best of 3 runs within the duration.
 ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size "$BUF" --lanes "$LANES" | field gbps; }
 
 # ---- sweep ------------------------------------------------------------------------------------
@@ -192,8 +193,10 @@ say ""
     echo "($(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s)."
     echo "Working set: $BUF per side; last-level cache: $llc. Ceilings: a raw loopback TCP stream"
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
-    echo "the fork), and the best of memcpy and rep movsb with the copy path's 2 threads over memfd"
-    echo "pages - each the best of 3 runs, measured in the same run as the figure it divides."
+    echo "the fork; one pass over the buffers not counted, then the best of 3 windows), and the best"
+    echo "of memcpy and rep movsb with the copy path's 2 threads over memfd pages (best of 3 runs) -"
+    echo "each measured in the same run as the figure it divides; KV ceilings move the same blocks as"
+    echo "the pull they divide."
     echo
     echo "## Goals (medians of $REPS interleaved runs of ${GOAL_SECS} s; ceilings measured in the same run)"
     echo

@@ -36,7 +36,7 @@ typedef struct {
     const char *baseline; /* "tcp" or "memcpy" (or "copy"): measure the ceiling instead */
     bool ceiling;         /* --ceiling: measure the path's ceiling after the run, print the ratio */
     double ceiling_gbps;
-    char ceiling_method[192];
+    char ceiling_method[256];
     uint64_t area_bytes;         /* the registered buffer each side used */
     const char *protocol;        /* tcp, shm or auto */
     const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
@@ -520,7 +520,7 @@ static int measure_ceiling(const bench_opts_t *o, const char *path, uint64_t buf
 {
     bool tcp = !strcmp(path, "tcp");
     return kvb_ceiling(tcp ? "tcp" : "copy", buffer, o->block, tcp ? (int)o->lanes : COPY_THREADS,
-                       secs, 3, c);
+                       secs, 4, c);
 }
 
 static int run_initiator(bench_opts_t *o)
@@ -854,7 +854,7 @@ static int run_baseline(const bench_opts_t *o)
 {
     kvb_ceiling_t c;
     bool tcp = !strcmp(o->baseline, "tcp");
-    double secs = (double)o->duration / 3 > 0.3 ? (double)o->duration / 3 : 0.3;
+    double secs = (double)o->duration / 4 > 0.25 ? (double)o->duration / 4 : 0.25;
     if (measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, secs, &c))
         return 1;
     printf("baseline %s: block %llu B, buffer %llu B, %.3f GB/s (%s)\n", o->baseline,

@@ -268,22 +268,23 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
             kvb_segment_close(s.engine, seg);
         }
         printf("kvbridge bench --kv %s: %llu tokens, %u layers, %zu blocks of %llu B per slot, "
-               "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d), %.3f GB/s\n"
+               "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d; fastest %.2f, "
+               "slowest %.2f), %.3f GB/s\n"
                "  ceiling %.3f GB/s -> bytes/ceiling %.2f ms, ratio %.3f%s\n",
                m->name, (unsigned long long)tokens, m->layers, n,
                (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3, reps,
-               (double)bytes / med / 1e9, ceiling, ideal * 1e3, ideal > 0 ? med / ideal : 0,
-               verify ? (bad ? ", verify FAILED" : ", verified") : "");
+               t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling, ideal * 1e3,
+               ideal > 0 ? med / ideal : 0, verify ? (bad ? ", verify FAILED" : ", verified") : "");
         if (ideal > 0 && med < ideal)
             printf("  WARNING: faster than bytes / ceiling - the ceiling does not measure this "
                    "path; do not believe the ratio\n");
         if (json)
             printf("{\"kv_model\":\"%s\",\"tokens\":%llu,\"protocol\":\"%s\",\"bytes\":%llu,"
-                   "\"median_ms\":%.3f,\"gbps\":%.4f,\"ceiling_gbps\":%.4f,\"ratio\":%.4f,"
-                   "\"verified\":%s}\n",
+                   "\"median_ms\":%.3f,\"min_ms\":%.3f,\"max_ms\":%.3f,\"gbps\":%.4f,"
+                   "\"ceiling_gbps\":%.4f,\"ratio\":%.4f,\"verified\":%s}\n",
                    m->name, (unsigned long long)tokens, path, (unsigned long long)bytes, med * 1e3,
-                   (double)bytes / med / 1e9, ceiling, ideal > 0 ? med / ideal : 0,
-                   verify ? (bad ? "false" : "true") : "null");
+                   t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling,
+                   ideal > 0 ? med / ideal : 0, verify ? (bad ? "false" : "true") : "null");
     } else {
         fprintf(stderr, "bench --kv: transfer failed: %s\n", kvb_strerror(rc));
     }
@@ -303,6 +304,38 @@ static const char *ceiling_kind(const char *protocol)
     if (!strcmp(protocol, "fabric"))
         return prov && !strcmp(prov, "shm") ? "copy" : "tcp";
     return strcmp(protocol, "tcp") ? "copy" : "tcp";
+}
+
+/* The ceiling for this path, measured now on the same working set: the blocks the timed pulls
+ * move, rep by rep (each rep's prompt drawn as decode_run draws it), from one pool of this size to
+ * another - a raw socket stream over as many connections as the engine's lanes for TCP, the best
+ * copy with the copy path's threads otherwise. -1 if it could not be measured. */
+static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const char *protocol,
+                         int reps, kvb_ceiling_t *c)
+{
+    uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
+    uint64_t bb = block_bytes(m), slot_bytes = bb * pool, per = n * slots,
+             all = per * (uint64_t)reps;
+    uint64_t *ids = calloc(2 * n, sizeof *ids), *src = calloc(all, sizeof *src),
+             *dst = calloc(all, sizeof *dst), seed = 7;
+    double gbps = -1;
+    for (int r = 0; ids && src && dst && r < reps; r++) {
+        shuffled_ids(ids, n, pool, &seed);
+        shuffled_ids(ids + n, n, pool, &seed);
+        for (uint64_t sl = 0, i = per * (uint64_t)r; sl < slots; sl++)
+            for (uint64_t k = 0; k < n; k++, i++) {
+                src[i] = sl * slot_bytes + ids[k] * bb;
+                dst[i] = sl * slot_bytes + ids[n + k] * bb;
+            }
+    }
+    if (ids && src && dst &&
+        !kvb_ceiling_blocks(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2, 0.25,
+                            6, c))
+        gbps = c->gbps;
+    free(ids);
+    free(src);
+    free(dst);
+    return gbps;
 }
 
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
@@ -326,28 +359,8 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     uint64_t n = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK, pool = n * POOL_FACTOR;
     uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
     uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
-    /* The ceiling for this path, measured now on the same working set: the blocks a pull moves
-     * (the prompt's, drawn as the timed pulls draw theirs) from one pool of this size to another
-     * - a raw socket stream over as many connections as the engine's lanes for TCP, the best
-     * copy with the copy path's threads otherwise. */
     kvb_ceiling_t c;
-    double ceiling = -1;
-    uint64_t *ids = calloc(2 * n, sizeof *ids), *off = calloc(2 * n * slots, sizeof *off), seed = 7;
-    if (ids && off) {
-        shuffled_ids(ids, n, pool, &seed);
-        shuffled_ids(ids + n, n, pool, &seed);
-        uint64_t bb = block_bytes(m), slot_bytes = bb * pool;
-        for (uint64_t sl = 0, i = 0; sl < slots; sl++)
-            for (uint64_t k = 0; k < n; k++, i++) {
-                off[i] = sl * slot_bytes + ids[k] * bb;
-                off[n * slots + i] = sl * slot_bytes + ids[n + k] * bb;
-            }
-        if (!kvb_ceiling_blocks(ceiling_kind(protocol), ws, bb, off, off + n * slots, n * slots, 2,
-                                0.25, 6, &c))
-            ceiling = c.gbps;
-    }
-    free(ids);
-    free(off);
+    double ceiling = kv_ceiling(m, n, pool, protocol, reps, &c);
     uint64_t llc = kvb_llc_bytes();
     char cache[32] = "unknown (sysfs has none)";
     if (llc)

@@ -29,7 +29,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
  * (out->gbps > 0) or -1. */
 typedef struct {
     double gbps;
-    char method[192];
+    char method[256];
 } kvb_ceiling_t;
 int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
                 int runs, kvb_ceiling_t *out);
