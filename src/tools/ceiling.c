@@ -17,7 +17,7 @@
  *
  * Copy: the best of glibc memcpy and `rep movsb` between two buffers of the benchmark's size,
  * allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks spread over as many
- * threads as the copy path uses; the best of a few runs. */
+ * threads as the copy path uses; one pass not counted, then the best of a few runs. */
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -441,6 +441,9 @@ static int copy_best(const set_t *ws, int threads, double secs, int runs, kvb_ce
 {
     uint8_t *a = shared_buffer(ws->buffer), *b = shared_buffer(ws->buffer);
     int rc = a && b ? 0 : -1;
+    /* One pass not counted, as for TCP: every block copied once before the clock runs. */
+    for (size_t i = 0; rc == 0 && i < ws->n; i++)
+        memcpy(b + ws->dst[i], a + ws->src[i], ws->block);
     double best_memcpy = 0, best_movsb = 0;
     for (int r = 0; rc == 0 && r < runs; r++) { /* interleaved: the two see the same moments */
         double m = copy_once(a, b, ws, threads, false, secs / 2);

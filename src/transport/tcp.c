@@ -538,7 +538,6 @@ static int set_events(tcp_conn_t *c, bool want_out, bool rx_paused)
     return apply_events(c);
 }
 
-/* Sends as much of the queue as the socket takes, many frames per sendmsg. */
 /* Sends as much of the queue as the socket takes, many frames per sendmsg. Caller holds c->mu.
  * Returns KVB_OK (all sent, or the rest waits for EPOLLOUT) or the error that ends c. */
 static int conn_flush_locked(tcp_conn_t *c)
