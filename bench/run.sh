@@ -33,7 +33,8 @@ run() { "$BIN" bench "$@" --json 2>/dev/null | tail -n 1; }
 kvb_gbps() { run --loopback --buffer-size "$BUF" "$@" | field gbps; }
 # A ceiling on the same working set: a raw TCP stream over $LANES connections, or the best copy
 # (memcpy or rep movsb) with the copy path's 2 threads; TCP: one warm pass over the buffers, then
-# the best of 3 windows; copy: the best of 3 runs within the duration.
+# the best of 4 windows (two syscall sizes, alternating); copy: one warm pass, then the best of 4
+# runs within the duration.
 ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size "$BUF" --lanes "$LANES" | field gbps; }
 
 # ---- sweep ------------------------------------------------------------------------------------
@@ -193,8 +194,9 @@ say ""
     echo "($(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s)."
     echo "Working set: $BUF per side; last-level cache: $llc. Ceilings: a raw loopback TCP stream"
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
-    echo "the fork; one pass over the buffers not counted, then the best of 3 windows), and the best"
-    echo "of memcpy and rep movsb with the copy path's 2 threads over memfd pages (best of 3 runs) -"
+    echo "the fork; one pass over the buffers not counted, then the best of 4 windows alternating two"
+    echo "syscall sizes), and the best of memcpy and rep movsb with the copy path's 2 threads over"
+    echo "memfd pages (one pass not counted, then the best of 4 runs) -"
     echo "each measured in the same run as the figure it divides; KV ceilings move the same blocks as"
     echo "the pull they divide."
     echo
