@@ -967,9 +967,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                         .seed = 42,
                         .lanes = 2,
                         .progress = 1};
-    int c;
+    int c, which = -1;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "", longs, &which)) != -1) {
         int bad = 0;
         switch (c) {
         case 'm':
@@ -1089,7 +1089,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         }
         if (bad) {
             fprintf(stderr, "kvbridge bench: invalid value '%s' for --%s\n", optarg,
-                    longs[0].name ? argv[optind - 1] + 2 : "?");
+                    which >= 0 ? longs[which].name : "?");
             return 2;
         }
     }

@@ -105,6 +105,16 @@ Test(bench, bad_options_are_refused)
         cr_expect_eq(run(bad[i], last, sizeof last), 2, "'%s' was not refused", bad[i]);
     cr_expect_eq(run("nonsense", last, sizeof last), 2);
     cr_expect_eq(run("bench --help", last, sizeof last), 0);
+    /* The message names the option whose value was refused (it once printed "--5" here). */
+    char cmd[1024], msg[512];
+    snprintf(cmd, sizeof cmd, "%s bench --loopback --duration 1.5 2>&1 >/dev/null",
+             getenv("KVB_BIN"));
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(msg, 1, sizeof msg - 1, p);
+    msg[n] = '\0';
+    pclose(p);
+    cr_expect(strstr(msg, "invalid value '1.5' for --duration") != NULL, "got: %s", msg);
 }
 
 /* `bench --metadata URI` against each real store: the target publishes a name, the initiator
