@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 #include <curl/curl.h>
 #include <jansson.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -40,6 +41,7 @@ static const char *api_key_file; /* the next start()'s --api-key-file */
 static uint32_t idle_timeout_s;  /* the next start()'s --idle-timeout-s */
 static kvb__pd_auth_t *signer;   /* signs /pd/ calls when set (instances with a secret) */
 static const char *extra_header; /* one more header line for every call, when set */
+static const char *log_file;     /* the next start()'s stderr, when set */
 
 /* ---- instances -------------------------------------------------------------------------------
  */
@@ -52,6 +54,11 @@ static void child_main(const kvb_pd_server_opts_t *o, int fd, const char *stall)
     sigprocmask(SIG_BLOCK, &set, NULL); /* before any thread: only sigwait() sees SIGTERM */
     if (stall)
         setenv("KVB_PD_FAULT_STALL_LAYER", stall, 1);
+    int lfd = log_file ? open(log_file, O_WRONLY | O_CREAT | O_TRUNC, 0600) : -1;
+    if (lfd >= 0) {
+        dup2(lfd, STDERR_FILENO);
+        close(lfd);
+    }
     kvb_pd_server_t *srv = NULL;
     char why[512];
     uint16_t port = 0;
@@ -133,6 +140,7 @@ static void setup(void)
     idle_timeout_s = 0;
     signer = NULL;
     extra_header = NULL;
+    log_file = NULL;
 }
 
 static void teardown(void)
@@ -657,7 +665,11 @@ Test(server, internal_calls_need_the_cluster_secret)
 {
     use_secret("the cluster secret of this test\n");
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    char dec_log[64];
+    snprintf(dec_log, sizeof dec_log, "/tmp/kvb_pd_server_%d.log", (int)getpid());
+    log_file = dec_log;
     inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    log_file = NULL;
     kvb__pd_auth_t *cluster = auth_now();
     unlink(getenv("KVB_SECRET_FILE"));
     cr_assert_eq(free_blocks(pre), BLOCKS); /* /health stays open */
@@ -702,6 +714,25 @@ Test(server, internal_calls_need_the_cluster_secret)
     kvb__pd_auth_free(cluster);
     cr_assert_eq(free_blocks(pre), BLOCKS);
     cr_assert_eq(free_blocks(dec), BLOCKS);
+
+    /* A flood is refused call by call but logged a line a second at most; the next line after a
+     * quiet second says how many went unlogged. */
+    signer = NULL;
+    for (int i = 0; i < 40; i++)
+        expect_refused(dec, "/pd/info", NULL, 401, "unauthenticated");
+    usleep(1100 * 1000);
+    expect_refused(dec, "/pd/info", NULL, 401, "unauthenticated");
+    FILE *f = fopen(dec_log, "r");
+    cr_assert_not_null(f);
+    int lines = 0, summed = 0;
+    while (fgets(line, sizeof line, f)) {
+        lines += strstr(line, "warn: refused ") != NULL;
+        summed += strstr(line, "more refused calls since the last such line") != NULL;
+    }
+    fclose(f);
+    unlink(dec_log);
+    cr_expect(lines >= 2 && lines <= 8, "%d log lines for 42 refused calls", lines);
+    cr_expect(summed >= 1, "no line counts the calls that were not logged");
 }
 
 /* The prefill's answer: its lease's blocks (as JSON text) and ticket. */

@@ -113,6 +113,8 @@ struct kvb_pd_server {
     pthread_t reaper;
     bool reaper_started;
     atomic_ulong req_counter;
+    atomic_ullong refused_logged_ns; /* when a refused /pd/ call was last logged */
+    atomic_uint refused_unlogged;    /* refused since then, not logged one by one */
 
     /* Admission (admit.c), under mu: the FIFO of requests waiting for blocks. */
     pthread_cond_t adm_cv; /* broadcast when blocks come back or the head changes */

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/reason.h"
 #include "pd/server/internal.h"
@@ -172,6 +173,25 @@ static bool is_post_path(const char *url)
            !strcmp(url, "/pd/decode") || !strcmp(url, "/pd/reserve") || !strcmp(url, "/pd/abort");
 }
 
+/* A refused /pd/ call is logged, one line a second at most: a flood of unsigned calls must not
+ * flood the log as well. The next line says how many went unlogged. */
+static void log_refused(kvb_pd_server_t *srv, const char *method, const char *url,
+                        const char *reason)
+{
+    unsigned long long now = kvb__now_ns(), last = atomic_load(&srv->refused_logged_ns);
+    if ((last != 0 && now - last < 1000000000ull) ||
+        !atomic_compare_exchange_strong(&srv->refused_logged_ns, &last, now)) {
+        atomic_fetch_add(&srv->refused_unlogged, 1);
+        return;
+    }
+    unsigned quiet = atomic_exchange(&srv->refused_unlogged, 0);
+    if (quiet)
+        KVB_WARN("refused %s %s: %s (and %u more refused calls since the last such line)", method,
+                 url, reason, quiet);
+    else
+        KVB_WARN("refused %s %s: %s", method, url, reason);
+}
+
 /* Who may call: /pd/ endpoints only the cluster (a call signed with its secret, fresh and never
  * seen before), /v1/completions a holder of an API key when keys are set, the rest anyone. */
 static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, const char *method,
@@ -183,7 +203,7 @@ static bool refuse_caller(kvb_pd_server_t *srv, struct MHD_Connection *conn, con
         if (!kvb__pd_auth_check(srv->auth, method, url, h, body, len, &reason))
             return false;
         kvb__srv_metric_failure(srv);
-        KVB_WARN("refused %s %s: %s", method, url, reason);
+        log_refused(srv, method, url, reason);
         *ret = kvb__http_error_ex(conn, 401,
                                   "internal endpoints take only calls signed with the cluster "
                                   "secret (" KVB_PD_AUTH_HEADER ")",
