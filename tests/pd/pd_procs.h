@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <microhttpd.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -254,6 +255,18 @@ static inline void post_raw(uint16_t port, const char *path, const char *body, a
     const char *r = json_string_value(json_object_get(json_object_get(j, "error"), "reason"));
     snprintf(a->reason, sizeof a->reason, "%s", r ? r : "");
     json_decref(j);
+}
+
+/* A fake upstream's answer: `text` as a JSON body with status `st` (the proxy and pool tests). */
+static inline enum MHD_Result pd_json_reply(struct MHD_Connection *c, unsigned st,
+                                            const char *text)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_MUST_COPY);
+    MHD_add_response_header(r, "Content-Type", "application/json");
+    enum MHD_Result ret = MHD_queue_response(c, st, r);
+    MHD_destroy_response(r);
+    return ret;
 }
 
 #endif

@@ -61,16 +61,6 @@ static ssize_t slow_reader(void *cls, uint64_t pos, char *buf, size_t max)
     return snprintf(buf, max, "data: {\"n\":%d}\n\n", *step);
 }
 
-static enum MHD_Result reply(struct MHD_Connection *c, unsigned st, const char *text)
-{
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_MUST_COPY);
-    MHD_add_response_header(r, "Content-Type", "application/json");
-    enum MHD_Result ret = MHD_queue_response(c, st, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
 static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url,
                                const char *method, const char *version, const char *data,
                                size_t *len, void **con_cls)
@@ -85,13 +75,13 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return MHD_YES;
     }
     if (!strcmp(url, "/ok"))
-        return reply(c, 200, OK_BODY);
+        return pd_json_reply(c, 200, OK_BODY);
     if (!strcmp(url, "/slow")) {
         usleep(300000);
-        return reply(c, 200, OK_BODY);
+        return pd_json_reply(c, 200, OK_BODY);
     }
     if (!strcmp(url, "/busy"))
-        return reply(c, 503, "{\"error\":{\"message\":\"busy\"}}");
+        return pd_json_reply(c, 503, "{\"error\":{\"message\":\"busy\"}}");
     if (!strcmp(url, "/stream")) {
         int *step = calloc(1, sizeof *step);
         struct MHD_Response *r =
@@ -101,7 +91,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         MHD_destroy_response(r);
         return ret;
     }
-    return reply(c, 404, "{}");
+    return pd_json_reply(c, 404, "{}");
 }
 
 /* Starts the server on `port` (0: any free one). */

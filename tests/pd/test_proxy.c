@@ -225,20 +225,10 @@ static ssize_t fake_reader(void *cls, uint64_t pos, char *buf, size_t max)
     return MHD_CONTENT_READER_END_OF_STREAM;
 }
 
-static enum MHD_Result fake_json(struct MHD_Connection *c, unsigned st, const char *text)
-{
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_MUST_COPY);
-    MHD_add_response_header(r, "Content-Type", "application/json");
-    enum MHD_Result ret = MHD_queue_response(c, st, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
 static enum MHD_Result fake_decode(struct MHD_Connection *c, const char *body)
 {
     if (!strstr(body, "\"stream\":true"))
-        return fake_json(c, 200,
+        return pd_json_reply(c, 200,
                          "{\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,"
                          "\"text\":\"ABC\",\"finish_reason\":\"length\"}],\"kvbridge\":{"
                          "\"ttft_ms\":1.0,\"tpot_ms\":0.5,\"kv_bytes\":0,\"kv_transfer_ms\":0,"
@@ -256,36 +246,36 @@ static enum MHD_Result fake_decode(struct MHD_Connection *c, const char *body)
 static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, const char *body)
 {
     if (!strcmp(url, "/pd/info"))
-        return fake_json(c, 200,
+        return pd_json_reply(c, 200,
                          "{\"role\":\"both\",\"model\":\"fake@0\",\"tp\":1,\"kv_mode\":\"push\","
                          "\"tokens_per_block\":16,\"segments\":[\"127.0.0.1:1\"]}");
     if (!strcmp(url, "/pd/reserve")) {
         atomic_fetch_add(&fake.reserves, 1);
-        return fake_json(c, 200, "{\"blocks\":[3],\"decode_segments\":[\"127.0.0.1:1\"]}");
+        return pd_json_reply(c, 200, "{\"blocks\":[3],\"decode_segments\":[\"127.0.0.1:1\"]}");
     }
     if (!strcmp(url, "/pd/abort")) {
         atomic_fetch_add(&fake.aborts, 1);
-        return fake_json(c, 200, "{}");
+        return pd_json_reply(c, 200, "{}");
     }
     if (!strcmp(url, "/pd/prefill")) {
         int n = atomic_fetch_add(&fake.prefills, 1);
         if (fake.mode == FAKE_BUSY || (fake.mode == FAKE_BUSY_ONCE && n == 0))
-            return fake_json(c, 503,
+            return pd_json_reply(c, 503,
                              "{\"error\":{\"message\":\"admission queue full\","
                              "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
         if (fake.mode == FAKE_REFUSE)
-            return fake_json(c, 409,
+            return pd_json_reply(c, 409,
                              "{\"error\":{\"message\":\"link refused: model ids differ\","
                              "\"type\":\"incompatible\"}}");
-        return fake_json(c, 200,
+        return pd_json_reply(c, 200,
                          "{\"t0\":65,\"prompt_tokens\":3,\"blocks\":[1],\"kv_bytes\":4096,"
                          "\"kv_transfer_ms\":0.25,\"prefill_segments\":[\"127.0.0.1:1\"]}");
     }
     if (!strcmp(url, "/pd/decode"))
         return fake_decode(c, body);
     if (!strcmp(url, "/health"))
-        return fake_json(c, 200, "{\"status\":\"ok\"}");
-    return fake_json(c, 404, "{\"error\":{\"message\":\"no\"}}");
+        return pd_json_reply(c, 200, "{\"status\":\"ok\"}");
+    return pd_json_reply(c, 404, "{\"error\":{\"message\":\"no\"}}");
 }
 
 static enum MHD_Result fake_handler(void *cls, struct MHD_Connection *c, const char *url,
