@@ -256,22 +256,53 @@ Test(pool, restarted_server_in_process)
     cr_expect_eq(atomic_load(&srv.conns), 1);
 }
 
-/* A server process that answers /ok; writes its port to `fd`; dies with the test. */
+/* A server process that answers /ok; writes its port to `fd`; dies with the test. It is this
+ * test binary run again (fork and exec): a child only forked from this process, which runs the
+ * fake upstream's MHD threads, could inherit a lock one of them held at the fork - under ASan an
+ * allocator lock - and hang in its first malloc (seen in CI: a call timed out with 0 bytes). */
+#define SERVE_ENV "KVB_POOL_TEST_SERVE"
+
+__attribute__((constructor)) static void serve_if_asked(void)
+{
+    const char *spec = getenv(SERVE_ENV);
+    unsigned port, fd;
+    if (!spec)
+        return;
+    if (sscanf(spec, "%u,%u", &port, &fd) != 2)
+        _exit(2);
+    struct MHD_Daemon *d = MHD_start_daemon(
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL,
+        (uint16_t)port, NULL, NULL, handler, NULL, MHD_OPTION_END);
+    uint16_t p = d ? MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT)->port : 0;
+    if (write((int)fd, &p, sizeof p) != sizeof p || !d)
+        _exit(1);
+    for (;;)
+        pause();
+}
+
 static pid_t fork_server(uint16_t port, int fd)
 {
+    extern char **environ;
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    char **env = calloc(n + 2, sizeof *env), spec[64], self[4096];
+    cr_assert_not_null(env);
+    memcpy(env, environ, n * sizeof *env); /* ASAN_OPTIONS and the like stay */
+    snprintf(spec, sizeof spec, SERVE_ENV "=%u,%d", (unsigned)port, fd);
+    env[n] = spec;
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    cr_assert(len > 0);
+    self[len] = '\0';
+    char *argv[] = {self, NULL};
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
-        struct MHD_Daemon *d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD |
-                                                    MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL,
-                                                port, NULL, NULL, handler, NULL, MHD_OPTION_END);
-        uint16_t p = d ? MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT)->port : 0;
-        if (write(fd, &p, sizeof p) != sizeof p || !d)
-            _exit(1);
-        for (;;)
-            pause();
+        execve(self, argv, env);
+        _exit(127);
     }
+    free(env);
     track(pid);
     return pid;
 }
