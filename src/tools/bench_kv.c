@@ -160,10 +160,13 @@ static uint64_t check_blocks(const side_t *s, const uint64_t *src, const uint64_
     return bad;
 }
 
-/* n distinct ids out of 0..pool-1 in random order: what a paged allocator hands out. */
-static void shuffled_ids(uint64_t *out, size_t n, uint64_t pool, uint64_t *seed)
+/* n distinct ids out of 0..pool-1 in random order: what a paged allocator hands out. False if
+ * there is no memory for it. */
+static bool shuffled_ids(uint64_t *out, size_t n, uint64_t pool, uint64_t *seed)
 {
     uint64_t *all = malloc(pool * sizeof *all);
+    if (!all)
+        return false;
     for (uint64_t i = 0; i < pool; i++)
         all[i] = i;
     for (uint64_t i = pool - 1; i > 0; i--) {
@@ -174,6 +177,7 @@ static void shuffled_ids(uint64_t *out, size_t n, uint64_t pool, uint64_t *seed)
     }
     memcpy(out, all, n * sizeof *out);
     free(all);
+    return true;
 }
 
 /* The prefill process: serves its pool until the parent closes `life`. */
@@ -242,15 +246,19 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
      * hypervisor exit (shadow page tables): without it the first timed pulls ran 5-15x slower and
      * the median measured the mapping, not the transfer. */
     uint64_t *all = calloc((size_t)pool, sizeof *all);
+    if (!rc && (!src || !dst || !t || !all))
+        rc = KVB_ERR_NOMEM;
     for (uint64_t i = 0; all && i < pool; i++)
         all[i] = i;
     double warm = 0;
-    if (!rc && all)
+    if (!rc)
         rc = pull_once(link, "bench-warm-up", all, all, (size_t)pool, &warm);
     free(all);
     for (int r = 0; !rc && r < reps; r++) {
-        shuffled_ids(src, n, pool, &seed);
-        shuffled_ids(dst, n, pool, &seed);
+        if (!shuffled_ids(src, n, pool, &seed) || !shuffled_ids(dst, n, pool, &seed)) {
+            rc = KVB_ERR_NOMEM;
+            break;
+        }
         char id[32];
         snprintf(id, sizeof id, "bench-%d", r);
         rc = pull_once(link, id, src, dst, n, &t[r]);
@@ -307,30 +315,33 @@ static const char *ceiling_kind(const char *protocol)
 }
 
 /* The ceiling for this path, measured now on the same working set: the blocks the timed pulls
- * move, rep by rep (each rep's prompt drawn as decode_run draws it), from one pool of this size to
- * another - a raw socket stream over as many connections as the engine's lanes for TCP, the best
- * copy with the copy path's threads otherwise. -1 if it could not be measured. */
+ * move, rep by rep (each rep's prompt drawn as decode_run draws it; the first CEILING_REPS of
+ * them), from one pool of this size to another - a raw socket stream over as many connections as
+ * the engine's lanes for TCP, the best copy with the copy path's threads otherwise. -1 if it
+ * could not be measured. */
+#define CEILING_REPS 5
+
 static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const char *protocol,
                          int reps, kvb_ceiling_t *c)
 {
+    reps = reps < CEILING_REPS ? reps : CEILING_REPS;
     uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
     uint64_t bb = block_bytes(m), slot_bytes = bb * pool, per = n * slots,
              all = per * (uint64_t)reps;
     uint64_t *ids = calloc(2 * n, sizeof *ids), *src = calloc(all, sizeof *src),
              *dst = calloc(all, sizeof *dst), seed = 7;
     double gbps = -1;
-    for (int r = 0; ids && src && dst && r < reps; r++) {
-        shuffled_ids(ids, n, pool, &seed);
-        shuffled_ids(ids + n, n, pool, &seed);
-        for (uint64_t sl = 0, i = per * (uint64_t)r; sl < slots; sl++)
+    bool ok = ids && src && dst;
+    for (int r = 0; ok && r < reps; r++) {
+        ok = shuffled_ids(ids, n, pool, &seed) && shuffled_ids(ids + n, n, pool, &seed);
+        for (uint64_t sl = 0, i = per * (uint64_t)r; ok && sl < slots; sl++)
             for (uint64_t k = 0; k < n; k++, i++) {
                 src[i] = sl * slot_bytes + ids[k] * bb;
                 dst[i] = sl * slot_bytes + ids[n + k] * bb;
             }
     }
-    if (ids && src && dst &&
-        !kvb_ceiling_blocks(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2, 0.25,
-                            6, c))
+    if (ok && !kvb_ceiling_blocks(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2,
+                                  0.25, 6, c))
         gbps = c->gbps;
     free(ids);
     free(src);
