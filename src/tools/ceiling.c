@@ -42,7 +42,7 @@
 #define THREADS_MAX 16
 #define IOVS_MAX    256
 #define RUNS_MAX    16
-#define CONNECT_MS  60000                       /* the sender populates its buffer first */
+#define CONNECT_MS  60000                         /* the sender populates its buffer first */
 #define WARM_MAX_NS (120ull * 1000 * 1000 * 1000) /* a warm pass slower than this: give up */
 
 uint8_t *kvb_cli_populated(uint64_t len)
@@ -292,6 +292,18 @@ typedef struct {
     int conns;
 } set_t;
 
+/* Connection i's end, sending or receiving in `buf`. */
+static end_t end_of(const set_t *ws, int fd, uint8_t *buf, int i)
+{
+    end_t e = {.fd = fd,
+               .buf = buf,
+               .block = ws->block,
+               .at = share(ws->src, ws->dst, ws->n, i, ws->conns)};
+    syscall_sizes(ws->block, e.sizes);
+    e.chunk = e.sizes[0];
+    return e;
+}
+
 /* The sender process: its own buffer; ends when its connections break. */
 static void sender(const struct sockaddr_in *sa, const set_t *ws)
 {
@@ -307,12 +319,7 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
         if (fd < 0 || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
             _exit(1);
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
-        e[i] = (end_t){.fd = fd,
-                       .buf = buf,
-                       .block = ws->block,
-                       .chunk = chunk_of(ws->block),
-                       .at = share(ws->src, ws->dst, ws->n, i, ws->conns)};
-        syscall_sizes(ws->block, e[i].sizes);
+        e[i] = end_of(ws, fd, buf, i);
     }
     int threads = threads_per_side(ws->conns);
     run_groups(e, ws->conns, threads, NULL, g, t, send_main);
@@ -354,12 +361,7 @@ static double tcp_best(const set_t *ws, double secs, int runs)
         int fd = poll(&pl, 1, CONNECT_MS) == 1 ? accept4(lfd, NULL, NULL, SOCK_CLOEXEC) : -1;
         if (fd < 0)
             break;
-        e[n] = (end_t){.fd = fd,
-                       .buf = buf,
-                       .block = ws->block,
-                       .chunk = chunk_of(ws->block),
-                       .at = share(ws->src, ws->dst, ws->n, n, ws->conns)};
-        syscall_sizes(ws->block, e[n].sizes);
+        e[n] = end_of(ws, fd, buf, n);
     }
     close(lfd);
     if (n == ws->conns && pthread_barrier_init(&w.warm, NULL, (unsigned)threads + 1) == 0) {

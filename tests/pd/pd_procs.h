@@ -258,8 +258,7 @@ static inline void post_raw(uint16_t port, const char *path, const char *body, a
 }
 
 /* A fake upstream's answer: `text` as a JSON body with status `st` (the proxy and pool tests). */
-static inline enum MHD_Result pd_json_reply(struct MHD_Connection *c, unsigned st,
-                                            const char *text)
+static inline enum MHD_Result pd_json_reply(struct MHD_Connection *c, unsigned st, const char *text)
 {
     struct MHD_Response *r =
         MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_MUST_COPY);

@@ -228,11 +228,12 @@ static ssize_t fake_reader(void *cls, uint64_t pos, char *buf, size_t max)
 static enum MHD_Result fake_decode(struct MHD_Connection *c, const char *body)
 {
     if (!strstr(body, "\"stream\":true"))
-        return pd_json_reply(c, 200,
-                         "{\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,"
-                         "\"text\":\"ABC\",\"finish_reason\":\"length\"}],\"kvbridge\":{"
-                         "\"ttft_ms\":1.0,\"tpot_ms\":0.5,\"kv_bytes\":0,\"kv_transfer_ms\":0,"
-                         "\"tokens\":[65,66,67]}}");
+        return pd_json_reply(
+            c, 200,
+            "{\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,"
+            "\"text\":\"ABC\",\"finish_reason\":\"length\"}],\"kvbridge\":{"
+            "\"ttft_ms\":1.0,\"tpot_ms\":0.5,\"kv_bytes\":0,\"kv_transfer_ms\":0,"
+            "\"tokens\":[65,66,67]}}");
     fake_stream_t *s = calloc(1, sizeof *s);
     s->mode = fake.mode;
     struct MHD_Response *r =
@@ -246,9 +247,10 @@ static enum MHD_Result fake_decode(struct MHD_Connection *c, const char *body)
 static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, const char *body)
 {
     if (!strcmp(url, "/pd/info"))
-        return pd_json_reply(c, 200,
-                         "{\"role\":\"both\",\"model\":\"fake@0\",\"tp\":1,\"kv_mode\":\"push\","
-                         "\"tokens_per_block\":16,\"segments\":[\"127.0.0.1:1\"]}");
+        return pd_json_reply(
+            c, 200,
+            "{\"role\":\"both\",\"model\":\"fake@0\",\"tp\":1,\"kv_mode\":\"push\","
+            "\"tokens_per_block\":16,\"segments\":[\"127.0.0.1:1\"]}");
     if (!strcmp(url, "/pd/reserve")) {
         atomic_fetch_add(&fake.reserves, 1);
         return pd_json_reply(c, 200, "{\"blocks\":[3],\"decode_segments\":[\"127.0.0.1:1\"]}");
@@ -261,15 +263,15 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
         int n = atomic_fetch_add(&fake.prefills, 1);
         if (fake.mode == FAKE_BUSY || (fake.mode == FAKE_BUSY_ONCE && n == 0))
             return pd_json_reply(c, 503,
-                             "{\"error\":{\"message\":\"admission queue full\","
-                             "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
+                                 "{\"error\":{\"message\":\"admission queue full\","
+                                 "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
         if (fake.mode == FAKE_REFUSE)
             return pd_json_reply(c, 409,
-                             "{\"error\":{\"message\":\"link refused: model ids differ\","
-                             "\"type\":\"incompatible\"}}");
+                                 "{\"error\":{\"message\":\"link refused: model ids differ\","
+                                 "\"type\":\"incompatible\"}}");
         return pd_json_reply(c, 200,
-                         "{\"t0\":65,\"prompt_tokens\":3,\"blocks\":[1],\"kv_bytes\":4096,"
-                         "\"kv_transfer_ms\":0.25,\"prefill_segments\":[\"127.0.0.1:1\"]}");
+                             "{\"t0\":65,\"prompt_tokens\":3,\"blocks\":[1],\"kv_bytes\":4096,"
+                             "\"kv_transfer_ms\":0.25,\"prefill_segments\":[\"127.0.0.1:1\"]}");
     }
     if (!strcmp(url, "/pd/decode"))
         return fake_decode(c, body);
