@@ -396,11 +396,28 @@ static int open_ep(fab_path_t *fp)
     struct fi_av_attr aa = {.type = FI_AV_TABLE};
     if ((rc = fi_av_open(fp->domain, &aa, &fp->av, NULL)))
         return rc;
-    if ((rc = fi_endpoint(fp->domain, info, &fp->ep, NULL)))
-        return rc;
-    if ((rc = fi_ep_bind(fp->ep, &fp->cq->fid, FI_TRANSMIT | FI_RECV)) ||
-        (rc = fi_ep_bind(fp->ep, &fp->av->fid, 0)) || (rc = fi_enable(fp->ep)))
-        return rc;
+    /* libfabric 1.17's shm provider names an endpoint's region "PID:DOMAIN:EP" in /dev/shm and,
+     * finding one there already, takes it over only if the pid written in it is not alive. A
+     * process killed with its endpoint open leaves its region behind, and the process that is
+     * given its pid next finds that pid alive - its own - and fails with -FI_EBUSY, having
+     * removed the region. A fresh endpoint is named with the next EP number: try again, a few
+     * times (a dead process may have left several). */
+    for (int attempt = 0;; attempt++) {
+        if ((rc = fi_endpoint(fp->domain, info, &fp->ep, NULL)))
+            return rc;
+        if ((rc = fi_ep_bind(fp->ep, &fp->cq->fid, FI_TRANSMIT | FI_RECV)) ||
+            (rc = fi_ep_bind(fp->ep, &fp->av->fid, 0)))
+            return rc;
+        if (!(rc = fi_enable(fp->ep)))
+            break;
+        if (rc != -FI_EBUSY || attempt == 3)
+            return rc;
+        KVB_INFO("data path fabric: provider %s: the endpoint's name was taken (a region left "
+                 "by a dead process with this pid); opening another",
+                 info->fabric_attr->prov_name);
+        fi_close(&fp->ep->fid);
+        fp->ep = NULL;
+    }
     fp->addr_len = sizeof fp->addr;
     if ((rc = fi_getname(&fp->ep->fid, fp->addr, &fp->addr_len)))
         return rc == -FI_ETOOSMALL ? -FI_EOVERFLOW : rc;

@@ -7,6 +7,8 @@
  * `kvbridge bench --verify` over both providers.
  * Exits 77 (skipped) when libfabric or both providers are missing. */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
 #include <jansson.h>
 #include <poll.h>
 #include <pthread.h>
@@ -132,6 +134,28 @@ static void peer_start(void)
     peer.ro = ro;
 }
 
+/* libfabric 1.17's shm provider keeps an endpoint's queues in /dev/shm/PID:DOMAIN:EP and removes
+ * them when the endpoint closes; a peer SIGKILLed cannot, so the test does. */
+static int regions_of(pid_t pid, bool remove)
+{
+    char prefix[32];
+    int n = snprintf(prefix, sizeof prefix, "%d:", (int)pid), found = 0;
+    DIR *d = opendir("/dev/shm");
+    struct dirent *de;
+    while (d && (de = readdir(d)))
+        if (!strncmp(de->d_name, prefix, (size_t)n) &&
+            (!remove || !unlinkat(dirfd(d), de->d_name, 0)))
+            found++;
+    if (d)
+        closedir(d);
+    return found;
+}
+
+static void forget_regions(pid_t pid)
+{
+    regions_of(pid, true);
+}
+
 static void peer_stop(void)
 {
     if (peer.life_fd >= 0)
@@ -145,6 +169,7 @@ static void peer_stop(void)
     if (waitpid(peer.pid, &st, WNOHANG) == 0) {
         kill(peer.pid, SIGKILL);
         waitpid(peer.pid, &st, 0);
+        forget_regions(peer.pid);
     }
     peer.pid = -1;
 }
@@ -517,6 +542,7 @@ static void peer_killed(void)
         if (round == 2) {
             kill(peer.pid, SIGKILL);
             waitpid(peer.pid, NULL, 0);
+            forget_regions(peer.pid);
             peer.pid = -1;
         }
         if (rc == KVB_OK) {
@@ -620,6 +646,62 @@ Test(fabric_config, auto_takes_fabric_after_shm)
     /* The peer runs fabric only (no shm): fabric is the best path both have. */
     cr_assert_str_eq(path, "fabric");
     stop();
+}
+
+/* A process SIGKILLed with a shm endpoint open leaves its region in /dev/shm, named after its pid.
+ * The next process the kernel gives that pid must still open an endpoint: libfabric 1.17 refuses
+ * the name once, taking the pid written in the region - now its own - for a live owner (open_ep
+ * opens another). The pid is handed on through ns_last_pid, which needs root. */
+Test(fabric_config, shm_pid_of_a_killed_process, .timeout = 60)
+{
+    if (!available("shm"))
+        cr_skip_test("libfabric provider shm is not available here");
+    provider = "shm";
+    peer_start();
+    pid_t dead = peer.pid;
+    close(peer.life_fd);
+    peer.life_fd = -1;
+    kill(dead, SIGKILL);
+    waitpid(dead, NULL, 0);
+    peer.pid = -1;
+    if (!regions_of(dead, false))
+        cr_skip_test("the killed peer left no /dev/shm/%d:*: this libfabric names its regions "
+                     "otherwise",
+                     (int)dead);
+    int status = -1;
+    for (int tries = 0; tries < 100 && status < 0; tries++) {
+        FILE *f = fopen("/proc/sys/kernel/ns_last_pid", "w");
+        bool set = f && fprintf(f, "%d", (int)dead - 1) > 0;
+        int err = errno;
+        if (f && fclose(f) != 0)
+            set = false;
+        if (!set) {
+            forget_regions(dead);
+            cr_skip_test("cannot choose the next pid (ns_last_pid: %s)", strerror(err));
+        }
+        pid_t c = fork();
+        cr_assert(c >= 0);
+        if (c == 0) {
+            if (getpid() != dead)
+                _exit(99); /* another process took the pid first: again */
+            kvb_config_t cfg;
+            kvb_config_init(&cfg);
+            cfg.protocol = "fabric";
+            cfg.fabric_provider = "shm";
+            kvb_engine_t *e = NULL;
+            int rc = kvb_engine_create(&cfg, &e);
+            kvb_engine_destroy(e);
+            _exit(rc == KVB_OK ? 0 : 1);
+        }
+        int st;
+        cr_assert_eq(waitpid(c, &st, 0), c);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 99)
+            status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    forget_regions(dead);
+    if (status < 0)
+        cr_skip_test("pid %d went to other processes 100 times", (int)dead);
+    cr_assert_eq(status, 0, "an engine under the killed peer's pid could not open its endpoint");
 }
 
 /* ---- kvbridge bench over the path ------------------------------------------------------------ */
