@@ -53,6 +53,12 @@ static uint64_t block_bytes(const kv_model_t *m)
                                       : (uint64_t)m->kv_heads * TOKENS_PER_BLOCK * m->head_bytes;
 }
 
+/* Slot buffers per layer: K and V, or MLA's one latent. */
+static uint32_t slots_per_layer(const kv_model_t *m)
+{
+    return m->attn == KVB_KV_ATTN_MLA ? 1 : 2;
+}
+
 /* One rank's layout over a pool of `blocks` blocks per slot, slot buffers back to back. */
 static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char *protocol,
                      kvb_kv_role_t role)
@@ -63,7 +69,7 @@ static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char
     int rc = kvb_engine_create(&cfg, &s->engine);
     if (rc)
         return rc;
-    uint32_t per_layer = m->attn == KVB_KV_ATTN_MLA ? 1 : 2;
+    uint32_t per_layer = slots_per_layer(m);
     uint64_t bb = block_bytes(m), slot_bytes = bb * blocks;
     s->pool_bytes = slot_bytes * per_layer * m->layers;
     void *p = NULL;
@@ -325,7 +331,7 @@ static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const c
                          int reps, kvb_ceiling_t *c)
 {
     reps = reps < CEILING_REPS ? reps : CEILING_REPS;
-    uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
+    uint64_t slots = slots_per_layer(m) * (uint64_t)m->layers;
     uint64_t bb = block_bytes(m), slot_bytes = bb * pool, per = n * slots,
              all = per * (uint64_t)reps;
     uint64_t *ids = calloc(2 * n, sizeof *ids), *src = calloc(all, sizeof *src),
@@ -368,7 +374,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
         return 2;
     }
     uint64_t n = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK, pool = n * POOL_FACTOR;
-    uint64_t slots = (m->attn == KVB_KV_ATTN_MLA ? 1 : 2) * (uint64_t)m->layers;
+    uint64_t slots = slots_per_layer(m) * (uint64_t)m->layers;
     uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
     kvb_ceiling_t c;
     double ceiling = kv_ceiling(m, n, pool, protocol, reps, &c);

@@ -60,18 +60,10 @@ static uint8_t *buffer(void)
  * at half the rate of slightly smaller ones on this project's VMs (see src/tools/ceiling.c). */
 #define SEND (960ull << 10)
 
-static double stream_over(uint64_t len, bool warm, double secs);
-
-/* One connection, a child sending from a buffer of its own; one pass over the buffers first,
- * then `secs` counted. */
-static double plain_stream(double secs)
-{
-    return stream_over(BUF, true, secs);
-}
-
-/* The same over buffers of `len` bytes per side; with `warm`, one pass over them first, not
- * counted (the first time the kernel reaches a page costs several times a later one here). */
-static double stream_over(uint64_t len, bool warm, double secs)
+/* One connection, a child sending from a buffer of its own, `len` bytes per side; one pass over
+ * the buffers first, not counted (the first time the kernel reaches a page costs several times a
+ * later one here), then `secs` counted. */
+static double stream_over(uint64_t len, double secs)
 {
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -91,7 +83,7 @@ static double stream_over(uint64_t len, bool warm, double secs)
     uint8_t *b = buffer_of(len);
     int fd = accept(lfd, NULL, NULL);
     uint64_t i = 0;
-    for (; fd >= 0 && warm && i < len / SEND; i++)
+    for (; fd >= 0 && i < len / SEND; i++)
         if (recv(fd, b + i * SEND, SEND, MSG_WAITALL) <= 0)
             break;
     uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + (uint64_t)(secs * 1e9);
@@ -132,7 +124,7 @@ Test(ceiling, tcp_is_a_socket_stream)
     for (int i = 0; i < 3; i++) {
         double c = bench_gbps("--baseline tcp --lanes 1 --block-size 1M --buffer-size 64M "
                               "--duration 1");
-        double p = plain_stream(0.5);
+        double p = stream_over(BUF, 0.5);
         ceil = c > ceil ? c : ceil;
         plain = p > plain ? p : plain;
     }
@@ -167,7 +159,7 @@ Test(ceiling, tcp_not_a_first_pass, .timeout = 240)
     for (int i = 0; i < 2; i++) {
         double c = bench_gbps("--baseline tcp --lanes 1 --block-size 1M --buffer-size 512M "
                               "--duration 1");
-        double p = stream_over(512ull << 20, true, 0.5);
+        double p = stream_over(512ull << 20, 0.5);
         ceil = c > ceil ? c : ceil;
         plain = p > plain ? p : plain;
     }
