@@ -70,9 +70,10 @@ static int add_key(kvb__pd_auth_t *a, const char *s, size_t n)
     if (!nk)
         return KVB_ERR_NOMEM;
     a->keys = nk;
-    if (!(nk[a->nkeys].key = malloc(n)))
+    if (!(nk[a->nkeys].key = malloc(n + 1)))
         return KVB_ERR_NOMEM;
     memcpy(nk[a->nkeys].key, s, n);
+    nk[a->nkeys].key[n] = '\0';
     nk[a->nkeys++].len = n;
     return KVB_OK;
 }
@@ -153,6 +154,11 @@ bool kvb__pd_auth_has_api_keys(const kvb__pd_auth_t *a)
     return a && a->nkeys;
 }
 
+const char *kvb__pd_auth_first_key(const kvb__pd_auth_t *a)
+{
+    return a && a->nkeys ? a->keys[0].key : NULL;
+}
+
 /* ---- create / free ------------------------------------------------------------------------- */
 
 int kvb__pd_auth_create(const char *api_key_file, kvb__pd_auth_t **out, char *why, size_t cap)
@@ -189,7 +195,7 @@ void kvb__pd_auth_free(kvb__pd_auth_t *a)
         return;
     kvb__secret_free(a->secret, a->secret_len);
     for (size_t i = 0; i < a->nkeys; i++) {
-        kvb__wipe(a->keys[i].key, a->keys[i].len);
+        kvb__wipe(a->keys[i].key, a->keys[i].len + 1);
         free(a->keys[i].key);
     }
     free(a->keys);

@@ -31,6 +31,8 @@ void kvb__pd_auth_free(kvb__pd_auth_t *a);
 bool kvb__pd_auth_signed(const kvb__pd_auth_t *a);
 /* True when API keys were loaded: /v1/completions then needs "Authorization: Bearer <key>". */
 bool kvb__pd_auth_has_api_keys(const kvb__pd_auth_t *a);
+/* The first API key loaded (a client's key file), NUL-terminated; NULL when none was. */
+const char *kvb__pd_auth_first_key(const kvb__pd_auth_t *a);
 
 /* Writes the header line "X-Kvb-Auth: v1 <unix ms> <nonce hex> <mac hex>" for a call of
  * `method` to `path` (no query) with body[0..len) into out[KVB_PD_AUTH_LINE_MAX]. KVB_OK, or

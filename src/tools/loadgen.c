@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "kvbridge/status.h"
+#include "pd/auth.h"
 #include "pd/proxy/proxy.h"
 #include "tools/cli.h"
 
@@ -17,7 +19,9 @@
 
 typedef struct {
     const char *url;
-    const char *compare; /* a reference instance, or NULL */
+    const char *compare;      /* a reference instance, or NULL */
+    const char *api_key_file; /* its first key goes to --url as a bearer key, or NULL */
+    const char *api_key;      /* that key, loaded */
     uint32_t conc, requests, prompt_len, max_tokens, timeout_ms;
     bool stream, json;
 } lg_opts_t;
@@ -46,13 +50,15 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvbridge loadgen --url URL --concurrency C --requests N --prompt-len L\n"
                "                        --max-tokens M [--stream] [--json] [--timeout-ms T]\n"
-               "                        [--compare REF_URL]\n\n"
+               "                        [--compare REF_URL] [--api-key-file PATH]\n\n"
                "C threads send N completions in all (prompt of L bytes, M tokens each, greedy).\n"
                "With --stream, TTFT and TPOT are measured here from the events; without it they\n"
                "are the answers' kvbridge stats. Errors are counted by kind (HTTP status and the\n"
                "instance's reason, timeout, no response, broken stream). --compare sends every\n"
                "prompt to REF_URL too (a colocated instance, not timed) and counts the answers\n"
-               "whose tokens differ. --json adds one JSON object as the last line.\n"
+               "whose tokens differ. --api-key-file sends the file's first key (the format of\n"
+               "serve's and proxy's --api-key-file) to URL as \"Authorization: Bearer\" (not to\n"
+               "REF_URL). --json adds one JSON object as the last line.\n"
                "exit status: 0 no error and no difference, 1 otherwise, 2 bad command line\n");
 }
 
@@ -159,7 +165,7 @@ static void *worker(void *arg)
         char *body = body_for(lg->o, i, lg->o->stream);
         kvb_pd_completion_t c;
         if (body) {
-            kvb_pd_complete(lg->o->url, body, lg->o->timeout_ms, &c);
+            kvb_pd_complete_as(lg->o->url, lg->o->api_key, body, lg->o->timeout_ms, &c);
         } else {
             memset(&c, 0, sizeof c);
             snprintf(c.error, sizeof c.error, "out of memory");
@@ -267,6 +273,8 @@ static int parse(lg_opts_t *o, int argc, char **argv)
             o->url = v, rc = v ? 0 : -1;
         else if (!strcmp(a, "--compare"))
             o->compare = v, rc = v ? 0 : -1;
+        else if (!strcmp(a, "--api-key-file"))
+            o->api_key_file = v, rc = v ? 0 : -1;
         else if (!strcmp(a, "--concurrency"))
             rc = parse_num(a, v, 1, CONC_MAX, &o->conc);
         else if (!strcmp(a, "--requests"))
@@ -334,5 +342,18 @@ int kvb_cmd_loadgen(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    return run(&o);
+    kvb__pd_auth_t *keys = NULL;
+    if (o.api_key_file) {
+        char why[256] = "";
+        int rc = kvb__pd_auth_create(o.api_key_file, &keys, why, sizeof why);
+        if (rc) {
+            fprintf(stderr, "kvbridge loadgen: --api-key-file %s: %s\n", o.api_key_file,
+                    why[0] ? why : kvb_strerror(rc));
+            return 2;
+        }
+        o.api_key = kvb__pd_auth_first_key(keys);
+    }
+    int rc = run(&o);
+    kvb__pd_auth_free(keys);
+    return rc;
 }

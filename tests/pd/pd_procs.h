@@ -19,6 +19,7 @@
 #include <strings.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -255,6 +256,16 @@ static inline void post_raw(uint16_t port, const char *path, const char *body, a
     const char *r = json_string_value(json_object_get(json_object_get(j, "error"), "reason"));
     snprintf(a->reason, sizeof a->reason, "%s", r ? r : "");
     json_decref(j);
+}
+
+/* Writes `text` to a file only its owner reads (a secret, an API key file). */
+static inline void pd_write_private(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    cr_assert_eq(fclose(f), 0);
+    cr_assert_eq(chmod(path, 0600), 0);
 }
 
 /* A fake upstream's answer: `text` as a JSON body with status `st` (the proxy and pool tests). */

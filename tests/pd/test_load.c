@@ -532,6 +532,41 @@ Test(load, loadgen_errors_by_kind)
     json_decref(s);
 }
 
+/* --api-key-file: an instance that wants a bearer key refuses loadgen's requests without one
+ * (counted as 401 invalid_api_key) and serves them with the file's first key; a file that holds
+ * no key is a command-line error. */
+Test(load, loadgen_api_key)
+{
+    need_serve();
+    char keys[64], bad[64];
+    snprintf(keys, sizeof keys, "/tmp/kvb-load-keys-%d", (int)getpid());
+    snprintf(bad, sizeof bad, "/tmp/kvb-load-nokey-%d", (int)getpid());
+    pd_write_private(keys, "# loadgen's key\n\nsk-load-first\nsk-load-second\n");
+    pd_write_private(bad, "# no key here\n");
+    inst_t in;
+    serve_with(&in, "both", model_path, 1, "pull",
+               (const char *const[]){"--api-key-file", keys, NULL});
+    json_t *s = NULL;
+    int rc = loadgen((const char *const[]){"--url", in.url, "--json", "--concurrency", "2",
+                                           "--requests", "4", "--max-tokens", "2", NULL},
+                     &s);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(kind_count(s, "HTTP 401 invalid_api_key"), 4);
+    json_decref(s);
+    rc = loadgen((const char *const[]){"--url", in.url, "--json", "--concurrency", "2",
+                                       "--requests", "4", "--max-tokens", "2", "--api-key-file",
+                                       keys, "--stream", NULL},
+                 &s);
+    cr_expect_eq(rc, 0);
+    cr_expect_eq(num(s, "ok"), 4);
+    cr_expect_eq(num(s, "errors"), 0);
+    json_decref(s);
+    const char *const args[] = {"loadgen", "--url", in.url, "--api-key-file", bad, NULL};
+    cr_expect_eq(run_quiet(args), 2, "a key file without a key is a bad command line");
+    unlink(keys);
+    unlink(bad);
+}
+
 /* A connected, idle client: what a slow or hostile client holds. */
 static int idle_client(uint16_t port)
 {

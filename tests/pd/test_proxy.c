@@ -744,15 +744,6 @@ Test(proxy, command_ready_line_and_sigterm, .timeout = 20)
 /* ---- The cluster secret and API keys ----------------------------------------------------------
  */
 
-static void write_private(const char *path, const char *text)
-{
-    FILE *f = fopen(path, "w");
-    cr_assert_not_null(f);
-    fputs(text, f);
-    fclose(f);
-    chmod(path, 0600);
-}
-
 /* POSTs to the proxy's completions with an Authorization header (NULL: none); the status. */
 static long post_authz(const char *authz, const char *body)
 {
@@ -787,8 +778,8 @@ Test(proxy, signed_calls_and_api_keys, .timeout = 60)
     char secret[64], keys[64];
     snprintf(secret, sizeof secret, "/tmp/kvb-pxy-secret-%d", (int)getpid());
     snprintf(keys, sizeof keys, "/tmp/kvb-pxy-keys-%d", (int)getpid());
-    write_private(secret, "a cluster secret for this test\n");
-    write_private(keys, "sk-proxy-test\n");
+    pd_write_private(secret, "a cluster secret for this test\n");
+    pd_write_private(keys, "sk-proxy-test\n");
     setenv("KVB_SECRET_FILE", secret, 1);
     inst_t pre, dec;
     serve(&pre, "prefill", "tiny-gqa", 1, "pull");

@@ -144,6 +144,12 @@ static void finish_whole(client_t *c, const kvb__pxy_res_t *rs)
 int kvb_pd_complete(const char *base_url, const char *body, uint32_t timeout_ms,
                     kvb_pd_completion_t *out)
 {
+    return kvb_pd_complete_as(base_url, NULL, body, timeout_ms, out);
+}
+
+int kvb_pd_complete_as(const char *base_url, const char *api_key, const char *body,
+                       uint32_t timeout_ms, kvb_pd_completion_t *out)
+{
     memset(out, 0, sizeof *out);
     char url[1024];
     kvb__pxy_fmt(url, sizeof url, "%s/v1/completions", base_url);
@@ -153,7 +159,8 @@ int kvb_pd_complete(const char *base_url, const char *body, uint32_t timeout_ms,
                          .body = body,
                          .deadline_ns = kvb__deadline_ms(timeout_ms),
                          .sink = on_body,
-                         .user = &c};
+                         .user = &c,
+                         .bearer = api_key};
     kvb__pxy_res_t rs;
     c.rs = &rs;
     int rc = kvb__pxy_call(&rq, &rs);

@@ -36,6 +36,7 @@ typedef struct {
     kvb__pxy_sink_cb sink;      /* may be NULL: a 2xx body is collected instead */
     void *user;
     const kvb__pd_auth_t *auth; /* may be NULL: else the call is signed with its secret */
+    const char *bearer;         /* may be NULL: else sent as "Authorization: Bearer <bearer>" */
 } kvb__pxy_req_t;
 
 typedef struct {

@@ -102,6 +102,10 @@ typedef struct {
  * else -1. Thread-safe once curl_global_init() has run (kvb_pd_client_init). */
 int kvb_pd_complete(const char *base_url, const char *body, uint32_t timeout_ms,
                     kvb_pd_completion_t *out);
+/* The same with "Authorization: Bearer <api_key>" (NULL: none); the key is 1..256 printable
+ * characters without spaces, as an --api-key-file line (kvb__pd_auth_first_key). */
+int kvb_pd_complete_as(const char *base_url, const char *api_key, const char *body,
+                       uint32_t timeout_ms, kvb_pd_completion_t *out);
 
 void kvb_pd_completion_free(kvb_pd_completion_t *c);
 
