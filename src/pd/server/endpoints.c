@@ -404,6 +404,68 @@ static int run_prompt(pdreq_t *q, const kvb_pd_hook_t *hook)
     return 0;
 }
 
+/* Tells every rank's agent to expect the other instance's ranks to move the request's blocks
+ * within `ms`. Returns the ranks that do, as a mask. A rank no peer is routed to answers
+ * KVB_ERR_NOT_FOUND: with `all` (push: every rank is written to) that fails the request, without
+ * it (pull) the rank is skipped. */
+static uint64_t expect_all(pdreq_t *q, uint32_t ms, bool all)
+{
+    kvb_pd_server_t *srv = q->srv;
+    uint64_t mask = 0;
+    size_t n = q->nsegs;
+    for (uint32_t r = 0; r < srv->tp && !q->status; r++) {
+        int rc = kvb_kv_expect(srv->ranks[r].agent, q->id, &q->links[r * n], n, (int)ms);
+        if (!rc)
+            mask |= 1ull << r;
+        else if (all || rc != KVB_ERR_NOT_FOUND)
+            req_fail(q, rc == KVB_ERR_BUSY ? 409 : 500, "request %s, rank %u: cannot expect: %s",
+                     q->id, r, kvb_strerror(rc));
+    }
+    return mask;
+}
+
+/* Adds a ticket for the request's blocks to the answer `ok`; NULL (and `ok` freed) when it
+ * cannot. */
+static json_t *with_ticket(pdreq_t *q, json_t *ok, const char *kind, uint64_t valid_ms)
+{
+    if (ok && json_object_set_new(ok, "ticket", ticket_json(q, kind, valid_ms))) {
+        json_decref(ok);
+        ok = NULL;
+    }
+    return ok;
+}
+
+/* Hands the request's entry to the reaper: as `kind`, the ranks in `mask` pending, until `ms`
+ * from now (a reservation also keeps the prompt's tokens) - or, when the request failed or its
+ * answer `ok` could not be built, drained (what the ranks expect is released). Returns `ok`, or
+ * NULL with the request failed. */
+static json_t *hand_over(pdreq_t *q, json_t *ok, int kind, uint64_t mask, uint32_t ms)
+{
+    kvb_pd_server_t *srv = q->srv;
+    uint64_t deadline = kvb__deadline_ms(ms);
+    pthread_mutex_lock(&srv->mu);
+    if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, q->nsegs)) {
+        kvb__srv_ent_drain(srv, q->ent, mask, deadline);
+        json_decref(ok);
+        ok = NULL;
+    } else {
+        q->ent->kind = kind;
+        if (kind == KVB__SRV_ENT_RESERVED) {
+            q->ent->n_prompt = (uint32_t)q->ntoks;
+            q->ent->toks = q->toks;
+            q->toks = NULL;
+        }
+        q->ent->pending_mask = mask;
+        q->ent->deadline_ns = deadline;
+        pthread_cond_broadcast(&srv->cv);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    q->ent = NULL; /* the reaper's now */
+    if (!q->status && !ok)
+        req_fail(q, 500, "out of memory");
+    return ok;
+}
+
 static json_t *prefill_answer(pdreq_t *q, uint64_t bytes, double secs)
 {
     kvb_pd_server_t *srv = q->srv;
@@ -420,37 +482,10 @@ static json_t *prefill_pull(pdreq_t *q)
     kvb_pd_server_t *srv = q->srv;
     if (reserve_prompt(q) || run_prompt(q, NULL))
         return NULL;
-    uint64_t mask = 0;
-    size_t n = q->nsegs;
-    for (uint32_t r = 0; r < srv->tp && !q->status; r++) {
-        int rc =
-            kvb_kv_expect(srv->ranks[r].agent, q->id, &q->links[r * n], n, (int)srv->opts.lease_ms);
-        if (!rc)
-            mask |= 1ull << r;
-        else if (rc != KVB_ERR_NOT_FOUND) /* NOT_FOUND: no decode rank reads from this one */
-            req_fail(q, rc == KVB_ERR_BUSY ? 409 : 500, "request %s: cannot expect reads: %s",
-                     q->id, kvb_strerror(rc));
-    }
-    json_t *ok = q->status ? NULL : prefill_answer(q, 0, 0.0);
-    if (ok && json_object_set_new(ok, "ticket", ticket_json(q, "lease", srv->opts.lease_ms))) {
-        json_decref(ok);
-        ok = NULL;
-    }
-    uint64_t deadline = kvb__deadline_ms(srv->opts.lease_ms);
-    pthread_mutex_lock(&srv->mu);
-    if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, n)) {
-        kvb__srv_ent_drain(srv, q->ent, mask, deadline); /* release what was expected */
-    } else {
-        q->ent->kind = KVB__SRV_ENT_LEASE;
-        q->ent->pending_mask = mask;
-        q->ent->deadline_ns = deadline;
-        pthread_cond_broadcast(&srv->cv);
-    }
-    pthread_mutex_unlock(&srv->mu);
-    q->ent = NULL; /* the reaper's now */
-    if (!q->status && !ok)
-        req_fail(q, 500, "out of memory");
-    return ok;
+    uint32_t ms = srv->opts.lease_ms;
+    uint64_t mask = expect_all(q, ms, false); /* a rank no decode rank reads from: skipped */
+    json_t *ok = q->status ? NULL : with_ticket(q, prefill_answer(q, 0, 0.0), "lease", ms);
+    return hand_over(q, ok, KVB__SRV_ENT_LEASE, mask, ms);
 }
 
 /* Push: each layer goes to the decode ranks as soon as it is computed. */
@@ -516,39 +551,15 @@ static json_t *reserve(pdreq_t *q)
      * requests that wait for this one's. */
     if (admit(q, q->ntoks + q->p.max_tokens - 1))
         return NULL;
-    uint64_t mask = 0;
-    size_t n = q->nsegs;
-    for (uint32_t r = 0; r < srv->tp && !q->status; r++) {
-        int rc =
-            kvb_kv_expect(srv->ranks[r].agent, q->id, &q->links[r * n], n, (int)q->p.timeout_ms);
-        if (!rc)
-            mask |= 1ull << r;
-        else
-            req_fail(q, rc == KVB_ERR_BUSY ? 409 : 500, "request %s, rank %u: cannot expect: %s",
-                     q->id, r, kvb_strerror(rc));
-    }
+    uint32_t ms = q->p.timeout_ms;
+    uint64_t mask = expect_all(q, ms, true);
     json_t *ok = q->status ? NULL
-                           : json_pack("{s:s,s:o*,s:o*,s:o*}", "request_id", q->id, "blocks",
-                                       blocks_json(q->ent->seq.blocks, q->nb), "decode_segments",
-                                       segs_json(srv), "ticket",
-                                       ticket_json(q, "reservation", q->p.timeout_ms));
-    uint64_t deadline = kvb__deadline_ms(q->p.timeout_ms);
-    pthread_mutex_lock(&srv->mu);
-    if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, n)) {
-        kvb__srv_ent_drain(srv, q->ent, mask, deadline);
-    } else {
-        q->ent->kind = KVB__SRV_ENT_RESERVED;
-        q->ent->n_prompt = (uint32_t)q->ntoks;
-        q->ent->toks = q->toks;
-        q->toks = NULL;
-        q->ent->pending_mask = mask;
-        q->ent->deadline_ns = deadline;
-    }
-    pthread_mutex_unlock(&srv->mu);
-    q->ent = NULL;
-    if (!q->status && !ok)
-        req_fail(q, 500, "out of memory");
-    return ok;
+                           : with_ticket(q,
+                                         json_pack("{s:s,s:o*,s:o*}", "request_id", q->id, "blocks",
+                                                   blocks_json(q->ent->seq.blocks, q->nb),
+                                                   "decode_segments", segs_json(srv)),
+                                         "reservation", ms);
+    return hand_over(q, ok, KVB__SRV_ENT_RESERVED, mask, ms);
 }
 
 enum MHD_Result kvb__srv_reserve(kvb_pd_server_t *srv, struct MHD_Connection *conn, json_t *body)
