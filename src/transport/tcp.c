@@ -2019,8 +2019,11 @@ static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
     /* The owner thread may have been reading when EPOLLIN went off: let it finish, then look. */
     pthread_mutex_lock(&c->rx_mu);
     pthread_mutex_unlock(&c->rx_mu);
-    if (rc == KVB_OK && !kvb__batch_done(b)) {
-        int ms = kvb__ms_left(deadline);
+    /* Read until the batch is done, the connection ends or the deadline passes: EPOLLIN goes
+     * off and on again once per wait, not once per read. */
+    int ms;
+    while (rc == KVB_OK && !kvb__batch_done(b) && !c->close_req &&
+           (ms = kvb__ms_left(deadline)) != 0) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         if (poll(&p, 1, ms < 0 || ms > 10 ? 10 : ms) > 0) {
             pthread_mutex_lock(&c->rx_mu);
