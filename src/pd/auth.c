@@ -78,6 +78,14 @@ static int add_key(kvb__pd_auth_t *a, const char *s, size_t n)
     return KVB_OK;
 }
 
+bool kvb__pd_api_key_valid(const char *s, size_t n)
+{
+    bool ok = n >= 1 && n <= KVB_PD_API_KEY_MAX;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = s[i] > 0x20 && s[i] < 0x7f;
+    return ok;
+}
+
 /* One line of a key file (without its newline): a key, or nothing to add. */
 static int key_line(kvb__pd_auth_t *a, char *line, size_t lineno, char *why, size_t cap)
 {
@@ -90,10 +98,7 @@ static int key_line(kvb__pd_auth_t *a, char *line, size_t lineno, char *why, siz
     n = strlen(s);
     if (!n || *s == '#')
         return KVB_OK;
-    bool ok = n <= KVB_PD_API_KEY_MAX;
-    for (size_t i = 0; ok && i < n; i++)
-        ok = s[i] > 0x20 && s[i] < 0x7f;
-    if (!ok) {
+    if (!kvb__pd_api_key_valid(s, n)) {
         if (why && cap)
             snprintf(why, cap, "line %zu: a key is 1..%u printable characters without spaces",
                      lineno, KVB_PD_API_KEY_MAX);

@@ -31,6 +31,9 @@ void kvb__pd_auth_free(kvb__pd_auth_t *a);
 bool kvb__pd_auth_signed(const kvb__pd_auth_t *a);
 /* True when API keys were loaded: /v1/completions then needs "Authorization: Bearer <key>". */
 bool kvb__pd_auth_has_api_keys(const kvb__pd_auth_t *a);
+/* Whether s[0..n) can be an API key: 1..KVB_PD_API_KEY_MAX printable characters without spaces
+ * (nothing else can ride along in the header that carries it). */
+bool kvb__pd_api_key_valid(const char *s, size_t n);
 /* The first API key loaded (a client's key file), NUL-terminated; NULL when none was. */
 const char *kvb__pd_auth_first_key(const kvb__pd_auth_t *a);
 

@@ -376,7 +376,7 @@ static int setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
     }
     if (rq->auth && sign(rq, hdrs))
         return -1;
-    if (rq->bearer) { /* checked by bearer_ok */
+    if (rq->bearer) { /* checked in kvb__pxy_call */
         char line[KVB_PD_API_KEY_MAX + 32];
         snprintf(line, sizeof line, "Authorization: Bearer %s", rq->bearer);
         struct curl_slist *h = curl_slist_append(*hdrs, line);
@@ -388,21 +388,11 @@ static int setup(call_t *c, struct curl_slist **hdrs, char *errbuf)
     return 0;
 }
 
-/* An API key as a key file holds them: 1..KVB_PD_API_KEY_MAX printable characters without
- * spaces, so nothing else can ride along in its header (a CR or LF would start another). */
-static bool bearer_ok(const char *key)
-{
-    size_t n = strnlen(key, KVB_PD_API_KEY_MAX + 1);
-    bool ok = n >= 1 && n <= KVB_PD_API_KEY_MAX;
-    for (size_t i = 0; ok && i < n; i++)
-        ok = key[i] > 0x20 && key[i] < 0x7f;
-    return ok;
-}
-
 int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs)
 {
     memset(rs, 0, sizeof *rs);
-    if (rq->bearer && !bearer_ok(rq->bearer)) {
+    if (rq->bearer &&
+        !kvb__pd_api_key_valid(rq->bearer, strnlen(rq->bearer, KVB_PD_API_KEY_MAX + 1))) {
         kvb__pxy_fmt(rs->error, sizeof rs->error,
                      "the API key must be 1..%u printable characters without spaces",
                      KVB_PD_API_KEY_MAX);
