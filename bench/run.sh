@@ -13,6 +13,24 @@ REPS=${REPS:-5}
 # populates two buffers of $BUF first); THREADS="1 2" adds the second.
 THREADS=${THREADS:-1}
 START=$SECONDS
+# CPU time (clock ticks) of DAMON's kdamond threads, if the host runs them: their access sampling
+# grows with the memory the benchmark touches and competes with it for the cores.
+damon_pids() {
+    local f c
+    for f in /proc/[0-9]*/comm; do
+        { read -r c < "$f"; } 2>/dev/null || continue
+        [[ $c == kdamond* ]] && { f=${f#/proc/}; echo "${f%/comm}"; }
+    done
+    return 0
+}
+damon_ticks() {
+    local t=0 p
+    for p in $(damon_pids); do
+        t=$((t + $(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}' || echo 0)))
+    done
+    echo "$t"
+}
+DAMON_START=$(damon_ticks)
 # Per side: larger than the last-level cache, as a KV pool is - 256 MiB, or 4x the cache where
 # sysfs tells its size and that is more (hosts with 300+ MiB of L3 exist).
 llc_kib=$(sed -n 's/^\([0-9]*\)K$/\1/p' /sys/devices/system/cpu/cpu0/cache/index3/size 2>/dev/null || true)
@@ -199,6 +217,11 @@ say ""
     echo "memfd pages (one pass not counted, then the best of 4 runs) -"
     echo "each measured in the same run as the figure it divides; KV ceilings move the same blocks as"
     echo "the pull they divide."
+    if [ -n "$(damon_pids)" ]; then
+        echo "DAMON's kdamond ran beside it: $(awk -v t=$(( $(damon_ticks) - DAMON_START )) \
+            -v hz="$(getconf CLK_TCK)" -v s=$((SECONDS - START)) 'BEGIN {printf "%.1f", s ? 100 * t / hz / s : 0}')% of one"
+        echo "CPU over the run (its accessed-bit sampling; see the README's \"Reading the numbers\")."
+    fi
     echo
     echo "## Goals (medians of $REPS interleaved runs of ${GOAL_SECS} s; ceilings measured in the same run)"
     echo
