@@ -24,9 +24,11 @@ damon_pids() {
     return 0
 }
 damon_ticks() {
-    local t=0 p
+    local t=0 p s f
     for p in $(damon_pids); do
-        t=$((t + $(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}' || echo 0)))
+        { read -r s < "/proc/$p/stat"; } 2>/dev/null || continue
+        read -r -a f <<< "${s##*) }" # from the state on: utime and stime are the 12th and 13th
+        t=$((t + f[11] + f[12]))
     done
     echo "$t"
 }
