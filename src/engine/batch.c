@@ -124,20 +124,34 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
     batch_release(b);
 }
 
+void kvb__batch_dst_lock(kvb_batch_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+}
+
+uint8_t *kvb__op_dst_held(const kvb_op_t *op)
+{
+    const kvb_batch_t *b = op->batch;
+    return b->freed || b->reqs[op->req].state != KVB_REQ_PENDING ? NULL : op->local;
+}
+
+void kvb__batch_dst_unlock(kvb_batch_t *b)
+{
+    pthread_mutex_unlock(&b->mu);
+}
+
 uint8_t *kvb__op_dst_lock(kvb_op_t *op)
 {
-    kvb_batch_t *b = op->batch;
-    pthread_mutex_lock(&b->mu);
-    if (b->freed || b->reqs[op->req].state != KVB_REQ_PENDING) {
-        pthread_mutex_unlock(&b->mu);
-        return NULL;
-    }
-    return op->local;
+    kvb__batch_dst_lock(op->batch);
+    uint8_t *dst = kvb__op_dst_held(op);
+    if (!dst)
+        kvb__batch_dst_unlock(op->batch);
+    return dst;
 }
 
 void kvb__op_dst_unlock(kvb_op_t *op)
 {
-    pthread_mutex_unlock(&op->batch->mu);
+    kvb__batch_dst_unlock(op->batch);
 }
 
 /* Checks request i and pins its local region into *pin. */

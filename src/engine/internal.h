@@ -290,6 +290,11 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
  * non-NULL return with kvb__op_dst_unlock. */
 uint8_t *kvb__op_dst_lock(kvb_op_t *op);
 void kvb__op_dst_unlock(kvb_op_t *op);
+/* The same for several ops of one batch at once: lock the batch, then ask each op's destination
+ * (NULL: discard its data), then unlock. */
+void kvb__batch_dst_lock(kvb_batch_t *b);
+uint8_t *kvb__op_dst_held(const kvb_op_t *op);
+void kvb__batch_dst_unlock(kvb_batch_t *b);
 /* Queues a received notification; KVB_ERR_REMOTE_NO_SPACE if the queue is full. */
 int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len,
                         uint64_t reply_to);

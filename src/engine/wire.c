@@ -97,14 +97,16 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
         return fail(why, why_len, KVB_ERR_PROTOCOL, "reserved bits set (flags 0x%llx)", h.flags);
     if (h.status > 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "positive status %llu", (unsigned)h.status);
-    if (h.flags & KVB_FRAME_F_RUN) {
-        if (!(h.flags & KVB_FRAME_F_SHM) || h.status != 0 ||
-            (h.type != KVB_FRAME_READ_RESP && h.type != KVB_FRAME_WRITE_ACK))
+    bool shm = h.flags & KVB_FRAME_F_SHM;
+    if ((h.flags & KVB_FRAME_F_RUN) && !(h.type == KVB_FRAME_READ_REQ && !shm)) {
+        bool shm_run = shm && (h.type == KVB_FRAME_READ_RESP || h.type == KVB_FRAME_WRITE_ACK);
+        if ((!shm_run && (shm || h.type != KVB_FRAME_READ_RESP)) || h.status != 0)
             return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run on frame type %llu", h.type);
-        if (h.addr == 0 || h.addr > KVB_WIRE_MAX_RUN || h.len > h.addr * KVB_WIRE_MAX_DATA)
+        if (h.addr == 0 || h.addr > KVB_WIRE_MAX_RUN ||
+            h.len > (shm_run ? h.addr * KVB_WIRE_MAX_DATA : KVB_WIRE_MAX_DATA))
             return fail(why, why_len, KVB_ERR_PROTOCOL, "answer run of %llu requests",
                         (unsigned long long)h.addr);
-        *out = h; /* no payload: `len` only totals what the requests asked */
+        *out = h; /* same-host: no payload, `len` only totals what the requests asked */
         return KVB_OK;
     }
     uint64_t limit = 0;

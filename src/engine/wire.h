@@ -11,8 +11,10 @@
 #include "engine/registry.h"
 #include "kvbridge/engine.h"
 
-#define KVB_WIRE_MAGIC    0x3142564Bu /* "KVB1" read as little-endian */
-#define KVB_WIRE_VERSION  3 /* 2: mutual authentication; 3: answer runs. Older peers are refused */
+#define KVB_WIRE_MAGIC 0x3142564Bu /* "KVB1" read as little-endian */
+/* 2: mutual authentication; 3: same-host answer runs; 4: answer runs over TCP. Other versions are
+ * refused at the first frame. */
+#define KVB_WIRE_VERSION  4
 #define KVB_WIRE_HDR_SIZE 40
 
 /* Limits on what a peer may announce; anything larger is a protocol error. */
@@ -45,10 +47,17 @@ typedef enum {
 /* Header flag: the data moves through shared memory, not this connection (same host). Requests
  * then carry 8 payload bytes, the initiator's local address; answers carry none. */
 #define KVB_FRAME_F_SHM 0x1u
-/* Header flag on a successful same-host answer (READ_RESP or WRITE_ACK with F_SHM, status 0):
- * it answers `addr` requests at once (1..KVB_WIRE_MAX_RUN), ids id .. id+addr-1, all of this
- * type, `len` their total length. A KV cache moves as thousands of small copies; one answer per
- * copy cost both sides more than the copies' own bookkeeping. */
+/* Header flag for answer runs: one answer frame for many consecutive requests. A KV cache moves
+ * as thousands of small blocks; one answer frame per block cost both sides more than the blocks'
+ * own bookkeeping (and over TCP, one receive call per block).
+ * - On a successful same-host answer (READ_RESP or WRITE_ACK with F_SHM, status 0): it answers
+ *   `addr` requests at once (1..KVB_WIRE_MAX_RUN), ids id .. id+addr-1, all of this type, `len`
+ *   their total length; no payload.
+ * - On a READ_REQ without F_SHM: the initiator takes this answer's bytes straight into host memory,
+ *   so it may come in a run.
+ * - On a successful READ_RESP without F_SHM: it answers `addr` such requests (1..KVB_WIRE_MAX_RUN),
+ *   ids id .. id+addr-1; the payload is their `len` bytes (at most KVB_WIRE_MAX_DATA), each
+ *   request's after the one before. */
 #define KVB_FRAME_F_RUN  0x2u
 #define KVB_WIRE_MAX_RUN 4096u
 

@@ -175,6 +175,79 @@ Test(engine, many_small_requests_over_many_lanes_shm)
     many_small_requests("shm");
 }
 
+/* READ answers over TCP come in runs (one header, then many requests' bytes, received in one
+ * scattering call): a failed request in the middle answers alone and the rest still land; a
+ * batch freed with its READs in flight has its bytes dropped, never written where it pointed; the
+ * next batch on the same lanes is whole. */
+Test(engine, read_runs_with_failures_and_freed_batches_tcp)
+{
+    kvb_engine_t *a = make_proto(1, 1, "tcp"), *b = make_proto(1, 1, "tcp");
+    size_t size = 32 << 20;
+    uint8_t *src = malloc(size), *dst = calloc(1, size), *gone = malloc(size);
+    test_pattern_fill(src, 0, size, 11);
+    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb_register(a, gone, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    enum { N = 3000 };
+    kvb_request_t *r = calloc(N, sizeof *r);
+    uint64_t rs = 7, at = 0;
+    for (int i = 0; i < N; i++) { /* disjoint destinations, sizes from 1 byte to 16 KB */
+        uint64_t len = 1 + test_rand(&rs) % 16000, off = test_rand(&rs) % (size - len);
+        /* every 97th asks past the end of the target's region: refused on its own */
+        uint64_t remote = i % 97 == 50 ? (uintptr_t)src + size - len / 2 : (uintptr_t)src + off;
+        r[i] = (kvb_request_t){KVB_OP_READ, dst + at, s, remote, len};
+        at += len;
+    }
+    cr_assert_leq(at, size);
+    kvb_batch_t *batch;
+    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(batch, 20000), KVB_ERR_REMOTE_NOT_REGISTERED);
+    for (int i = 0; i < N; i++) {
+        kvb_req_status_t st;
+        kvb_batch_status(batch, (size_t)i, &st);
+        if (i % 97 == 50) {
+            cr_assert_eq(st.state, KVB_REQ_FAILED, "request %d", i);
+            cr_assert_eq(st.error, KVB_ERR_REMOTE_NOT_REGISTERED);
+            continue;
+        }
+        cr_assert_eq(st.state, KVB_REQ_COMPLETED, "request %d", i);
+        cr_assert_eq(st.bytes, r[i].len);
+        cr_assert_eq(memcmp(r[i].local, (uint8_t *)(uintptr_t)r[i].remote, r[i].len), 0,
+                     "request %d", i);
+    }
+    kvb_batch_free(batch);
+
+    /* Freed in flight: whatever still arrives goes nowhere. */
+    for (int i = 0; i < N; i++) {
+        size_t off = (size_t)((uint8_t *)r[i].local - dst);
+        r[i].remote = (uintptr_t)src + off;
+        r[i].local = gone + off;
+    }
+    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+    kvb_batch_free(batch);
+    memset(gone, 0xEE, size);
+    /* The next batch on the same lane: whole and right. */
+    memset(dst, 0, size);
+    for (int i = 0; i < N; i++)
+        r[i].local = dst + ((uint8_t *)r[i].local - gone);
+    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(batch, 20000), KVB_OK);
+    kvb_batch_free(batch);
+    cr_assert_eq(memcmp(dst, src, at), 0);
+    size_t touched = 0;
+    while (touched < size && gone[touched] == 0xEE)
+        touched++;
+    cr_assert_eq(touched, size, "byte %zu of a freed batch's buffer was written", touched);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(r);
+    free(src);
+    free(dst);
+    free(gone);
+}
+
 /* `protocol` is a path order: bad lists are refused; "tcp,shm" attaches both but sends host
  * memory over TCP (first that reaches it); "shm,tcp" the other way; every op is counted once. */
 Test(engine, path_order)

@@ -389,8 +389,8 @@ Test(wire_hdr, layout_is_fixed_little_endian)
     kvb__wire_encode_hdr(&h, buf);
     const uint8_t magic[4] = {'K', 'V', 'B', '1'};
     cr_assert_arr_eq(buf, magic, 4);
-    cr_assert_eq(KVB_WIRE_VERSION, 3, "protocol version 3: mutual authentication, answer runs");
-    cr_assert_eq(buf[4], 3);
+    cr_assert_eq(KVB_WIRE_VERSION, 4, "protocol version 4: answer runs over TCP");
+    cr_assert_eq(buf[4], 4);
     cr_assert_eq(buf[5], KVB_FRAME_READ_RESP);
     cr_assert_eq(get16(buf + 6), 0);
     cr_assert_eq((int32_t)get32(buf + 8), -201);
@@ -458,17 +458,17 @@ Test(wire_hdr, bad_magic_rejected)
 
 Test(wire_hdr, wrong_version_is_a_version_error)
 {
-    /* Version 1 peers (no authentication) and version 2 ones (no answer runs) are refused
-     * outright, as is anything newer. */
+    /* Version 1 peers (no authentication), version 2 ones (no answer runs) and version 3 ones
+     * (same-host answer runs only) are refused outright, as is anything newer. */
     const uint8_t types[] = {KVB_FRAME_HELLO, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
                              KVB_FRAME_READ_REQ};
     for (size_t t = 0; t < sizeof types; t++) {
         kvb_frame_hdr_t h = mkhdr(types[t], 0, type_min(types[t]));
         uint8_t buf[KVB_WIRE_HDR_SIZE];
         kvb__wire_encode_hdr(&h, buf);
-        cr_assert_eq(buf[4], 3);
-        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 3", types[t]);
-        const uint8_t versions[] = {0, 1, 2, 4, 0x7F, 0x80, 0xFF};
+        cr_assert_eq(buf[4], 4);
+        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 4", types[t]);
+        const uint8_t versions[] = {0, 1, 2, 3, 5, 0x7F, 0x80, 0xFF};
         for (size_t i = 0; i < sizeof versions; i++) {
             buf[4] = versions[i];
             cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "type %u version %u", types[t],
@@ -547,15 +547,53 @@ Test(wire_hdr, answer_runs)
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
         h.status = KVB_ERR_REMOTE_NOT_REGISTERED;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "failures answer alone");
-        h.status = 0;
-        h.flags = KVB_FRAME_F_RUN;
-        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "runs are same-host only");
     }
     const uint8_t other[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY,
                              KVB_FRAME_HELLO_ACK};
     for (size_t i = 0; i < sizeof other; i++) {
         kvb_frame_hdr_t h = mkhdr(other[i], 0, 8), out;
         h.flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN;
+        h.addr = 1;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", other[i]);
+    }
+}
+
+/* Over TCP: a READ asks for a run with F_RUN; a successful READ_RESP with it answers 1..MAX_RUN
+ * such READs, their bytes one after another, at most KVB_WIRE_MAX_DATA in all. */
+Test(wire_hdr, answer_runs_over_tcp)
+{
+    kvb_frame_hdr_t h = mkhdr(KVB_FRAME_READ_REQ, 0, 4096), out;
+    h.flags = KVB_FRAME_F_RUN;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "a READ that may be answered in a run");
+    cr_assert_eq(out.flags, KVB_FRAME_F_RUN);
+    cr_assert_eq(kvb__wire_payload_len(&out), 0, "a READ carries no data");
+    h.flags = KVB_FRAME_F_RUN | KVB_FRAME_F_SHM;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "same-host READs are not run-asked");
+
+    h = mkhdr(KVB_FRAME_READ_RESP, 0, 3 * 4096);
+    h.flags = KVB_FRAME_F_RUN;
+    h.addr = 3;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "3 answers of 4 KiB");
+    cr_assert_eq(out.addr, 3);
+    cr_assert_eq(kvb__wire_payload_len(&out), 3 * 4096, "the run carries their bytes");
+    h.len = KVB_WIRE_MAX_DATA;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "at the data limit");
+    h.len = KVB_WIRE_MAX_DATA + 1;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "over the data limit");
+    h.len = 4096;
+    h.addr = KVB_WIRE_MAX_RUN + 1;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "one request over the limit");
+    h.addr = 0;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "a run of none");
+    h.addr = 1;
+    h.status = KVB_ERR_REMOTE_NOT_REGISTERED;
+    cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "failures answer alone");
+
+    const uint8_t other[] = {KVB_FRAME_WRITE_REQ, KVB_FRAME_WRITE_ACK, KVB_FRAME_NOTIFY,
+                             KVB_FRAME_NOTIFY_ACK};
+    for (size_t i = 0; i < sizeof other; i++) {
+        h = mkhdr(other[i], 0, 8);
+        h.flags = KVB_FRAME_F_RUN;
         h.addr = 1;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "type %u", other[i]);
     }

@@ -256,12 +256,87 @@ Test(tcp, per_request_errors_keep_the_connection)
     close(fd);
 }
 
+/* READs that ask for a run (F_RUN) are answered in runs: successes with consecutive ids share
+ * one header and their bytes follow one another; a failure, a READ that did not ask, and one
+ * whose id does not follow answer alone (or start a run of their own). */
+Test(tcp, reads_are_answered_in_runs)
+{
+    for (size_t i = 0; i < sizeof mem; i++)
+        mem[i] = (uint8_t)(i * 7 + 3);
+    struct {
+        uint64_t id, off, len;
+        uint16_t flags;
+    } q[] = {{1, 0, 100, KVB_FRAME_F_RUN},
+             {2, 500, 3000, KVB_FRAME_F_RUN},
+             {3, 0, 0, KVB_FRAME_F_RUN}, /* unregistered */
+             {4, 9000, 1, KVB_FRAME_F_RUN},
+             {5, 100, 60000, KVB_FRAME_F_RUN},
+             {6, 7, 50, 0},
+             {7, 0, 10, KVB_FRAME_F_RUN},
+             {9, 20, 30, KVB_FRAME_F_RUN},
+             {10, 40, 5, KVB_FRAME_F_RUN}};
+    enum { NQ = sizeof q / sizeof q[0] };
+    /* The answers: first id, requests, flags, status, bytes. */
+    const struct {
+        uint64_t id, count;
+        uint16_t flags;
+        int32_t status;
+        uint64_t len;
+    } want[] = {{1, 2, KVB_FRAME_F_RUN, 0, 3100},
+                {3, 0, 0, KVB_ERR_REMOTE_NOT_REGISTERED, 0},
+                {4, 2, KVB_FRAME_F_RUN, 0, 60001},
+                {6, 0, 0, 0, 50},
+                {7, 0, 0, 0, 10},
+                {9, 2, KVB_FRAME_F_RUN, 0, 35}};
+    int fd = raw_connect(kvb_engine_port(eng));
+    raw_login(fd);
+    uint8_t out[NQ * KVB_WIRE_HDR_SIZE];
+    for (size_t i = 0; i < NQ; i++) {
+        kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
+                             .flags = q[i].flags,
+                             .id = q[i].id,
+                             .addr = q[i].len ? (uintptr_t)mem + q[i].off : 0x10,
+                             .len = q[i].len ? q[i].len : 8};
+        kvb__wire_encode_hdr(&h, out + i * KVB_WIRE_HDR_SIZE);
+    }
+    cr_assert_eq(send(fd, out, sizeof out, 0), (ssize_t)sizeof out, "one send: one read pass");
+    read_handshake_reply(fd);
+    size_t next = 0; /* the request whose bytes come next */
+    for (size_t a = 0; a < sizeof want / sizeof want[0]; a++) {
+        uint8_t *body;
+        kvb_frame_hdr_t h = recv_frame(fd, &body);
+        cr_assert_eq(h.type, KVB_FRAME_READ_RESP, "answer %zu", a);
+        cr_assert_eq(h.id, want[a].id, "answer %zu", a);
+        cr_assert_eq(h.flags, want[a].flags, "answer %zu", a);
+        cr_assert_eq(h.status, want[a].status, "answer %zu", a);
+        cr_assert_eq(h.len, want[a].len, "answer %zu", a);
+        if (want[a].count)
+            cr_assert_eq(h.addr, want[a].count, "answer %zu", a);
+        uint64_t at = 0;
+        for (uint64_t k = 0; k < (want[a].count ? want[a].count : 1); k++, next++) {
+            cr_assert_eq(q[next].id, h.id + k);
+            if (h.status)
+                continue;
+            cr_assert_arr_eq(body + at, mem + q[next].off, q[next].len, "request %llu",
+                             (unsigned long long)q[next].id);
+            at += q[next].len;
+        }
+        cr_assert_eq(at, h.len);
+        free(body);
+    }
+    cr_assert_eq(next, NQ);
+    close(fd);
+}
+
 /* ---- a broken target --------------------------------------------------------------------------
  */
 
 typedef struct {
     int listen_fd;
-    int mode; /* 0: silent, 1: garbage after hello, 2: good hello then a wrong READ_RESP id */
+    /* 0: silent, 1: garbage after hello; after a good hello: 2: a wrong READ_RESP id, 3: a run
+     * of two answers to one request, 4: a run one byte short, 5: a run of one, as it should be
+     * (if the request asked for a run) */
+    int mode;
 } fake_t;
 
 static void *fake_target(void *arg)
@@ -281,7 +356,7 @@ static void *fake_target(void *arg)
     if (f->mode == 1) {
         memset(in, 0x42, 100);
         send(fd, in, 100, MSG_NOSIGNAL);
-    } else if (f->mode == 2) {
+    } else if (f->mode >= 2) {
         kvb_hello_t me = {.incarnation = 9};
         strcpy(me.name, "fake:1");
         kvb_region_desc_t r = {.info = {.addr = 0x1000, .len = 0x1000, .access = KVB_ACCESS_RW}};
@@ -306,9 +381,20 @@ static void *fake_target(void *arg)
         send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
         send(fd, body, len, MSG_NOSIGNAL);
         free(body);
-        if (recv(fd, in, KVB_WIRE_HDR_SIZE, MSG_WAITALL) == KVB_WIRE_HDR_SIZE) {
-            put_hdr(hdr, KVB_FRAME_READ_RESP, 0, 999, 0, 0); /* answers a request never made */
+        kvb_frame_hdr_t req;
+        if (recv(fd, in, KVB_WIRE_HDR_SIZE, MSG_WAITALL) == KVB_WIRE_HDR_SIZE &&
+            kvb__wire_decode_hdr(in, &req, NULL, 0) == KVB_OK) {
+            kvb_frame_hdr_t ans = {.type = KVB_FRAME_READ_RESP, .id = 999}; /* never asked */
+            if (f->mode >= 3 && (req.flags & KVB_FRAME_F_RUN))
+                ans = (kvb_frame_hdr_t){.type = KVB_FRAME_READ_RESP,
+                                        .flags = KVB_FRAME_F_RUN,
+                                        .id = req.id,
+                                        .addr = f->mode == 3 ? 2 : 1,
+                                        .len = req.len * (f->mode == 3 ? 2 : 1) - (f->mode == 4)};
+            kvb__wire_encode_hdr(&ans, hdr);
+            memset(in, 0x5A, ans.len);
             send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
+            send(fd, in, ans.len, MSG_NOSIGNAL);
         }
     }
     /* Hold the connection until the engine gives up on it. */
@@ -331,6 +417,8 @@ static int fake_open(fake_t *f, pthread_t *tid, char *name, size_t cap)
     return pthread_create(tid, NULL, fake_target, f);
 }
 
+static uint8_t fake_local[64]; /* where open_fake's READ lands */
+
 static int open_fake(int mode, kvb_segment_t *s)
 {
     fake_t f = {.mode = mode};
@@ -345,9 +433,9 @@ static int open_fake(int mode, kvb_segment_t *s)
     cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
     int rc = kvb_segment_open(e, name, s);
     if (rc == KVB_OK) {
-        static uint8_t local[64];
-        kvb_register(e, local, sizeof local, NULL, KVB_ACCESS_RW);
-        kvb_request_t r = {KVB_OP_READ, local, *s, 0x1000, 64};
+        memset(fake_local, 0, sizeof fake_local);
+        kvb_register(e, fake_local, sizeof fake_local, NULL, KVB_ACCESS_RW);
+        kvb_request_t r = {KVB_OP_READ, fake_local, *s, 0x1000, 64};
         kvb_batch_t *b;
         cr_assert_eq(kvb_batch_submit(e, &r, 1, NULL, &b), KVB_OK);
         rc = kvb_batch_wait(b, 2000);
@@ -377,6 +465,19 @@ Test(tcp, reply_to_unknown_request_is_a_protocol_error)
 {
     kvb_segment_t s;
     cr_assert_eq(open_fake(2, &s), KVB_ERR_PROTOCOL);
+}
+
+/* An answer run must answer exactly the requests in flight that asked for one, with exactly
+ * their bytes; a READ into host memory asks. */
+Test(tcp, answer_runs_are_checked_whole)
+{
+    kvb_segment_t s;
+    int rc = open_fake(3, &s);
+    cr_assert_eq(rc, KVB_ERR_PROTOCOL, "a run longer than what is in flight: %s", kvb_strerror(rc));
+    cr_assert_eq(open_fake(4, &s), KVB_ERR_PROTOCOL, "a run one byte short");
+    cr_assert_eq(open_fake(5, &s), KVB_OK, "a run of one");
+    for (size_t i = 0; i < sizeof fake_local; i++)
+        cr_assert_eq(fake_local[i], 0x5A, "byte %zu", i);
 }
 
 /* A peer that floods requests and reads no answers is held off (its sends start to block), and
