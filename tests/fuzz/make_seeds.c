@@ -57,6 +57,17 @@ static void wire_seeds(void)
     uint8_t b[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAC_LEN + KVB_WIRE_MAX_HELLO];
     kvb__wire_encode_hdr(&run, b);
     put("wire", "hdr-answer-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
+    run.flags = KVB_FRAME_F_RUN; /* over TCP: the run's bytes follow */
+    run.len = 128u << 12;
+    kvb__wire_encode_hdr(&run, b);
+    put("wire", "hdr-answer-run-tcp", 0, b, KVB_WIRE_HDR_SIZE, 1);
+    run = (kvb_frame_hdr_t){.type = KVB_FRAME_READ_REQ,
+                            .flags = KVB_FRAME_F_RUN,
+                            .id = 101,
+                            .addr = 0x7f0000001000ull,
+                            .len = 4096};
+    kvb__wire_encode_hdr(&run, b);
+    put("wire", "hdr-read-asks-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
     kvb_hello_t h = hello("prefill-0", 1);
     size_t n = kvb__wire_hello_encode(&h, b);
     put("wire", "hello", 1, b, n, 1);
@@ -101,6 +112,18 @@ static void session_seeds(void)
         .type = KVB_FRAME_READ_REQ, .id = 1, .addr = 0x7e0000000000ull, .len = 4096};
     kvb__wire_encode_hdr(&rd, b);
     put("session", "read", 1, b, KVB_WIRE_HDR_SIZE, 1);
+    /* READs that ask for a run: two join, an out-of-range one answers alone, one more joins */
+    for (int i = 0; i < 4; i++) {
+        kvb_frame_hdr_t q = {.type = KVB_FRAME_READ_REQ,
+                             .flags = KVB_FRAME_F_RUN,
+                             .id = 10 + (uint64_t)i,
+                             .addr = 0x7e0000000000ull + (i == 2 ? 1ull << 30 : 512u * i),
+                             .len = 512};
+        kvb__wire_encode_hdr(&q, b + n);
+        n += KVB_WIRE_HDR_SIZE;
+    }
+    put("session", "read-runs", 1, b, n, 1);
+    n = 0;
     kvb_frame_hdr_t wr = {
         .type = KVB_FRAME_WRITE_REQ, .id = 2, .addr = 0x7e0000000100ull, .len = 16};
     kvb__wire_encode_hdr(&wr, b);
