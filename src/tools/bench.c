@@ -32,9 +32,10 @@ typedef struct {
     const char *mode;
     const char *segment;
     const char *bind;
-    bool insecure;        /* --insecure */
-    const char *baseline; /* "tcp" or "memcpy" (or "copy"): measure the ceiling instead */
-    bool ceiling;         /* --ceiling: measure the path's ceiling after the run, print the ratio */
+    const char *peer_netns; /* --baseline tcp: the sender's network namespace */
+    bool insecure;          /* --insecure */
+    const char *baseline;   /* "tcp" or "memcpy" (or "copy"): measure the ceiling instead */
+    bool ceiling; /* --ceiling: measure the path's ceiling after the run, print the ratio */
     double ceiling_gbps;
     char ceiling_method[256];
     uint64_t area_bytes;         /* the registered buffer each side used */
@@ -855,6 +856,8 @@ static int run_baseline(const bench_opts_t *o)
     kvb_ceiling_t c;
     bool tcp = !strcmp(o->baseline, "tcp");
     double secs = (double)o->duration / 4 > 0.25 ? (double)o->duration / 4 : 0.25;
+    if (tcp && kvb_ceiling_net(o->bind, o->peer_netns))
+        return 1;
     if (measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, secs, &c))
         return 1;
     printf("baseline %s: block %llu B, buffer %llu B, %.3f GB/s (%s)\n", o->baseline,
@@ -875,48 +878,51 @@ static int run_baseline(const bench_opts_t *o)
 static void usage(FILE *f)
 {
     fprintf(
-        f, "usage: kvbridge bench [options]\n"
-           "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
-           "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
-           "                            initiator against it\n"
-           "  --segment NAME            target segment for --mode initiator (host:port, or the\n"
-           "                            name it published with --metadata)\n"
-           "  --metadata URI            find segments through a store: etcd://h:p[,h:p...],\n"
-           "                            redis://[:pw@]h:p[/db], http://h:p[/prefix] (default p2p)\n"
-           "  --cluster NAME            key namespace in the store (default \"default\")\n"
-           "  --name NAME               the target's segment name (default host:port)\n"
-           "  --port P                  target port (default: any free port, printed)\n"
-           "  --bind ADDR               address to bind (default 127.0.0.1)\n"
-           "  --secret-file PATH        the cluster secret (both sides; also KVB_SECRET_FILE)\n"
-           "  --insecure                allow a non-loopback --bind without a secret\n"
-           "  --operation read|write    default read\n"
-           "  --block-size N[K|M]       bytes per request (default 64K)\n"
-           "  --batch-size N            requests per batch (default 128)\n"
-           "  --threads N               submitting threads (default 1)\n"
-           "  --duration S              seconds to run (default 5)\n"
-           "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
-           "  --protocol P              data paths in the order tried: tcp (default), shm, a list\n"
-           "                            such as shm,tcp, or auto (every path, best first);\n"
-           "                            fabric: one-sided RDMA through libfabric\n"
-           "  --fabric-provider NAME    libfabric provider of the fabric path: verbs;ofi_rxm,\n"
-           "                            efa, cxi, or tcp;ofi_rxm / shm for testing (default:\n"
-           "                            the first RDMA provider found; never a slower one)\n"
-           "  --lanes N                 connections per peer (default 2)\n"
-           "  --progress-threads N      engine progress threads (default 1)\n"
-           "  --verify                  seeded pattern; check every byte that arrives\n"
-           "  --gpu                     buffers in GPU memory (CUDA device 0) on both sides;\n"
-           "  --gpu-local, --gpu-remote   only the initiator's, or only the target's; prints\n"
-           "                            cuMemcpy ceilings (d2h, h2d, d2d) measured after the run\n"
-           "  --seed N                  pattern seed (default 42)\n"
-           "  --json                    also print one JSON object as the last line\n"
-           "  --ceiling                 after the run, measure the ceiling of the path it took on\n"
-           "                            the same working set, and print the ratio to it\n"
-           "  --baseline tcp|copy       measure the ceiling instead: raw loopback socket stream,\n"
-           "                            or single-thread memcpy, with the same block size\n"
-           "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
-           "                            socket ping-pong, interleaved; p50/p99 of both\n"
-           "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
-           "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
+        f,
+        "usage: kvbridge bench [options]\n"
+        "  --mode target|initiator   serve memory, or drive transfers against --segment\n"
+        "  --loopback                run a target in a child process on 127.0.0.1 and an\n"
+        "                            initiator against it\n"
+        "  --segment NAME            target segment for --mode initiator (host:port, or the\n"
+        "                            name it published with --metadata)\n"
+        "  --metadata URI            find segments through a store: etcd://h:p[,h:p...],\n"
+        "                            redis://[:pw@]h:p[/db], http://h:p[/prefix] (default p2p)\n"
+        "  --cluster NAME            key namespace in the store (default \"default\")\n"
+        "  --name NAME               the target's segment name (default host:port)\n"
+        "  --port P                  target port (default: any free port, printed)\n"
+        "  --bind ADDR               address to bind (default 127.0.0.1)\n"
+        "  --secret-file PATH        the cluster secret (both sides; also KVB_SECRET_FILE)\n"
+        "  --insecure                allow a non-loopback --bind without a secret\n"
+        "  --operation read|write    default read\n"
+        "  --block-size N[K|M]       bytes per request (default 64K)\n"
+        "  --batch-size N            requests per batch (default 128)\n"
+        "  --threads N               submitting threads (default 1)\n"
+        "  --duration S              seconds to run (default 5)\n"
+        "  --buffer-size N[K|M|G]    registered buffer per side (default 256M)\n"
+        "  --protocol P              data paths in the order tried: tcp (default), shm, a list\n"
+        "                            such as shm,tcp, or auto (every path, best first);\n"
+        "                            fabric: one-sided RDMA through libfabric\n"
+        "  --fabric-provider NAME    libfabric provider of the fabric path: verbs;ofi_rxm,\n"
+        "                            efa, cxi, or tcp;ofi_rxm / shm for testing (default:\n"
+        "                            the first RDMA provider found; never a slower one)\n"
+        "  --lanes N                 connections per peer (default 2)\n"
+        "  --progress-threads N      engine progress threads (default 1)\n"
+        "  --verify                  seeded pattern; check every byte that arrives\n"
+        "  --gpu                     buffers in GPU memory (CUDA device 0) on both sides;\n"
+        "  --gpu-local, --gpu-remote   only the initiator's, or only the target's; prints\n"
+        "                            cuMemcpy ceilings (d2h, h2d, d2d) measured after the run\n"
+        "  --seed N                  pattern seed (default 42)\n"
+        "  --json                    also print one JSON object as the last line\n"
+        "  --ceiling                 after the run, measure the ceiling of the path it took on\n"
+        "                            the same working set, and print the ratio to it\n"
+        "  --baseline tcp|copy       measure the ceiling instead: a raw TCP stream over --lanes\n"
+        "                            connections, or the best plain copy; same block size\n"
+        "  --peer-netns NAME         --baseline tcp across namespaces: listen on --bind here,\n"
+        "                            the sender in network namespace NAME (ip netns)\n"
+        "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
+        "                            socket ping-pong, interleaved; p50/p99 of both\n"
+        "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
+        "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
 }
 
 static int parse_args(int argc, char **argv, bench_opts_t *o)
@@ -941,6 +947,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"progress-threads", 1, 0, 'T'},
                                           {"help", 0, 0, 'h'},
                                           {"baseline", 1, 0, 'X'},
+                                          {"peer-netns", 1, 0, 'Q'},
                                           {"latency", 0, 0, 'Y'},
                                           {"kv", 1, 0, 'K'},
                                           {"tokens", 1, 0, 'N'},
@@ -1057,6 +1064,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy") && strcmp(optarg, "copy");
             o->baseline = optarg;
             break;
+        case 'Q':
+            o->peer_netns = optarg;
+            break;
         case 'j':
             o->json = true;
             break;
@@ -1101,6 +1111,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         o->block = 64;
     if (o->kv_model)
         return 0; /* a self-contained workload: the other options do not apply */
+    if (o->peer_netns && (!o->baseline || strcmp(o->baseline, "tcp"))) {
+        fprintf(stderr, "kvbridge bench: --peer-netns goes with --baseline tcp\n");
+        return 2;
+    }
     if (!o->loopback && !o->mode && !o->baseline) {
         fprintf(stderr, "kvbridge bench: give --mode target|initiator, or --loopback\n");
         return 2;

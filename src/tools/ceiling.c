@@ -5,7 +5,8 @@
  * The working set is every block of two buffers of the benchmark's size, or the blocks a KV
  * transfer moves (a prompt's blocks, scattered over pools several times larger).
  *
- * TCP: plain streaming sockets on loopback, as many connections as kvbridge's lanes, a sender
+ * TCP: plain streaming sockets on loopback (or across two network namespaces, kvb_ceiling_net),
+ * as many connections as kvbridge's lanes, a sender
  * process and this one, each with a buffer of its own allocated and populated after the fork (a
  * buffer shared copy-on-write across fork() makes the first write to each page a fault and the
  * measurement a measurement of page faults), the benchmark's blocks gathered into sends of at
@@ -18,8 +19,11 @@
  * Copy: the best of glibc memcpy and `rep movsb` between two buffers of the benchmark's size,
  * allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks spread over as many
  * threads as the copy path uses; one pass not counted, then the best of a few runs. */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
@@ -44,6 +48,47 @@
 #define RUNS_MAX    16
 #define CONNECT_MS  60000                         /* the sender populates its buffer first */
 #define WARM_MAX_NS (120ull * 1000 * 1000 * 1000) /* a warm pass slower than this: give up */
+
+/* kvb_ceiling_net: where the receiver listens, and the namespace the sender joins ("": none). */
+static struct in_addr net_addr = {.s_addr = 0};
+static char net_peer[256];
+
+int kvb_ceiling_net(const char *addr, const char *peer_netns)
+{
+    struct in_addr a = {.s_addr = htonl(INADDR_LOOPBACK)};
+    if (addr && inet_pton(AF_INET, addr, &a) != 1) {
+        fprintf(stderr, "bench: ceiling: %s is not an IPv4 address\n", addr);
+        return -1;
+    }
+    size_t len = peer_netns ? strlen(peer_netns) : 0;
+    if (peer_netns && (len == 0 || len >= sizeof net_peer || strchr(peer_netns, '/') ||
+                       !strcmp(peer_netns, ".") || !strcmp(peer_netns, ".."))) {
+        fprintf(stderr, "bench: ceiling: bad network namespace name\n");
+        return -1;
+    }
+    net_addr = a;
+    snprintf(net_peer, sizeof net_peer, "%s", peer_netns ? peer_netns : "");
+    return 0;
+}
+
+/* The sender's side of kvb_ceiling_net: joins the peer's network namespace. */
+static int join_peer_netns(void)
+{
+    if (!net_peer[0])
+        return 0;
+    char path[300];
+    snprintf(path, sizeof path, "/run/netns/%s", net_peer);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || setns(fd, CLONE_NEWNET)) {
+        fprintf(stderr, "bench: ceiling: cannot join network namespace %s: %s\n", net_peer,
+                strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
 
 uint8_t *kvb_cli_populated(uint64_t len)
 {
@@ -307,6 +352,8 @@ static end_t end_of(const set_t *ws, int fd, uint8_t *buf, int i)
 /* The sender process: its own buffer; ends when its connections break. */
 static void sender(const struct sockaddr_in *sa, const set_t *ws)
 {
+    if (join_peer_netns())
+        _exit(1);
     uint8_t *buf = kvb_cli_populated(ws->buffer);
     end_t e[CONN_MAX];
     group_t g[CONN_MAX];
@@ -333,7 +380,9 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
 static double tcp_best(const set_t *ws, double secs, int runs)
 {
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
+    if (!net_addr.s_addr)
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t sl = sizeof sa;
     if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, ws->conns) ||
         getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
@@ -356,12 +405,19 @@ static double tcp_best(const set_t *ws, double secs, int runs)
     group_t g[CONN_MAX];
     pthread_t t[CONN_MAX];
     int n = 0, threads = threads_per_side(ws->conns);
-    for (; buf && n < ws->conns; n++) {
-        struct pollfd pl = {.fd = lfd, .events = POLLIN}; /* a sender that died never comes */
-        int fd = poll(&pl, 1, CONNECT_MS) == 1 ? accept4(lfd, NULL, NULL, SOCK_CLOEXEC) : -1;
-        if (fd < 0)
-            break;
-        e[n] = end_of(ws, fd, buf, n);
+    bool reaped = false; /* a sender that died never connects: stop waiting for it */
+    uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
+    while (buf && n < ws->conns && !reaped && kvb__now_ns() < until) {
+        struct pollfd pl = {.fd = lfd, .events = POLLIN};
+        if (poll(&pl, 1, 100) == 1) {
+            int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd < 0)
+                break;
+            e[n] = end_of(ws, fd, buf, n);
+            n++;
+        } else {
+            reaped = waitpid(pid, NULL, WNOHANG) == pid;
+        }
     }
     close(lfd);
     if (n == ws->conns && pthread_barrier_init(&w.warm, NULL, (unsigned)threads + 1) == 0) {
@@ -382,7 +438,7 @@ static double tcp_best(const set_t *ws, double secs, int runs)
     }
     for (int i = 0; i < n; i++)
         close(e[i].fd);
-    if (pid > 0) {
+    if (pid > 0 && !reaped) {
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
     }
@@ -501,10 +557,11 @@ int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const 
     uint64_t sz[2];
     syscall_sizes(block, sz);
     snprintf(out->method, sizeof out->method,
-             "raw loopback TCP stream, %d connection%s, %d thread%s per side, %llu B blocks in "
+             "raw %s TCP stream, %d connection%s, %d thread%s per side, %llu B blocks in "
              "%llu or %llu B syscalls, one warm pass, then the best of %d windows",
-             parallel, parallel == 1 ? "" : "s", t, t == 1 ? "" : "s", (unsigned long long)block,
-             (unsigned long long)sz[0], (unsigned long long)sz[1], runs);
+             net_peer[0] ? "cross-namespace" : "loopback", parallel, parallel == 1 ? "" : "s", t,
+             t == 1 ? "" : "s", (unsigned long long)block, (unsigned long long)sz[0],
+             (unsigned long long)sz[1], runs);
     return out->gbps > 0 ? 0 : -1;
 }
 

@@ -36,6 +36,13 @@ int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel,
 int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
                        const uint64_t *dst, size_t n, int parallel, double secs, int runs,
                        kvb_ceiling_t *out);
+/* Where the "tcp" ceiling streams: by default over loopback (127.0.0.1) in this network
+ * namespace. kvb_ceiling_net(addr, peer_netns) makes the receiver (this process) listen on `addr`,
+ * an IPv4 address of its namespace, and the sender process join the network namespace
+ * `peer_netns` (a name under /run/netns, as `ip netns` makes them) before it connects - so the
+ * stream crosses the same link as a benchmark between two namespaces. NULLs restore loopback.
+ * Returns 0, or -1 with a message on stderr (a bad address or name). */
+int kvb_ceiling_net(const char *addr, const char *peer_netns);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
  * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
 uint8_t *kvb_cli_populated(uint64_t len);

@@ -169,3 +169,80 @@ Test(ceiling, tcp_not_a_first_pass, .timeout = 240)
               "buffers once warm (%.3f GB/s): it counts the first pass over them",
               ceil, plain);
 }
+
+/* ---- across two network namespaces ------------------------------------------------------------
+ * `make bench` measures TCP across a veth pair too; its ceiling is the same raw stream with the
+ * receiver in one namespace and the sender in the other (--bind, --peer-netns). It must run there
+ * (a stream, not loopback in disguise: the method says so) and be within a factor of the loopback
+ * stream, and a namespace that is not there must fail at once, not after the connect timeout. */
+
+static void drop_namespaces(const char *a, const char *b)
+{
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "ip netns del %s 2>/dev/null; ip netns del %s 2>/dev/null", a, b);
+    if (system(cmd) != 0)
+        cr_log_warn("'%s' failed", cmd);
+}
+
+Test(ceiling, tcp_across_namespaces, .timeout = 120)
+{
+    if (geteuid() != 0 || system("command -v ip >/dev/null 2>&1") != 0)
+        cr_skip_test("needs root and ip(8) to make network namespaces");
+    char a[32], b[32];
+    snprintf(a, sizeof a, "kvbc%da", (int)getpid());
+    snprintf(b, sizeof b, "kvbc%db", (int)getpid());
+    char args[256], cmd[768], line[4096], last[4096] = "";
+    snprintf(cmd, sizeof cmd, "ip netns add %s && ip netns add %s", a, b);
+    if (system(cmd) != 0) {
+        drop_namespaces(a, b);
+        cr_skip_test("cannot make network namespaces here");
+    }
+    snprintf(cmd, sizeof cmd,
+             "ip -n %s link add v0 type veth peer name v1 netns %s && "
+             "ip -n %s addr add 10.204.1.1/24 dev v0 && ip -n %s addr add 10.204.1.2/24 dev v1 && "
+             "ip -n %s link set v0 up && ip -n %s link set v1 up && "
+             "ip -n %s link set lo up && ip -n %s link set lo up",
+             a, b, a, b, a, b, a, b);
+    bool up = system(cmd) == 0;
+    double across = 0;
+    if (up) {
+        snprintf(cmd, sizeof cmd,
+                 "ip netns exec %s %s bench --baseline tcp --bind 10.204.1.1 --peer-netns %s "
+                 "--lanes 2 --block-size 1M --buffer-size 64M --duration 1 --json 2>&1",
+                 a, getenv("KVB_BIN"), b);
+        FILE *p = popen(cmd, "r");
+        bool method = false;
+        while (p && fgets(line, sizeof line, p)) {
+            method |= strstr(line, "cross-namespace") != NULL;
+            snprintf(last, sizeof last, "%s", line);
+        }
+        int rc = p ? pclose(p) : -1;
+        json_t *j = json_loads(last, 0, NULL);
+        across = j ? json_real_value(json_object_get(j, "gbps")) : 0;
+        json_decref(j);
+        cr_expect_eq(rc, 0, "'%s' failed: %s", cmd, last);
+        cr_expect(method, "the method does not say the stream crossed namespaces");
+        /* A namespace that is not there: a clear error, promptly. */
+        uint64_t t0 = kvb__now_ns();
+        snprintf(cmd, sizeof cmd,
+                 "ip netns exec %s %s bench --baseline tcp --bind 10.204.1.1 --peer-netns "
+                 "kvbc-none --buffer-size 16M --duration 1 2>&1",
+                 a, getenv("KVB_BIN"));
+        p = popen(cmd, "r");
+        bool said = false;
+        while (p && fgets(line, sizeof line, p))
+            said |= strstr(line, "cannot join network namespace kvbc-none") != NULL;
+        cr_expect_neq(p ? pclose(p) : 0, 0, "a missing namespace did not fail");
+        cr_expect(said, "no clear error for a missing namespace");
+        cr_expect_lt(kvb__now_ns() - t0, 10000000000ull, "a missing namespace took over 10 s");
+    }
+    drop_namespaces(a, b);
+    cr_assert(up, "could not join the namespaces with a veth pair");
+    snprintf(args, sizeof args,
+             "--baseline tcp --lanes 2 --block-size 1M --buffer-size 64M --duration 1");
+    double loop = bench_gbps(args);
+    cr_log_info("TCP ceiling across a veth pair %.3f GB/s, on loopback %.3f GB/s", across, loop);
+    cr_expect(across > loop / 4 && across < loop * 4,
+              "the ceiling across namespaces (%.3f GB/s) is not a stream like loopback's (%.3f)",
+              across, loop);
+}
