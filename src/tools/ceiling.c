@@ -5,16 +5,16 @@
  * The working set is every block of two buffers of the benchmark's size, or the blocks a KV
  * transfer moves (a prompt's blocks, scattered over pools several times larger).
  *
- * TCP: plain streaming sockets on loopback (or across two network namespaces, kvb_ceiling_net),
- * as many connections as kvbridge's lanes, a sender
- * process and this one, each with a buffer of its own allocated and populated after the fork (a
- * buffer shared copy-on-write across fork() makes the first write to each page a fault and the
- * measurement a measurement of page faults), the benchmark's blocks gathered into sends of at
- * least 1 MiB and received in pieces as large, straight into place (as kvbridge's lanes do: a
- * syscall per small block is not what the hardware gives), kernel-tuned socket buffers as
- * kvbridge has them, one thread per side driving all connections where there are two cores (as
- * kvbridge's progress thread); one pass over the working set not counted (the first time the
- * kernel reaches a page is not what a long-lived pool costs), then the best of a few windows.
+ * TCP: plain streaming sockets on loopback (or across two network namespaces, kvb_ceiling_net), as
+ * many connections as kvbridge's lanes, a sender process and this one, each with a buffer of its
+ * own allocated and populated after the fork (a buffer shared copy-on-write across fork() makes
+ * the first write to each page a fault and the measurement a measurement of page faults), the
+ * benchmark's blocks gathered into sends of at least 1 MiB and received in pieces as large,
+ * straight into place (as kvbridge's lanes do: a syscall per small block is not what the hardware
+ * gives), kernel-tuned socket buffers as kvbridge has them, one thread per side driving all
+ * connections where there are two cores (as kvbridge's progress thread); one pass over the working
+ * set not counted (the first time the kernel reaches a page is not what a long-lived pool costs),
+ * then the best of a few windows.
  *
  * Copy: the best of glibc memcpy and `rep movsb` between two buffers of the benchmark's size,
  * allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks spread over as many
@@ -23,10 +23,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sched.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
