@@ -134,7 +134,7 @@ fi
 # same raw TCP stream as on loopback, its receiver in the target's namespace and its sender in
 # the initiator's (`bench --baseline tcp --bind ADDR --peer-netns NS`), interleaved; iperf3 with
 # the same connection count runs between the same namespaces beside it, as a cross-check (it
-# measured 1.9-2.1 GB/s where kvbridge moved 2.8-3.3: one thread and 1 MiB writes, no ceiling).
+# measured 1.9-2.4 GB/s where kvbridge moved 2.8-4.1: one thread and 1 MiB writes, no ceiling).
 VETH_A=kvbb-a-$$ VETH_B=kvbb-b-$$ VETH_DIR=$(mktemp -d)
 veth_cleanup() { # the namespaces' processes, then the namespaces (their veth ends go with them)
     for ns in "$VETH_A" "$VETH_B"; do
