@@ -246,3 +246,29 @@ Test(ceiling, tcp_across_namespaces, .timeout = 120)
               "the ceiling across namespaces (%.3f GB/s) is not a stream like loopback's (%.3f)",
               across, loop);
 }
+
+/* Bad endpoints for the stream are refused before anything starts, with the reason. */
+Test(ceiling, bad_endpoints_are_refused)
+{
+    const char *cases[][2] = {
+        {"--bind 300.1.1.1 --peer-netns kvbc-x", "is not an IPv4 address"},
+        {"--bind 127.0.0.1 --peer-netns ../etc", "bad network namespace name"},
+        {"--bind 127.0.0.1 --peer-netns ..", "bad network namespace name"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char cmd[512], line[1024];
+        snprintf(cmd, sizeof cmd, "%s bench --baseline tcp %s --buffer-size 16M --duration 1 2>&1",
+                 getenv("KVB_BIN"), cases[i][0]);
+        uint64_t t0 = kvb__now_ns();
+        FILE *p = popen(cmd, "r");
+        cr_assert_not_null(p);
+        bool said = false;
+        while (fgets(line, sizeof line, p))
+            said |= strstr(line, cases[i][1]) != NULL;
+        cr_expect_neq(pclose(p), 0, "'%s' did not fail", cmd);
+        cr_expect(said, "'%s' did not say '%s'", cmd, cases[i][1]);
+        cr_expect_lt(kvb__now_ns() - t0, 5000000000ull, "'%s' took over 5 s", cmd);
+    }
+    cr_expect_neq(system("\"$KVB_BIN\" bench --peer-netns x --loopback >/dev/null 2>&1"), 0,
+                  "--peer-netns without --baseline tcp was accepted");
+}
