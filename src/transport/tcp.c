@@ -1124,6 +1124,26 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     return KVB_OK;
 }
 
+/* Initiator: the `done` requests at the head of the in-flight list were answered (an answer run
+ * checked by check_run, or the part of one whose bytes are all in): end them. */
+static void end_run_ops(tcp_conn_t *c, uint64_t done)
+{
+    pthread_mutex_lock(&c->mu);
+    kvb_op_t *first = c->inflight_head, *last = first;
+    for (uint64_t k = 1; k < done; k++)
+        last = last->next;
+    c->inflight_head = last->next;
+    if (!c->inflight_head)
+        c->inflight_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    last->next = NULL;
+    for (kvb_op_t *op = first, *next; op; op = next) {
+        next = op->next;
+        op->next = NULL;
+        op_end(op, KVB_OK);
+    }
+}
+
 static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     if (h->type == KVB_FRAME_NOTIFY) {
@@ -1136,26 +1156,12 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         c->rx_sink = SINK_DRAIN;
         return;
     }
-    if ((h->flags & KVB_FRAME_F_RUN) && !(h->flags & KVB_FRAME_F_SHM)) {
-        c->rx_op = NULL; /* sink_run ended its requests as their bytes came in */
-        return;
-    }
-    if (h->flags & KVB_FRAME_F_RUN) { /* checked whole by check_run */
-        pthread_mutex_lock(&c->mu);
-        kvb_op_t *first = c->inflight_head, *last = first;
-        for (uint64_t k = 1; k < c->rx_run; k++)
-            last = last->next;
-        c->inflight_head = last->next;
-        if (!c->inflight_head)
-            c->inflight_tail = NULL;
-        pthread_mutex_unlock(&c->mu);
-        last->next = NULL;
+    if (h->flags & KVB_FRAME_F_RUN) {
+        if (h->flags & KVB_FRAME_F_SHM) /* checked whole by check_run; nothing followed */
+            end_run_ops(c, c->rx_run);
+        /* else sink_run ended the requests as their bytes came in */
         c->rx_run = 0;
-        for (kvb_op_t *op = first, *next; op; op = next) {
-            next = op->next;
-            op->next = NULL;
-            op_end(op, KVB_OK);
-        }
+        c->rx_op = NULL;
         return;
     }
     pthread_mutex_lock(&c->mu);
@@ -1232,26 +1238,6 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
     return got;
 }
 
-/* Initiator: the first `done` requests of the answer run (from the head of the in-flight list)
- * have all their bytes: end them. */
-static void end_run_ops(tcp_conn_t *c, kvb_op_t *first, uint64_t done)
-{
-    pthread_mutex_lock(&c->mu);
-    kvb_op_t *last = first;
-    for (uint64_t k = 1; k < done; k++)
-        last = last->next;
-    c->inflight_head = last->next;
-    if (!c->inflight_head)
-        c->inflight_tail = NULL;
-    pthread_mutex_unlock(&c->mu);
-    last->next = NULL;
-    for (kvb_op_t *op = first, *next; op; op = next) {
-        next = op->next;
-        op->next = NULL;
-        op_end(op, KVB_OK);
-    }
-}
-
 /* Initiator, SINK_RUN: moves up to n bytes (at most RUN_RECV_MAX) of an answer run into its
  * requests' destinations - from src, or from the socket in one scattering recvmsg - and ends
  * every request whose bytes are all in. One call covers the requests of one batch, whose lock
@@ -1312,9 +1298,8 @@ static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n)
         return KVB_ERR_PEER_LOST;
     if (!src)
         atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
-    kvb_op_t *first = c->rx_op;
     uint64_t done = 0;
-    op = first;
+    op = c->rx_op;
     for (uint64_t left = (uint64_t)got; left > 0;) {
         uint64_t take = op->len - c->rx_off < left ? op->len - c->rx_off : left;
         c->rx_off += take;
@@ -1328,7 +1313,7 @@ static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n)
     c->rx_run -= done;
     c->rx_op = op;
     if (done)
-        end_run_ops(c, first, done);
+        end_run_ops(c, done);
     return got;
 }
 
