@@ -43,6 +43,15 @@
  * long a request whose bytes are in waits to be ended. Interleaved against no bound (1 MiB READs,
  * deepseek-v3's 18 KiB KV blocks, 64 KiB READs): no difference beyond the noise. */
 #define RUN_RECV_MAX (1u << 20)
+/* While a payload of at least LOWAT_MIN bytes is being received, the socket wakes its reader only
+ * once min(what is left of it, LOWAT_MAX) bytes are in (SO_RCVLOWAT), not for every few segments:
+ * the reader emptied the socket as fast as bytes came and both ends woke far more often than they
+ * moved data (interleaved against no threshold: 1 MiB READ batch 32 +10%, 64 KiB READ +7%, KV
+ * pulls over TCP 5-15% less time). Never more than is owed, so the last bytes of a frame wake it
+ * too; 1 MiB instead of 256 KiB made a lone 1 MiB READ 10-15% slower (the whole frame in before
+ * the first copy), 256 KiB made it 10% faster. */
+#define LOWAT_MIN    (64u << 10)
+#define LOWAT_MAX    (256u << 10)
 #define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
 #define LANE_SPREAD  (1u << 20) /* a submit moves to the next lane after this many bytes */
 #define MAX_EVENTS   64
@@ -142,6 +151,7 @@ struct tcp_conn {
     kvb_frame_hdr_t rx_hdr;
     uint64_t rx_plen, rx_got;
     int rx_sink, rx_status;
+    int rx_lowat;    /* the socket's SO_RCVLOWAT as set; 0: unknown (a change was refused) */
     uint8_t *rx_dst; /* SINK_REGION / SINK_BUF */
     kvb_region_t *rx_pin;
     uint8_t *rx_stage; /* a WRITE to device memory lands here first */
@@ -258,6 +268,7 @@ static tcp_conn_t *conn_new(kvb_transport_t *tp, int fd, int role)
     }
     atomic_init(&c->refs, 1);
     c->fd = fd;
+    c->rx_lowat = 1; /* the kernel's default */
     c->role = role;
     c->registry = &tp->engine->registry;
     c->next_id = 1;
@@ -1452,6 +1463,12 @@ static void read_frames(tcp_conn_t *c)
 static void conn_read(tcp_conn_t *c)
 {
     read_frames(c);
+    if (!c->close_req && c->rx_lowat) { /* see LOWAT_MIN */
+        uint64_t left = c->rx_state == RX_PAYLOAD ? c->rx_plen - c->rx_got : 0;
+        int want = left < LOWAT_MIN ? 1 : left > LOWAT_MAX ? (int)LOWAT_MAX : (int)left;
+        if (want != c->rx_lowat)
+            c->rx_lowat = setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) ? 0 : want;
+    }
     if (!c->close_req) {
         flush_jobs(c);
         flush_dev_jobs(c);
@@ -1551,6 +1568,14 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
         bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : c->txq_head != NULL;
         pthread_mutex_unlock(&c->mu);
         uint64_t last = atomic_load_explicit(&c->last_io, memory_order_relaxed);
+        /* Mid-payload with a wake threshold: read what there is once a tick anyway, so a kernel
+         * that does not wake for the last bytes (LOWAT_MIN) costs a tick, never a hang. */
+        pthread_mutex_lock(&c->rx_mu);
+        if (c->rx_lowat != 1) {
+            c->rx_more = true;
+            th->need_scan = true;
+        }
+        pthread_mutex_unlock(&c->rx_mu);
         if (waiting && now > last && now - last > cfg->peer_timeout_ms * 1000000ull) {
             char why[96];
             snprintf(why, sizeof why,
@@ -2194,12 +2219,12 @@ static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
     while (rc == KVB_OK && !kvb__batch_done(b) && !c->close_req &&
            (ms = kvb__ms_left(deadline)) != 0) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (poll(&p, 1, ms < 0 || ms > 10 ? 10 : ms) > 0) {
-            pthread_mutex_lock(&c->rx_mu);
-            if (!c->close_req && c->fd >= 0)
-                conn_read(c);
-            pthread_mutex_unlock(&c->rx_mu);
-        }
+        bool ready = poll(&p, 1, ms < 0 || ms > 10 ? 10 : ms) > 0;
+        pthread_mutex_lock(&c->rx_mu);
+        /* Quiet for 10 ms below the wake threshold: read what there is anyway (LOWAT_MIN). */
+        if ((ready || c->rx_lowat != 1) && !c->close_req && c->fd >= 0)
+            conn_read(c);
+        pthread_mutex_unlock(&c->rx_mu);
     }
     pthread_mutex_lock(&c->mu);
     c->driven = false;

@@ -335,7 +335,8 @@ typedef struct {
     int listen_fd;
     /* 0: silent, 1: garbage after hello; after a good hello: 2: a wrong READ_RESP id, 3: a run
      * of two answers to one request, 4: a run one byte short, 5: a run of one, as it should be
-     * (if the request asked for a run) */
+     * (if the request asked for a run), 6: the same as 5 with the bytes trickling in - half at
+     * once, the rest 4 KiB at a time, 2 ms apart */
     int mode;
 } fake_t;
 
@@ -359,7 +360,7 @@ static void *fake_target(void *arg)
     } else if (f->mode >= 2) {
         kvb_hello_t me = {.incarnation = 9};
         strcpy(me.name, "fake:1");
-        kvb_region_desc_t r = {.info = {.addr = 0x1000, .len = 0x1000, .access = KVB_ACCESS_RW}};
+        kvb_region_desc_t r = {.info = {.addr = 0x1000, .len = 1 << 20, .access = KVB_ACCESS_RW}};
         strcpy(r.info.location, "cpu");
         uint8_t *body, hdr[KVB_WIRE_HDR_SIZE];
         size_t len;
@@ -392,9 +393,16 @@ static void *fake_target(void *arg)
                                         .addr = f->mode == 3 ? 2 : 1,
                                         .len = req.len * (f->mode == 3 ? 2 : 1) - (f->mode == 4)};
             kvb__wire_encode_hdr(&ans, hdr);
-            memset(in, 0x5A, ans.len);
+            uint8_t *data = malloc(ans.len);
+            memset(data, 0x5A, ans.len);
             send(fd, hdr, sizeof hdr, MSG_NOSIGNAL);
-            send(fd, in, ans.len, MSG_NOSIGNAL);
+            uint64_t at = f->mode == 6 ? ans.len / 2 : ans.len;
+            send(fd, data, at, MSG_NOSIGNAL);
+            for (; at < ans.len; at += 4096) {
+                usleep(2000);
+                send(fd, data + at, ans.len - at < 4096 ? ans.len - at : 4096, MSG_NOSIGNAL);
+            }
+            free(data);
         }
     }
     /* Hold the connection until the engine gives up on it. */
@@ -417,7 +425,8 @@ static int fake_open(fake_t *f, pthread_t *tid, char *name, size_t cap)
     return pthread_create(tid, NULL, fake_target, f);
 }
 
-static uint8_t fake_local[64]; /* where open_fake's READ lands */
+static uint8_t fake_local[256 << 10]; /* where open_fake's READ lands */
+static size_t fake_len = 64;          /* its length */
 
 static int open_fake(int mode, kvb_segment_t *s)
 {
@@ -435,7 +444,7 @@ static int open_fake(int mode, kvb_segment_t *s)
     if (rc == KVB_OK) {
         memset(fake_local, 0, sizeof fake_local);
         kvb_register(e, fake_local, sizeof fake_local, NULL, KVB_ACCESS_RW);
-        kvb_request_t r = {KVB_OP_READ, fake_local, *s, 0x1000, 64};
+        kvb_request_t r = {KVB_OP_READ, fake_local, *s, 0x1000, fake_len};
         kvb_batch_t *b;
         cr_assert_eq(kvb_batch_submit(e, &r, 1, NULL, &b), KVB_OK);
         rc = kvb_batch_wait(b, 2000);
@@ -476,8 +485,24 @@ Test(tcp, answer_runs_are_checked_whole)
     cr_assert_eq(rc, KVB_ERR_PROTOCOL, "a run longer than what is in flight: %s", kvb_strerror(rc));
     cr_assert_eq(open_fake(4, &s), KVB_ERR_PROTOCOL, "a run one byte short");
     cr_assert_eq(open_fake(5, &s), KVB_OK, "a run of one");
-    for (size_t i = 0; i < sizeof fake_local; i++)
+    for (size_t i = 0; i < fake_len; i++)
         cr_assert_eq(fake_local[i], 0x5A, "byte %zu", i);
+}
+
+/* A large answer wakes its reader only once enough of it is in (SO_RCVLOWAT, never more than is
+ * owed): one whose second half trickles in 4 KiB at a time still ends, whole, as its last byte
+ * lands - 128 KiB at once, then 32 pieces 2 ms apart. */
+Test(tcp, trickling_answer_completes_whole)
+{
+    kvb_segment_t s;
+    fake_len = sizeof fake_local;
+    uint64_t t0 = kvb__now_ns();
+    int rc = open_fake(6, &s);
+    cr_assert_eq(rc, KVB_OK, "%s", kvb_strerror(rc));
+    for (size_t i = 0; i < fake_len; i++)
+        cr_assert_eq(fake_local[i], 0x5A, "byte %zu", i);
+    /* The engine's wait is 2 s: ended by the bytes, not by a deadline. */
+    cr_assert_lt(kvb__now_ns() - t0, 1500000000ull);
 }
 
 /* A peer that floods requests and reads no answers is held off (its sends start to block), and
