@@ -46,10 +46,10 @@
 /* While a payload of at least LOWAT_MIN bytes is being received, the socket wakes its reader only
  * once min(what is left of it, LOWAT_MAX) bytes are in (SO_RCVLOWAT), not for every few segments:
  * the reader emptied the socket as fast as bytes came and both ends woke far more often than they
- * moved data (interleaved against no threshold: 1 MiB READ batch 32 +10%, 64 KiB READ +7%, KV
- * pulls over TCP 5-15% less time). Never more than is owed, so the last bytes of a frame wake it
- * too; 1 MiB instead of 256 KiB made a lone 1 MiB READ 10-15% slower (the whole frame in before
- * the first copy), 256 KiB made it 10% faster. */
+ * moved data (interleaved against no threshold: 1 MiB READ batch 32 +15%, 64 KiB READ +12%, KV
+ * pulls over TCP 5-15% less time; README). Never more than is owed, so the last bytes of a frame
+ * wake it too; 1 MiB instead of 256 KiB made a lone 1 MiB READ 10-15% slower (the whole frame in
+ * before the first copy), 256 KiB made it 10% faster. */
 #define LOWAT_MIN    (64u << 10)
 #define LOWAT_MAX    (256u << 10)
 #define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
