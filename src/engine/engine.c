@@ -148,6 +148,18 @@ static int paths_create(kvb_engine_t *e)
     return KVB_OK;
 }
 
+/* Before the registry goes: no path's thread may end an op (and unpin its region) after it. A
+ * batch freed meanwhile on another thread has its cancel finish in the path first, or come after
+ * (and find nothing open). */
+static void paths_stop(kvb_engine_t *e)
+{
+    pthread_rwlock_wrlock(&e->paths_lock);
+    for (unsigned id = 0; id < KVB_PATHS; id++)
+        if ((e->paths & (1u << id)) && kvb__provider(id)->stop)
+            kvb__provider(id)->stop(e->path_state[id]);
+    pthread_rwlock_unlock(&e->paths_lock);
+}
+
 static void paths_destroy(kvb_engine_t *e)
 {
     pthread_rwlock_wrlock(&e->paths_lock); /* no batch's cancel is in a path now, or comes */
@@ -360,6 +372,7 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
 fail_tp:
     e->tp_ops->destroy(e->tp);
 fail_paths:
+    paths_stop(e);
     kvb__registry_fini(&e->registry); /* nothing registered yet, but releases go to the paths */
     paths_destroy(e);
     kvb__shm_destroy(e->shm);
@@ -404,6 +417,7 @@ void kvb_engine_destroy(kvb_engine_t *e)
     pthread_mutex_unlock(&e->seg_mu);
     e->tp_ops->destroy(e->tp);
     free(e->segs);
+    paths_stop(e); /* their threads end their last ops while the regions those pin still exist */
     kvb__registry_fini(&e->registry); /* before the paths: regions release their state there */
     paths_destroy(e);
     kvb__shm_destroy(e->shm); /* after the transport: its connections hold same-host peers */

@@ -171,6 +171,11 @@ struct kvb_provider_ops {
     /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
      * without it). NULL: the path needs none. */
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);
+    /* Optional: the engine is going - its control plane is gone, its registry not yet. Stops the
+     * path's threads and ends every op still open (KVB_ERR_SHUTDOWN), letting go of its pins, so
+     * that nothing touches a region after the registry frees them. `destroy` follows, after the
+     * registry (whose regions' dereg still comes here). */
+    void (*stop)(kvb_provider_t *pv);
     void (*destroy)(kvb_provider_t *pv);
     /* A region is being registered: prepare to serve it (reg->path_state[id] is the provider's)
      * and write the key blob peers need to reach it this way into key (KVB_KEY_MAX bytes;

@@ -69,6 +69,7 @@ typedef struct {
     pthread_cond_t cv;
     cuda_job_t *head, **tail;
     bool stop;
+    bool stopped;             /* cuda_stop ran: the worker is joined */
     unsigned driving;         /* waiting threads running jobs themselves (cuda_progress) */
     kvb_cu_stream_t *streams; /* per device, made at create; NULL where that failed */
     int ndev;
@@ -479,8 +480,9 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
     return KVB_OK;
 }
 
-/* Runs after the control plane is gone: jobs still queued finish their copies first. */
-static void cuda_destroy(kvb_provider_t *pv)
+/* Runs after the control plane is gone, before the registry: jobs still queued finish their
+ * copies and end while the regions they pin still exist. */
+static void cuda_stop(kvb_provider_t *pv)
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
     pthread_mutex_lock(&cp->mu);
@@ -490,6 +492,14 @@ static void cuda_destroy(kvb_provider_t *pv)
         pthread_cond_wait(&cp->cv, &cp->mu);
     pthread_mutex_unlock(&cp->mu);
     pthread_join(cp->worker, NULL);
+    cp->stopped = true;
+}
+
+static void cuda_destroy(kvb_provider_t *pv)
+{
+    cuda_path_t *cp = (cuda_path_t *)pv;
+    if (!cp->stopped)
+        cuda_stop(pv);
     kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     for (int d = 0; d < cp->ndev; d++)
         if (cp->streams[d] && kvb__cuda_use(d) == KVB_OK)
@@ -504,6 +514,7 @@ const kvb_provider_ops_t kvb__cuda_provider = {
     .remote_region = true,
     .device_only = true,
     .create = cuda_create,
+    .stop = cuda_stop,
     .destroy = cuda_destroy,
     .reg = cuda_reg,
     .attach = cuda_attach,
