@@ -173,8 +173,9 @@ struct kvb_provider_ops {
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);
     /* Optional: the engine is going - its control plane is gone, its registry not yet. Stops the
      * path's threads and ends every op still open (KVB_ERR_SHUTDOWN), letting go of its pins, so
-     * that nothing touches a region after the registry frees them. `destroy` follows, after the
-     * registry (whose regions' dereg still comes here). */
+     * that nothing touches a region after the registry frees them. The engine calls it for every
+     * path it created, always before `destroy`, which follows the registry (whose regions' dereg
+     * still comes here). */
     void (*stop)(kvb_provider_t *pv);
     void (*destroy)(kvb_provider_t *pv);
     /* A region is being registered: prepare to serve it (reg->path_state[id] is the provider's)

@@ -69,7 +69,6 @@ typedef struct {
     pthread_cond_t cv;
     cuda_job_t *head, **tail;
     bool stop;
-    bool stopped;             /* cuda_stop ran: the worker is joined */
     unsigned driving;         /* waiting threads running jobs themselves (cuda_progress) */
     kvb_cu_stream_t *streams; /* per device, made at create; NULL where that failed */
     int ndev;
@@ -492,14 +491,11 @@ static void cuda_stop(kvb_provider_t *pv)
         pthread_cond_wait(&cp->cv, &cp->mu);
     pthread_mutex_unlock(&cp->mu);
     pthread_join(cp->worker, NULL);
-    cp->stopped = true;
 }
 
-static void cuda_destroy(kvb_provider_t *pv)
+static void cuda_destroy(kvb_provider_t *pv) /* after cuda_stop */
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
-    if (!cp->stopped)
-        cuda_stop(pv);
     kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
     for (int d = 0; d < cp->ndev; d++)
         if (cp->streams[d] && kvb__cuda_use(d) == KVB_OK)

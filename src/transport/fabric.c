@@ -231,7 +231,6 @@ typedef struct {
     struct fid_mr *scratch_mr;
     void *scratch_desc;
     pthread_t thread;
-    bool stopped;       /* fab_stop ran: no thread, no endpoint, no op */
     pthread_mutex_t mu; /* guards everything below, and posting */
     bool stop;          /* post nothing more; the thread ends once nothing is out, or at stop_by */
     uint64_t stop_by;
@@ -711,13 +710,12 @@ static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *
 
 static void fab_dereg(kvb_provider_t *pv, kvb_region_t *reg)
 {
-    fab_path_t *fp = (fab_path_t *)pv;
+    (void)pv;
     fab_reg_t *r = reg->path_state[KVB_PATH_FABRIC];
     if (!r)
         return;
     /* No op of ours holds the region: it goes only once its pins dropped, or at the engine's
      * destroy, after fab_stop ended every op. */
-    (void)fp;
     reg_close(r);
     reg->path_state[KVB_PATH_FABRIC] = NULL;
 }
@@ -1240,15 +1238,11 @@ static void fab_stop(kvb_provider_t *pv)
     fp->pending_tail = &fp->pending;
     pthread_mutex_unlock(&fp->mu);
     done_run(fp, &done);
-    fp->stopped = true;
 }
 
 static void fab_destroy(kvb_provider_t *pv)
 {
-    fab_path_t *fp = (fab_path_t *)pv;
-    if (!fp->stopped)
-        fab_stop(pv);
-    path_free(fp);
+    path_free((fab_path_t *)pv); /* after fab_stop: no thread, no endpoint, no op */
 }
 
 const kvb_provider_ops_t kvb__fabric_provider = {
