@@ -227,6 +227,9 @@ say ""
     echo "raw stream from the initiator's namespace to the target's -"
     echo "each measured in the same run as the figure it divides; KV ceilings move the same blocks as"
     echo "the pull they divide."
+    cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
+    echo "TCP congestion control: ${KVB_TCP_CONGESTION:-$cc} (${KVB_TCP_CONGESTION:+from KVB_TCP_CONGESTION; }the"
+    echo "system's default is $cc), the same for kvbridge's connections and the raw streams."
     if [ -n "$(damon_pids)" ]; then
         echo "DAMON's kdamond ran beside it: $(awk -v t=$(( $(damon_ticks) - DAMON_START )) \
             -v hz="$(getconf CLK_TCK)" -v s=$((SECONDS - START)) 'BEGIN {printf "%.1f", s ? 100 * t / hz / s : 0}')% of one"

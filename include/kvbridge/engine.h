@@ -75,6 +75,15 @@ typedef struct {
      * replaced by another. With protocol "auto" the path is tried after shm and before tcp.
      * kvb_config_init() takes the default from KVB_FABRIC_PROVIDER when it is set. */
     const char *fabric_provider;
+    /* The congestion control of this engine's TCP connections (Linux TCP_CONGESTION: "cubic",
+     * "reno", "bbr", "dctcp", ...), which governs what each side sends: an initiator's WRITE data
+     * and requests, a target's READ answers. NULL (default): the system's
+     * (net.ipv4.tcp_congestion_control). One this kernel does not have, or does not allow this
+     * process (net.ipv4.tcp_allowed_congestion_control, unless it has CAP_NET_ADMIN), fails
+     * kvb_engine_create (KVB_ERR_INVALID_ARG). kvb_config_init() takes the default from
+     * KVB_TCP_CONGESTION when it is set. See the README's Performance section for what it changes.
+     */
+    const char *tcp_congestion;
 } kvb_config_t;
 
 /* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
@@ -144,6 +153,10 @@ KVB_API uint16_t kvb_engine_port(const kvb_engine_t *engine);
 /* The libfabric provider the engine's fabric data path runs on (such as "verbs;ofi_rxm" or
  * "tcp;ofi_rxm"), or "" when that path does not run here. Valid while the engine is. */
 KVB_API const char *kvb_engine_fabric_provider(const kvb_engine_t *engine);
+
+/* The congestion control algorithm this engine's TCP connections use (the configured one, or the
+ * system's default as the listening socket took it), such as "cubic". Valid while the engine is. */
+KVB_API const char *kvb_engine_tcp_congestion(const kvb_engine_t *engine);
 
 /* Access rights granted to peers on a registered region. */
 enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };

@@ -59,8 +59,16 @@ class ConfigFabric(Structure):
     _fields_ = Config._fields_ + [("fabric_provider", c_char_p)]
 
 
+class ConfigCongestion(Structure):
+    """kvb_config_t of libraries that export kvb_engine_tcp_congestion: tcp_congestion after
+    fabric_provider."""
+    _fields_ = ConfigFabric._fields_ + [("tcp_congestion", c_char_p)]
+
+
 def config_type() -> type:
     """The kvb_config_t layout the loaded library knows (the struct only grows at its end)."""
+    if hasattr(load(), "kvb_engine_tcp_congestion"):
+        return ConfigCongestion
     return ConfigFabric if has_fabric() else Config
 
 
@@ -256,9 +264,10 @@ def load() -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.restype = res
                 fn.argtypes = args
-            if hasattr(lib, "kvb_engine_fabric_provider"):  # optional: newer libraries only
-                lib.kvb_engine_fabric_provider.restype = c_char_p
-                lib.kvb_engine_fabric_provider.argtypes = [P]
+            for name in ("kvb_engine_fabric_provider", "kvb_engine_tcp_congestion"):
+                if hasattr(lib, name):  # optional: newer libraries only
+                    getattr(lib, name).restype = c_char_p
+                    getattr(lib, name).argtypes = [P]
             _path = getattr(lib, "_name", cand)
             _lib = lib
             return lib

@@ -169,7 +169,7 @@ _CONFIG_INT = ("port", "port_max", "progress_threads", "lanes", "timeout_ms", "c
                "copy_threads", "metadata_ttl_ms", "peer_timeout_ms", "max_connections",
                "shm_map_max")
 _CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster",
-               "fabric_provider")
+               "fabric_provider", "tcp_congestion")
 
 
 class Engine:
@@ -182,8 +182,9 @@ class Engine:
     progress_threads, lanes, timeout_ms, connect_timeout_ms, protocol ("auto", "tcp", "shm",
     "shm,tcp", ...), copy_threads, cluster, metadata_ttl_ms, secret (bytes or str, 16..4096 bytes;
     None: the file named by KVB_SECRET_FILE, if set), insecure, peer_timeout_ms, max_connections,
-    shm_map_max, and fabric_provider where the library has the libfabric path
-    (kvbridge.has_fabric()). Unknown keywords raise TypeError.
+    shm_map_max, fabric_provider where the library has the libfabric path
+    (kvbridge.has_fabric()), and tcp_congestion (the TCP connections' congestion control, such as
+    "cubic"; default KVB_TCP_CONGESTION, else the system's). Unknown keywords raise TypeError.
 
     Every method is thread-safe; blocking ones release the GIL. Use as a context manager or call
     close(); the engine must outlive its segments' use, and batches stay valid after close()."""
@@ -244,6 +245,14 @@ class Engine:
         """The libfabric provider the fabric data path runs on; "" when it does not run here
         (or the library has no such path)."""
         fn = getattr(self._lib, "kvb_engine_fabric_provider", None)
+        if fn is None:
+            return ""
+        return (fn(self._handle()) or b"").decode()
+
+    @property
+    def tcp_congestion(self) -> str:
+        """The congestion control the engine's TCP connections use ("" with an older library)."""
+        fn = getattr(self._lib, "kvb_engine_tcp_congestion", None)
         if fn is None:
             return ""
         return (fn(self._handle()) or b"").decode()

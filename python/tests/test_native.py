@@ -346,6 +346,17 @@ def test_cluster_secret(spawn):
         assert e.open_segment(name).incarnation
 
 
+def test_tcp_congestion():
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        system = f.read().strip()
+    with Engine() as e:
+        assert e.tcp_congestion == system
+    with Engine(tcp_congestion="reno") as e:  # reno is always built in
+        assert e.tcp_congestion == "reno"
+    with pytest.raises(errors.InvalidArgError):
+        Engine(tcp_congestion="no-such-cc")
+
+
 def _fabric_engine(**kw):
     if not kvbridge.has_fabric():
         pytest.skip("this libkvbridge.so has no libfabric data path")

@@ -43,6 +43,7 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
      * what the caller sets afterwards wins. */
     d.protocol = env_or("KVB_PROTOCOL", "auto");
     d.fabric_provider = env_or("KVB_FABRIC_PROVIDER", NULL);
+    d.tcp_congestion = env_or("KVB_TCP_CONGESTION", NULL);
     d.copy_threads = 1;
     d.cluster = "default";
     d.metadata_ttl_ms = 10000;
@@ -310,6 +311,14 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
         goto fail_free;
     }
     e->cfg.cluster = e->cluster;
+    if (cfg.tcp_congestion && *cfg.tcp_congestion &&
+        (rc = copy_str(e->tcp_congestion, sizeof e->tcp_congestion, cfg.tcp_congestion))) {
+        KVB_ERROR("TCP congestion control name longer than %zu characters",
+                  sizeof e->tcp_congestion - 1);
+        goto fail_free;
+    }
+    /* The caller's string; the transport puts the system's default in tcp_congestion if empty. */
+    e->cfg.tcp_congestion = e->tcp_congestion[0] ? e->tcp_congestion : NULL;
     if ((rc = take_secret(e, &cfg)))
         goto fail_free;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
@@ -475,6 +484,11 @@ const char *kvb_engine_segment_name(const kvb_engine_t *e)
 uint16_t kvb_engine_port(const kvb_engine_t *e)
 {
     return e ? e->tp_ops->port(e->tp) : 0;
+}
+
+const char *kvb_engine_tcp_congestion(const kvb_engine_t *e)
+{
+    return e ? e->tcp_congestion : "";
 }
 
 const char *kvb_engine_fabric_provider(const kvb_engine_t *e)

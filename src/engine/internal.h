@@ -240,7 +240,8 @@ struct kvb_engine {
     char bind_addr[KVB_NAME_MAX + 1];
     char advertise_addr[KVB_NAME_MAX + 1];
     char segment_name[KVB_NAME_MAX + 1];
-    kvb_hello_t hello; /* our identity: incarnation, pid, host id, name */
+    char tcp_congestion[16]; /* TCP_CA_NAME_MAX: the configured algorithm, then the one in use */
+    kvb_hello_t hello;       /* our identity: incarnation, pid, host id, name */
     kvb_registry_t registry;
     const kvb_transport_ops_t *tp_ops;
     kvb_transport_t *tp;

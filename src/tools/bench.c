@@ -42,6 +42,7 @@ typedef struct {
     const char *protocol;        /* tcp, shm or auto */
     const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
+    char congestion[16];         /* the TCP congestion control of the initiator's engine */
     const char *kv_model;        /* --kv: the KV-shaped workload instead */
     const char *metadata;        /* --metadata URI: segments found through a store */
     const char *cluster, *name;
@@ -450,6 +451,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
            o->segment, o->open_ms);
     if (o->fabric_in_use[0])
         printf("  fabric path on libfabric provider %s\n", o->fabric_in_use);
+    if (!strcmp(o->path, "tcp"))
+        printf("  TCP congestion control %s\n", o->congestion);
     if (o->ceiling_gbps > 0) {
         uint64_t llc = kvb_llc_bytes();
         double ratio = gbps / o->ceiling_gbps;
@@ -491,6 +494,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         json_object_set_new(j, "open_ms", json_real(o->open_ms));
         if (o->fabric_in_use[0])
             json_object_set_new(j, "fabric_provider", json_string(o->fabric_in_use));
+        json_object_set_new(j, "tcp_congestion", json_string(o->congestion));
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
             json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
@@ -556,6 +560,7 @@ static int run_initiator(bench_opts_t *o)
     o->open_ms = (double)(kvb__now_ns() - t_open) / 1e6;
     kvb_segment_transport(e, seg, &o->path);
     snprintf(o->fabric_in_use, sizeof o->fabric_in_use, "%s", kvb_engine_fabric_provider(e));
+    snprintf(o->congestion, sizeof o->congestion, "%s", kvb_engine_tcp_congestion(e));
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
         goto out;
@@ -905,6 +910,9 @@ static void usage(FILE *f)
         "  --fabric-provider NAME    libfabric provider of the fabric path: verbs;ofi_rxm,\n"
         "                            efa, cxi, or tcp;ofi_rxm / shm for testing (default:\n"
         "                            the first RDMA provider found; never a slower one)\n"
+        "  --tcp-congestion NAME     TCP congestion control of the engines' connections and of\n"
+        "                            the raw-stream ceilings (cubic, reno, bbr, ...; default\n"
+        "                            KVB_TCP_CONGESTION, else the system's)\n"
         "  --lanes N                 connections per peer (default 2)\n"
         "  --progress-threads N      engine progress threads (default 1)\n"
         "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -938,6 +946,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"buffer-size", 1, 0, 'z'},
                                           {"protocol", 1, 0, 'P'},
                                           {"fabric-provider", 1, 0, 'W'},
+                                          {"tcp-congestion", 1, 0, 'Z'},
                                           {"verify", 0, 0, 'v'},
                                           {"loopback", 0, 0, 'l'},
                                           {"json", 0, 0, 'j'},
@@ -1089,6 +1098,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             break;
         case 'W':
             o->fabric_provider = optarg;
+            break;
+        case 'Z': /* every engine and ceiling of this process and its children reads it */
+            bad = !*optarg || strlen(optarg) >= sizeof o->congestion ||
+                  setenv("KVB_TCP_CONGESTION", optarg, 1) != 0;
             break;
         case 'h':
             usage(stdout);

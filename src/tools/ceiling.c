@@ -71,6 +71,31 @@ int kvb_ceiling_net(const char *addr, const char *peer_netns)
     return 0;
 }
 
+/* Gives a socket of the stream the congestion control kvbridge's connections take by default
+ * (KVB_TCP_CONGESTION, as kvb_config_init reads it; else the system's), so that the stream is
+ * paced - or not - as they are. 0, or -1 if the kernel refuses it. */
+static int same_congestion(int fd)
+{
+    const char *cc = getenv("KVB_TCP_CONGESTION");
+    if (!cc || !*cc || !setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc)))
+        return 0;
+    fprintf(stderr, "bench: ceiling: TCP congestion control %s: %s\n", cc,
+            errno == ENOENT ? "not available here" : strerror(errno));
+    return -1;
+}
+
+/* The congestion control a stream socket gets here, for the method line ("?" if unknown). */
+static void congestion_name(char *out, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = (socklen_t)cap - 1;
+    snprintf(out, cap, "?");
+    if (fd >= 0 && !same_congestion(fd) && !getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, out, &len))
+        out[len < cap ? len : cap - 1] = '\0';
+    if (fd >= 0)
+        close(fd);
+}
+
 /* The sender's side of kvb_ceiling_net: joins the peer's network namespace. */
 static int join_peer_netns(void)
 {
@@ -363,7 +388,7 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
     memset(buf, 0x5a, ws->buffer);
     for (int i = 0; i < ws->conns; i++) {
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
-        if (fd < 0 || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
+        if (fd < 0 || same_congestion(fd) || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
             _exit(1);
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
         e[i] = end_of(ws, fd, buf, i);
@@ -384,6 +409,10 @@ static double tcp_best(const set_t *ws, double secs, int runs)
     if (!net_addr.s_addr)
         sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t sl = sizeof sa;
+    if (lfd >= 0 && same_congestion(lfd)) {
+        close(lfd);
+        return -1;
+    }
     if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, ws->conns) ||
         getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
         perror("bench: ceiling socket");
@@ -553,16 +582,20 @@ int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const 
     if (!tcp)
         return copy_best(&ws, parallel, secs, runs, out);
     out->gbps = tcp_best(&ws, secs, runs);
+    if (out->gbps <= 0)
+        return -1;
     int t = threads_per_side(parallel);
     uint64_t sz[2];
+    char cc[16];
     syscall_sizes(block, sz);
+    congestion_name(cc, sizeof cc);
     snprintf(out->method, sizeof out->method,
-             "raw %s TCP stream, %d connection%s, %d thread%s per side, %llu B blocks in "
+             "raw %s TCP stream (%s), %d connection%s, %d thread%s per side, %llu B blocks in "
              "%llu or %llu B syscalls, one warm pass, then the best of %d windows",
-             net_peer[0] ? "cross-namespace" : "loopback", parallel, parallel == 1 ? "" : "s", t,
-             t == 1 ? "" : "s", (unsigned long long)block, (unsigned long long)sz[0],
+             net_peer[0] ? "cross-namespace" : "loopback", cc, parallel, parallel == 1 ? "" : "s",
+             t, t == 1 ? "" : "s", (unsigned long long)block, (unsigned long long)sz[0],
              (unsigned long long)sz[1], runs);
-    return out->gbps > 0 ? 0 : -1;
+    return 0;
 }
 
 int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,

@@ -235,8 +235,9 @@ static void conn_release(tcp_conn_t *c)
     free(c);
 }
 
-static int set_sock_opts(int fd, uint32_t peer_timeout_ms)
+static int set_sock_opts(int fd, const kvb_config_t *cfg)
 {
+    uint32_t peer_timeout_ms = cfg->peer_timeout_ms;
     /* NODELAY: small control frames must not wait for Nagle; data is already coalesced by us.
      * Keepalive + USER_TIMEOUT: a vanished host (no RST, link cut) is detected within the peer
      * timeout, not hours: unacknowledged data fails after it, and an idle connection is probed
@@ -251,6 +252,13 @@ static int set_sock_opts(int fd, uint32_t peer_timeout_ms)
         setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt) ||
         setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout)) {
         KVB_ERROR("setsockopt: %s", strerror(errno));
+        return KVB_ERR_SYSTEM;
+    }
+    /* Checked at create against the listening socket, so this fails only if the kernel lost the
+     * algorithm since. (An accepted socket has it from the listener already.) */
+    const char *cc = cfg->tcp_congestion;
+    if (cc && setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc))) {
+        KVB_ERROR("TCP congestion control %s: %s", cc, strerror(errno));
         return KVB_ERR_SYSTEM;
     }
     return KVB_OK;
@@ -1610,9 +1618,8 @@ static void accept_all(kvb_transport_t *tp)
             close(fd);
             continue;
         }
-        tcp_conn_t *c = set_sock_opts(fd, tp->engine->cfg.peer_timeout_ms) == KVB_OK
-                            ? conn_new(tp, fd, ROLE_TARGET)
-                            : NULL;
+        tcp_conn_t *c =
+            set_sock_opts(fd, &tp->engine->cfg) == KVB_OK ? conn_new(tp, fd, ROLE_TARGET) : NULL;
         if (!c) {
             close(fd);
             continue;
@@ -1756,6 +1763,38 @@ static int listen_on(kvb_transport_t *tp, const kvb_config_t *cfg)
     return rc;
 }
 
+/* Gives the listening socket the configured congestion control (accepted connections inherit it;
+ * an algorithm this kernel lacks or refuses this process fails here, at create, with a clear
+ * message) and records the one in use in the engine, the system's default if none was set. */
+static int take_congestion(kvb_transport_t *tp)
+{
+    kvb_engine_t *e = tp->engine;
+    const char *cc = e->cfg.tcp_congestion;
+    if (cc && setsockopt(tp->listen_fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc))) {
+        int err = errno;
+        bool perm = err == EPERM;
+        char list[256] = "unknown";
+        FILE *f = fopen(perm ? "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+                             : "/proc/sys/net/ipv4/tcp_available_congestion_control",
+                        "re");
+        if (f && fgets(list, sizeof list, f))
+            list[strcspn(list, "\n")] = '\0';
+        if (f)
+            fclose(f);
+        KVB_ERROR("TCP congestion control '%s': %s (%s here: %s)", cc,
+                  err == ENOENT ? "not available" : strerror(err), perm ? "allowed" : "available",
+                  list);
+        return KVB_ERR_INVALID_ARG;
+    }
+    char name[sizeof e->tcp_congestion] = "";
+    socklen_t len = sizeof name - 1;
+    if (getsockopt(tp->listen_fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0) {
+        name[len < sizeof name ? len : sizeof name - 1] = '\0';
+        memcpy(e->tcp_congestion, name, sizeof name);
+    }
+    return KVB_OK;
+}
+
 static void tcp_destroy(kvb_transport_t *tp);
 
 static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
@@ -1776,6 +1815,8 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
      * others); the listening socket joins thread 0's epoll only at tcp_start, once the engine's
      * identity is complete. */
     int rc = listen_on(tp, &e->cfg);
+    if (rc == KVB_OK)
+        rc = take_congestion(tp);
     for (int i = 0; i < e->cfg.progress_threads && rc == KVB_OK; i++) {
         tcp_thread_t *th = &tp->threads[i];
         th->tp = tp;
@@ -1955,7 +1996,7 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
         KVB_WARN("segment %s: connect failed: %s", p->name, strerror(err ? err : ECONNREFUSED));
     if (rc)
         return err == ETIMEDOUT ? KVB_ERR_TIMEOUT : rc;
-    if ((rc = set_sock_opts(*out, p->engine->cfg.peer_timeout_ms))) {
+    if ((rc = set_sock_opts(*out, &p->engine->cfg))) {
         close(*out); /* ours until it is returned */
         *out = -1;
     }

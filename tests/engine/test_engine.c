@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +83,105 @@ Test(engine, ports_and_names)
     cr_assert_str_eq(kvb_engine_segment_name(c), "prefill-0");
     kvb_engine_destroy(c);
     kvb_engine_destroy(a);
+}
+
+/* A line of a /proc/sys file, its newline cut; "" if it cannot be read. */
+static void read_line(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    out[0] = '\0';
+    if (f && fgets(out, (int)cap, f))
+        out[strcspn(out, "\n")] = '\0';
+    if (f)
+        fclose(f);
+}
+
+/* Counts this process's TCP sockets to or from `port` (connected ones: lanes of either side)
+ * and checks that each runs the congestion control `want`. */
+static int sockets_with_congestion(uint16_t port, const char *want)
+{
+    int seen = 0;
+    for (int fd = 3; fd < 4096; fd++) {
+        int proto = 0;
+        socklen_t pl = sizeof proto;
+        struct sockaddr_in mine, theirs;
+        socklen_t ml = sizeof mine, tl = sizeof theirs;
+        if (getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &proto, &pl) || proto != IPPROTO_TCP ||
+            getsockname(fd, (struct sockaddr *)&mine, &ml) ||
+            getpeername(fd, (struct sockaddr *)&theirs, &tl) || mine.sin_family != AF_INET ||
+            (ntohs(mine.sin_port) != port && ntohs(theirs.sin_port) != port))
+            continue;
+        char cc[16] = "";
+        socklen_t cl = sizeof cc - 1;
+        cr_assert_eq(getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, &cl), 0);
+        cr_expect_str_eq(cc, want, "fd %d (ports %u -> %u)", fd, ntohs(mine.sin_port),
+                         ntohs(theirs.sin_port));
+        seen++;
+    }
+    return seen;
+}
+
+Test(engine, tcp_congestion)
+{
+    char sys[64], allowed[512], other[16] = "";
+    read_line("/proc/sys/net/ipv4/tcp_congestion_control", sys, sizeof sys);
+    read_line("/proc/sys/net/ipv4/tcp_allowed_congestion_control", allowed, sizeof allowed);
+    cr_assert(sys[0], "no /proc/sys/net/ipv4/tcp_congestion_control");
+    /* An algorithm other than the system's, so that the setting shows on the sockets. */
+    for (char *save = NULL, *tok = strtok_r(allowed, " ", &save); tok && !other[0];
+         tok = strtok_r(NULL, " ", &save))
+        if (strcmp(tok, sys) && strlen(tok) < sizeof other)
+            strcpy(other, tok);
+
+    kvb_config_t c;
+    kvb_engine_t *e = NULL;
+    kvb_config_init(&c);
+    cr_assert_null(c.tcp_congestion);
+    c.tcp_congestion = "no-such-cc"; /* unknown to the kernel */
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    c.tcp_congestion = "sixteen-chars-xx"; /* one more than the kernel's names hold */
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    cr_assert_null(e);
+    c.tcp_congestion = ""; /* the same as NULL */
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    cr_expect_str_eq(kvb_engine_tcp_congestion(e), sys, "the system's default");
+    kvb_engine_destroy(e);
+    if (!other[0])
+        cr_skip_test("only %s is allowed here: nothing to switch to", sys);
+
+    /* From the environment, as a framework's connector would set it; both sides run it on every
+     * connection, and data moves. */
+    cr_assert_eq(setenv("KVB_TCP_CONGESTION", other, 1), 0);
+    kvb_engine_t *a = make_proto(1, 3, "tcp"), *b = make_proto(1, 2, "tcp");
+    cr_expect_str_eq(kvb_engine_tcp_congestion(a), other);
+    cr_expect_str_eq(kvb_engine_tcp_congestion(b), other);
+    size_t size = 1 << 20;
+    uint8_t *src = malloc(size), *dst = calloc(1, size);
+    test_pattern_fill(src, 0, size, 3);
+    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
+    kvb_batch_t *batch;
+    cr_assert_eq(kvb_batch_submit(a, &r, 1, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(batch, 10000), KVB_OK);
+    kvb_batch_free(batch);
+    cr_assert_eq(memcmp(dst, src, size), 0);
+    /* a's 3 lanes to b: both ends of each are in this process. */
+    cr_expect_eq(sockets_with_congestion(kvb_engine_port(b), other), 6);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+
+    /* The config wins over the environment. */
+    kvb_config_init(&c);
+    cr_expect_str_eq(c.tcp_congestion, other);
+    c.tcp_congestion = sys;
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    cr_expect_str_eq(kvb_engine_tcp_congestion(e), sys);
+    kvb_engine_destroy(e);
+    free(src);
+    free(dst);
 }
 
 Test(engine, open_errors_are_prompt)
