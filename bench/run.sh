@@ -41,6 +41,17 @@ if [ -n "${llc_kib:-}" ] && [ $((llc_kib * 4)) -gt $((256 * 1024)) ]; then
 fi
 BUF=${BUF:-256M}
 LANES=2          # kvbridge bench's default, and the TCP ceiling's connection count
+# The TCP congestion control of every TCP run, ceiling and iperf3 cross-check alike: cubic where
+# the kernel has it, unless KVB_TCP_CONGESTION names another (`KVB_TCP_CONGESTION=bbr make
+# bench`). BBR on TCP's own pacing (no fq qdisc here) cost kvbridge's batches 20-30% across a
+# veth pair against 5-10% for the raw stream; the README's "Congestion control" has the pairs.
+CC_SYSTEM=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
+if [ -z "${KVB_TCP_CONGESTION:-}" ] &&
+    grep -qw cubic /proc/sys/net/ipv4/tcp_available_congestion_control 2>/dev/null; then
+    export KVB_TCP_CONGESTION=cubic
+fi
+CC=${KVB_TCP_CONGESTION:-$CC_SYSTEM}
+IPERF_CC=(${KVB_TCP_CONGESTION:+-C "$KVB_TCP_CONGESTION"})
 mkdir -p "$OUT"
 
 say() { if [ -t 2 ]; then printf '\r\033[K%s' "$*" >&2; else echo "$*" >&2; fi; }
@@ -122,7 +133,7 @@ if command -v iperf3 >/dev/null; then
     port=$((20000 + RANDOM % 20000))
     iperf3 -s -1 -p "$port" -B 127.0.0.1 >/dev/null 2>&1 &
     sleep 0.5
-    ip=$(iperf3 -c 127.0.0.1 -p "$port" -l 1M -P "$LANES" -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
+    ip=$(iperf3 -c 127.0.0.1 -p "$port" "${IPERF_CC[@]}" -l 1M -P "$LANES" -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
          sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p')
     wait || true
     ic=$(ceiling tcp 1M "$GOAL_SECS" | round)
@@ -178,7 +189,7 @@ veth_goals() {
             local port=$((20000 + RANDOM % 20000))
             ip netns exec "$a" iperf3 -s -1 -p "$port" -B 10.203.7.1 >/dev/null 2>&1 &
             sleep 0.3
-            is+=("$(ip netns exec "$b" iperf3 -c 10.203.7.1 -p "$port" -l 1M -P "$LANES" \
+            is+=("$(ip netns exec "$b" iperf3 -c 10.203.7.1 -p "$port" "${IPERF_CC[@]}" -l 1M -P "$LANES" \
                 -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
                 sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p' |
                 awk '{printf "%.3f", $1 / 8e9}')")
@@ -227,9 +238,8 @@ say ""
     echo "raw stream from the initiator's namespace to the target's -"
     echo "each measured in the same run as the figure it divides; KV ceilings move the same blocks as"
     echo "the pull they divide."
-    cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
-    echo "TCP congestion control: ${KVB_TCP_CONGESTION:-$cc} (${KVB_TCP_CONGESTION:+from KVB_TCP_CONGESTION; }the"
-    echo "system's default is $cc), the same for kvbridge's connections and the raw streams."
+    echo "TCP congestion control: $CC (KVB_TCP_CONGESTION; the system's default is $CC_SYSTEM), the"
+    echo "same for kvbridge's connections, the raw streams and iperf3."
     if [ -n "$(damon_pids)" ]; then
         echo "DAMON's kdamond ran beside it: $(awk -v t=$(( $(damon_ticks) - DAMON_START )) \
             -v hz="$(getconf CLK_TCK)" -v s=$((SECONDS - START)) 'BEGIN {printf "%.1f", s ? 100 * t / hz / s : 0}')% of one"
