@@ -374,8 +374,9 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     strcpy(e->hello.name, e->segment_name);
     if ((rc = e->tp_ops->start(e->tp)) || (rc = kvb__segdesc_start(e->segbind)))
         goto fail_tp;
-    KVB_INFO("engine %s up (incarnation %016llx)", e->segment_name,
-             (unsigned long long)e->hello.incarnation);
+    KVB_INFO("engine %s up (incarnation %016llx, TCP congestion control %s%s)", e->segment_name,
+             (unsigned long long)e->hello.incarnation, e->tcp_congestion,
+             e->cfg.tcp_congestion ? "" : ", the system's");
     *out = e;
     return KVB_OK;
 fail_tp:
