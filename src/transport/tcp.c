@@ -235,9 +235,8 @@ static void conn_release(tcp_conn_t *c)
     free(c);
 }
 
-static int set_sock_opts(int fd, const kvb_config_t *cfg)
+static int set_sock_opts(int fd, uint32_t peer_timeout_ms)
 {
-    uint32_t peer_timeout_ms = cfg->peer_timeout_ms;
     /* NODELAY: small control frames must not wait for Nagle; data is already coalesced by us.
      * Keepalive + USER_TIMEOUT: a vanished host (no RST, link cut) is detected within the peer
      * timeout, not hours: unacknowledged data fails after it, and an idle connection is probed
@@ -252,13 +251,6 @@ static int set_sock_opts(int fd, const kvb_config_t *cfg)
         setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt) ||
         setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout)) {
         KVB_ERROR("setsockopt: %s", strerror(errno));
-        return KVB_ERR_SYSTEM;
-    }
-    /* Checked at create against the listening socket, so this fails only if the kernel lost the
-     * algorithm since. (An accepted socket has it from the listener already.) */
-    const char *cc = cfg->tcp_congestion;
-    if (cc && setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc))) {
-        KVB_ERROR("TCP congestion control %s: %s", cc, strerror(errno));
         return KVB_ERR_SYSTEM;
     }
     return KVB_OK;
@@ -1618,8 +1610,10 @@ static void accept_all(kvb_transport_t *tp)
             close(fd);
             continue;
         }
-        tcp_conn_t *c =
-            set_sock_opts(fd, &tp->engine->cfg) == KVB_OK ? conn_new(tp, fd, ROLE_TARGET) : NULL;
+        /* Its congestion control it has from the listener (take_congestion). */
+        tcp_conn_t *c = set_sock_opts(fd, tp->engine->cfg.peer_timeout_ms) == KVB_OK
+                            ? conn_new(tp, fd, ROLE_TARGET)
+                            : NULL;
         if (!c) {
             close(fd);
             continue;
@@ -1996,7 +1990,15 @@ static int dial(const kvb_peer_t *p, uint64_t deadline, int *out)
         KVB_WARN("segment %s: connect failed: %s", p->name, strerror(err ? err : ECONNREFUSED));
     if (rc)
         return err == ETIMEDOUT ? KVB_ERR_TIMEOUT : rc;
-    if ((rc = set_sock_opts(*out, &p->engine->cfg))) {
+    /* The congestion control was checked at create against the listening socket (which accepted
+     * connections inherit it from), so this fails only if the kernel lost the algorithm since. */
+    const char *cc = p->engine->cfg.tcp_congestion;
+    if (!(rc = set_sock_opts(*out, p->engine->cfg.peer_timeout_ms)) && cc &&
+        setsockopt(*out, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc))) {
+        KVB_ERROR("TCP congestion control %s: %s", cc, strerror(errno));
+        rc = KVB_ERR_SYSTEM;
+    }
+    if (rc) {
         close(*out); /* ours until it is returned */
         *out = -1;
     }

@@ -37,6 +37,22 @@ static kvb_engine_t *make(int threads, int lanes)
     return make_proto(threads, lanes, "auto");
 }
 
+/* b exposes `size` bytes of pattern `seed` read-only (*src), a registers as much zeroed memory
+ * (*dst) and opens b's segment, which it returns. */
+static kvb_segment_t pattern_pair(kvb_engine_t *a, kvb_engine_t *b, size_t size, uint64_t seed,
+                                  uint8_t **src, uint8_t **dst)
+{
+    *src = malloc(size);
+    *dst = calloc(1, size);
+    cr_assert(*src && *dst);
+    test_pattern_fill(*src, 0, size, seed);
+    cr_assert_eq(kvb_register(b, *src, size, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb_register(a, *dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    return s;
+}
+
 Test(engine, config_is_checked)
 {
     kvb_config_t c;
@@ -156,12 +172,8 @@ Test(engine, tcp_congestion)
     cr_expect_str_eq(kvb_engine_tcp_congestion(a), other);
     cr_expect_str_eq(kvb_engine_tcp_congestion(b), other);
     size_t size = 1 << 20;
-    uint8_t *src = malloc(size), *dst = calloc(1, size);
-    test_pattern_fill(src, 0, size, 3);
-    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
-    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
-    kvb_segment_t s;
-    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, 3, &src, &dst);
     kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
     kvb_batch_t *batch;
     cr_assert_eq(kvb_batch_submit(a, &r, 1, NULL, &batch), KVB_OK);
@@ -226,12 +238,8 @@ static void many_small_requests(const char *protocol)
 {
     kvb_engine_t *a = make_proto(3, 4, protocol), *b = make_proto(2, 3, protocol);
     size_t size = 4 << 20;
-    uint8_t *src = malloc(size), *dst = calloc(1, size);
-    test_pattern_fill(src, 0, size, 5);
-    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
-    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
-    kvb_segment_t s;
-    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, 5, &src, &dst);
     enum { N = 2000 };
     kvb_request_t *r = calloc(N, sizeof *r);
     uint64_t rs = 99;
@@ -283,13 +291,9 @@ Test(engine, read_runs_with_failures_and_freed_batches_tcp)
 {
     kvb_engine_t *a = make_proto(1, 1, "tcp"), *b = make_proto(1, 1, "tcp");
     size_t size = 32 << 20;
-    uint8_t *src = malloc(size), *dst = calloc(1, size), *gone = malloc(size);
-    test_pattern_fill(src, 0, size, 11);
-    cr_assert_eq(kvb_register(b, src, size, NULL, KVB_ACCESS_READ), KVB_OK);
-    cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    uint8_t *src, *dst, *gone = malloc(size);
     cr_assert_eq(kvb_register(a, gone, size, NULL, KVB_ACCESS_RW), KVB_OK);
-    kvb_segment_t s;
-    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    kvb_segment_t s = pattern_pair(a, b, size, 11, &src, &dst);
     enum { N = 3000 };
     kvb_request_t *r = calloc(N, sizeof *r);
     uint64_t rs = 7, at = 0;
