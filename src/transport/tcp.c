@@ -2304,19 +2304,17 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
     set_drive_hint(ops, tpp->lanes[lane]);
     while (ops) {
         uint64_t bytes = 0;
-        kvb_op_t *last;
         do {
             bytes += wire_bytes(ops);
-            last = ops;
             *tail[lane] = ops;
             tail[lane] = &ops->next;
             ops = ops->next;
         } while (ops && bytes < LANE_SPREAD);
-        last->next = NULL;
         lane = (lane + 1) % (unsigned)tpp->nlanes;
     }
     for (int i = 0; i < tpp->nlanes; i++) {
         unsigned l = (first + (unsigned)i) % (unsigned)tpp->nlanes;
+        *tail[l] = NULL;
         if (head[l])
             lane_append(tpp->lanes[l], head[l]);
     }

@@ -53,6 +53,15 @@ static kvb_segment_t pattern_pair(kvb_engine_t *a, kvb_engine_t *b, size_t size,
     return s;
 }
 
+/* Submits r[0..n) from a, waits up to timeout_ms for all of it to complete, frees the batch. */
+static void move_ok(kvb_engine_t *a, const kvb_request_t *r, size_t n, int timeout_ms)
+{
+    kvb_batch_t *batch;
+    cr_assert_eq(kvb_batch_submit(a, r, n, NULL, &batch), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(batch, timeout_ms), KVB_OK);
+    kvb_batch_free(batch);
+}
+
 Test(engine, config_is_checked)
 {
     kvb_config_t c;
@@ -175,10 +184,7 @@ Test(engine, tcp_congestion)
     uint8_t *src, *dst;
     kvb_segment_t s = pattern_pair(a, b, size, 3, &src, &dst);
     kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
-    kvb_batch_t *batch;
-    cr_assert_eq(kvb_batch_submit(a, &r, 1, NULL, &batch), KVB_OK);
-    cr_assert_eq(kvb_batch_wait(batch, 10000), KVB_OK);
-    kvb_batch_free(batch);
+    move_ok(a, &r, 1, 10000);
     cr_assert_eq(memcmp(dst, src, size), 0);
     /* a's 3 lanes to b: both ends of each are in this process. */
     cr_expect_eq(sockets_with_congestion(kvb_engine_port(b), other), 6);
@@ -235,10 +241,7 @@ Test(engine, large_batches_spread_over_every_lane_tcp)
     for (int i = 0; i < N; i++) /* destinations in reverse order: no share is where it came from */
         r[i] = (kvb_request_t){KVB_OP_READ, dst + (size_t)(N - 1 - i) * block, s,
                                (uintptr_t)src + (size_t)i * block, block};
-    kvb_batch_t *batch;
-    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
-    cr_assert_eq(kvb_batch_wait(batch, 20000), KVB_OK);
-    kvb_batch_free(batch);
+    move_ok(a, r, N, 20000);
     for (int i = 0; i < N; i++)
         cr_assert_eq(memcmp(dst + (size_t)(N - 1 - i) * block, src + (size_t)i * block, block), 0,
                      "READ %d", i);
@@ -252,9 +255,7 @@ Test(engine, large_batches_spread_over_every_lane_tcp)
     for (int i = 0; i < N; i++)
         r[i] = (kvb_request_t){KVB_OP_WRITE, dst + (size_t)i * block, s,
                                (uintptr_t)src + (size_t)i * block, block};
-    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
-    cr_assert_eq(kvb_batch_wait(batch, 20000), KVB_OK);
-    kvb_batch_free(batch);
+    move_ok(a, r, N, 20000);
     cr_assert_eq(memcmp(src, want, size), 0, "WRITE");
     uint64_t rx[8], tx[8];
     cr_assert_eq(lane_bytes(kvb_engine_port(b), rx, tx, 8), 3, "a's three lanes to b");
@@ -411,9 +412,7 @@ Test(engine, read_runs_with_failures_and_freed_batches_tcp)
     memset(dst, 0, size);
     for (int i = 0; i < N; i++)
         r[i].local = dst + ((uint8_t *)r[i].local - gone);
-    cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
-    cr_assert_eq(kvb_batch_wait(batch, 20000), KVB_OK);
-    kvb_batch_free(batch);
+    move_ok(a, r, N, 20000);
     cr_assert_eq(memcmp(dst, src, at), 0);
     size_t touched = 0;
     while (touched < size && gone[touched] == 0xEE)
@@ -457,10 +456,7 @@ Test(engine, path_order)
         cr_assert_eq(kvb_segment_transport(a, s, &path), KVB_OK);
         cr_expect_str_eq(path, cases[i].path, "protocol %s", cases[i].order);
         kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
-        kvb_batch_t *batch;
-        cr_assert_eq(kvb_batch_submit(a, &r, 1, NULL, &batch), KVB_OK);
-        cr_assert_eq(kvb_batch_wait(batch, 10000), KVB_OK);
-        kvb_batch_free(batch);
+        move_ok(a, &r, 1, 10000);
         cr_assert_eq(memcmp(dst, src, size), 0);
         kvb_stats_t st;
         cr_assert_eq(kvb_engine_stats(a, &st), KVB_OK);
