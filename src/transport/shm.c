@@ -333,14 +333,17 @@ static int cma_copy(pid_t pid, bool to_peer, uint64_t theirs, uint8_t *mine, uin
     return KVB_OK;
 }
 
-void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n)
+void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,
+                    kvb_shm_set_t *set)
 {
-    atomic_int left;
-    atomic_init(&left, 0);
+    *set = (kvb_shm_set_t){.peer = p, .jobs = jobs, .n = n};
+    atomic_init(&set->left, 0);
     size_t nsegs = 0;
     uint64_t total = 0;
     copy_seg_t *segs = calloc(n * ((size_t)s->nthreads + 1), sizeof *segs);
-    /* Shared: an unshare waits until these copies are done with its mapping. */
+    set->segs = segs;
+    /* Shared until the set is finished: an unshare waits until these copies are done with its
+     * mapping. */
     pthread_rwlock_rdlock(&p->lock);
     for (size_t i = 0; i < n; i++) {
         kvb_shm_job_t *j = &jobs[i];
@@ -350,27 +353,40 @@ void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n
         uint8_t *dst = j->to_peer ? at : j->mine;
         const uint8_t *src = j->to_peer ? j->mine : at;
         if (!at)
-            j->status = KVB_ERR_AGAIN; /* cross-memory attach, below, outside the pool lock */
+            j->status = KVB_ERR_AGAIN; /* cross-memory attach, at the finish */
         else if (segs)
             nsegs = add_segs(s, segs, nsegs, dst, src, j->len), total += j->len;
         else
             kvb__copy(dst, src, j->len); /* no memory for the plan: copy here, alone */
     }
+    if (nsegs == 0)
+        return;
     pthread_mutex_lock(&s->pool_mu);
-    pool_put(s, segs, nsegs, total, &left);
+    pool_put(s, segs, nsegs, total, &set->left);
     pthread_cond_broadcast(&s->pool_cv);
-    while (pool_take(s)) /* this thread copies too */
-        ;
-    while (atomic_load(&left) > 0)
-        pthread_cond_wait(&s->done_cv, &s->pool_mu);
+    pthread_mutex_unlock(&s->pool_mu);
+}
+
+void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)
+{
+    kvb_shm_peer_t *p = set->peer;
+    if (!p)
+        return;
+    pthread_mutex_lock(&s->pool_mu);
+    while (atomic_load(&set->left) > 0)
+        if (!pool_take(s)) /* this thread copies too */
+            pthread_cond_wait(&s->done_cv, &s->pool_mu);
     pthread_mutex_unlock(&s->pool_mu);
     pthread_rwlock_unlock(&p->lock);
-    free(segs);
-    for (size_t i = 0; i < n; i++)
-        if (jobs[i].status == KVB_ERR_AGAIN)
-            jobs[i].status = p->cma_ok ? cma_copy(p->pid, jobs[i].to_peer, jobs[i].theirs,
-                                                  jobs[i].mine, jobs[i].len)
-                                       : KVB_ERR_SHM_COPY;
+    free(set->segs);
+    for (size_t i = 0; i < set->n; i++) {
+        kvb_shm_job_t *j = &set->jobs[i];
+        if (j->status == KVB_ERR_AGAIN)
+            j->status = p->cma_ok ? cma_copy(p->pid, j->to_peer, j->theirs, j->mine, j->len)
+                                  : KVB_ERR_SHM_COPY;
+    }
+    set->peer = NULL;
+    set->segs = NULL;
 }
 
 /* ---- the side channel: messages with an optional descriptor ---------------------------------- */
@@ -581,7 +597,14 @@ static int on_hello(kvb_shm_t *s, const shm_msg_t *m, pid_t pid, kvb_shm_peer_t 
     if (!p)
         return KVB_ERR_NOMEM;
     atomic_init(&p->refs, 1);
-    pthread_rwlock_init(&p->lock, NULL);
+    /* Readers first, made explicit: a progress thread holds the read lock twice while one set
+     * of copies finishes and the next is started (kvb__shm_start), which must not wait behind a
+     * share or unshare queued in between - that would wait for the first set forever. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_READER_NP);
+    pthread_rwlock_init(&p->lock, &ra);
+    pthread_rwlockattr_destroy(&ra);
     p->pid = pid;
     int rc = offer_redeem(s, m, pid, p);
     if (rc) {

@@ -56,9 +56,23 @@ typedef struct {
     int status; /* in: KVB_OK to run it (else it is skipped); out: the answer */
 } kvb_shm_job_t;
 
-/* Runs the jobs of one initiator together, spread over the copy pool and this thread, so a batch
- * of requests copies in parallel; sets each job's status (KVB_ERR_SHM_COPY if its memory is not
- * reachable). Returns when all are done. */
-void kvb__shm_run(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n);
+/* A set of jobs under way: started by kvb__shm_start, ended by kvb__shm_finish. */
+typedef struct {
+    kvb_shm_peer_t *peer; /* NULL: not started */
+    kvb_shm_job_t *jobs;
+    size_t n;
+    void *segs;      /* the copies as queued, in parts */
+    atomic_int left; /* parts not yet copied */
+} kvb_shm_set_t;
+
+/* Queues the jobs of one initiator as parts for the copy pool and returns at once, so the caller
+ * can read the next requests while the pool copies (a second set may be started before the first
+ * is finished). The jobs stay the caller's, untouched, until kvb__shm_finish. */
+void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,
+                    kvb_shm_set_t *set);
+/* Copies queued parts on this thread too (the oldest first, which may be the next set's) until
+ * the set's are done, then sets each job's status (KVB_ERR_SHM_COPY if its memory is not
+ * reachable). */
+void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set);
 
 #endif
