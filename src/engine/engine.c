@@ -205,7 +205,8 @@ static int init_locks(kvb_engine_t *e)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     int rc = pthread_mutex_init(&e->seg_mu, NULL) || pthread_cond_init(&e->seg_cv, NULL) ||
              pthread_mutex_init(&e->attr_mu, NULL) || pthread_mutex_init(&e->notify_mu, NULL) ||
-             pthread_cond_init(&e->notify_cv, &ca) || pthread_rwlock_init(&e->paths_lock, NULL);
+             pthread_cond_init(&e->notify_cv, &ca) || pthread_rwlock_init(&e->paths_lock, NULL) ||
+             pthread_mutex_init(&e->batch_mu, NULL);
     pthread_condattr_destroy(&ca);
     return rc ? KVB_ERR_SYSTEM : KVB_OK;
 }
@@ -448,6 +449,8 @@ void kvb__engine_put(kvb_engine_t *e)
 {
     if (e && atomic_fetch_sub(&e->refs, 1) == 1) {
         pthread_rwlock_destroy(&e->paths_lock); /* the last batch's cancel may have used it */
+        kvb__batch_cache_drain(e);
+        pthread_mutex_destroy(&e->batch_mu);
         free(e);
     }
 }

@@ -66,11 +66,12 @@ struct kvb_batch {
     atomic_uint refs;  /* the caller's, plus one per op the transport still holds */
     uint64_t deadline; /* monotonic ns */
     size_t n;
-    kvb_req_t *reqs;
-    kvb_op_t *ops;
+    kvb_req_t *reqs; /* in the batch's own block, behind it */
+    kvb_op_t *ops;   /* likewise */
     size_t nops;
-    size_t open; /* requests not yet ended */
-    bool freed;  /* kvb_batch_free was called: discard whatever still arrives */
+    size_t mem_cap; /* the block's size */
+    size_t open;    /* requests not yet ended */
+    bool freed;     /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
     kvb_op_t notify_op;
@@ -269,6 +270,11 @@ struct kvb_engine {
     size_t notify_head, notify_count, notify_cap;
     bool stopping;
     atomic_long live_batches;
+    /* Memory of released batches, kept for the next ones (see batch_mem_get); lives until the
+     * engine's last reference goes. */
+    pthread_mutex_t batch_mu;
+    struct batch_mem *batch_cache;
+    size_t batch_cached;     /* bytes */
     pthread_mutex_t attr_mu; /* our published attributes */
     kvb_attr_t *attrs;
     size_t nattrs;
@@ -285,6 +291,8 @@ int kvb__engine_attrs_encode(kvb_engine_t *e, uint8_t **out, size_t *len);
 
 /* Drops a reference to the engine's struct (see refs); the last one frees it. */
 void kvb__engine_put(kvb_engine_t *e);
+/* Frees the memory kept for batches (the engine's last reference is going). */
+void kvb__batch_cache_drain(kvb_engine_t *e);
 
 /* Returns the peer behind `seg` with a reference taken, or NULL. */
 kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);

@@ -5,6 +5,7 @@
  * many requests' bytes, received with one scattering call). Also carries the p2p handshake. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -70,13 +71,26 @@ typedef struct tcp_conn tcp_conn_t;
 typedef struct tcp_frame {
     struct tcp_frame *next;
     uint8_t hdr[KVB_WIRE_HDR_SIZE];
+    uint8_t inl[8]; /* small inline payload (a same-host request's local address), right behind
+                     * the header: the two go to sendmsg as one piece (see conn_flush_locked) */
     const uint8_t *data;
     uint64_t len;
     kvb_region_t *pin; /* target side: region `data` points into, unpinned once sent */
     void *owned;       /* heap payload (malloc'd or a bounce buffer) released once sent */
-    uint8_t inl[8];    /* small inline payload (a same-host request's local address) */
     bool nohdr;        /* the next request's bytes in an answer run: no header of its own */
 } tcp_frame_t;
+_Static_assert(offsetof(tcp_frame_t, inl) == offsetof(tcp_frame_t, hdr) + KVB_WIRE_HDR_SIZE,
+               "a frame's inline payload follows its header");
+
+/* Adds [base, base+len) to iov[0..*cnt), as part of the last piece when it continues it. */
+static void iov_add(struct iovec *iov, int *cnt, const void *base, size_t len)
+{
+    struct iovec *last = *cnt ? &iov[*cnt - 1] : NULL;
+    if (last && (const uint8_t *)last->iov_base + last->iov_len == (const uint8_t *)base)
+        last->iov_len += len;
+    else
+        iov[(*cnt)++] = (struct iovec){(void *)base, len};
+}
 
 /* Target side: same-host requests whose copies are owed, and their answers' headers. */
 typedef struct {
@@ -595,11 +609,11 @@ static int conn_flush_locked(tcp_conn_t *c)
             uint64_t hskip = skip < hsize ? skip : hsize;
             uint64_t pskip = skip - hskip;
             if (hskip < hsize) {
-                iov[cnt++] = (struct iovec){f->hdr + hskip, hsize - hskip};
+                iov_add(iov, &cnt, f->hdr + hskip, hsize - hskip);
                 bytes += hsize - hskip;
             }
-            if (f->len > pskip) {
-                iov[cnt++] = (struct iovec){(void *)(f->data + pskip), f->len - pskip};
+            if (f->len > pskip) { /* a same-host request: one piece with its header */
+                iov_add(iov, &cnt, f->data + pskip, f->len - pskip);
                 bytes += f->len - pskip;
             }
             skip = 0;
