@@ -5,6 +5,7 @@
 #include "engine/internal.h"
 
 #include <errno.h>
+#include <sanitizer/asan_interface.h> /* no-ops unless built with AddressSanitizer */
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,7 @@ static void *batch_mem_get(kvb_engine_t *e, size_t need, size_t *cap)
     pthread_mutex_unlock(&e->batch_mu);
     if (m) {
         *cap = m->cap;
+        ASAN_UNPOISON_MEMORY_REGION(m, need); /* the rest stays out of bounds */
         memset(m, 0, need);
         return m;
     }
@@ -56,7 +58,10 @@ static void batch_mem_put(kvb_engine_t *e, void *p, size_t cap)
     pthread_mutex_lock(&e->batch_mu);
     if (e->batch_cached + cap <= BATCH_CACHE_BYTES) {
         batch_mem_t *m = p;
+        ASAN_UNPOISON_MEMORY_REGION(m, sizeof *m);
         *m = (batch_mem_t){.next = e->batch_cache, .cap = cap};
+        /* A released batch reached through a stale pointer stays an error under ASan. */
+        ASAN_POISON_MEMORY_REGION((uint8_t *)p + sizeof *m, cap - sizeof *m);
         e->batch_cache = m;
         e->batch_cached += cap;
         p = NULL;
@@ -70,6 +75,7 @@ void kvb__batch_cache_drain(kvb_engine_t *e)
     while (e->batch_cache) {
         batch_mem_t *m = e->batch_cache;
         e->batch_cache = m->next;
+        ASAN_UNPOISON_MEMORY_REGION(m, m->cap);
         free(m);
     }
     e->batch_cached = 0;
