@@ -102,7 +102,8 @@ typedef struct {
     size_t len;
 } copy_seg_t;
 
-/* A queued share of one kvb__shm_run: a run of copies taken by one thread under one lock. */
+/* A queued share of one set (kvb__shm_start): a run of copies taken by one thread under one lock.
+ */
 typedef struct {
     const copy_seg_t *segs;
     size_t n;
@@ -295,7 +296,7 @@ static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, uint8_t *
     size_t parts = len >= SPLIT_MIN ? len / SPLIT_PART_MIN : 1;
     if (parts > (size_t)s->nthreads + 1)
         parts = (size_t)s->nthreads + 1;
-    /* Rounded up (to whole cache lines): at most `parts` pieces, the room kvb__shm_run made.
+    /* Rounded up (to whole cache lines): at most `parts` pieces, the room kvb__shm_start made.
      * (Rounding len / parts down could leave a few bytes for one piece more.) */
     size_t each = parts > 1 ? ((len + parts - 1) / parts + 63) & ~(size_t)63 : len;
     for (size_t off = 0; off < len; off += each)
@@ -367,7 +368,7 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
     pthread_mutex_unlock(&s->pool_mu);
 }
 
-void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)
+static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
 {
     kvb_shm_peer_t *p = set->peer;
     if (!p)
@@ -382,11 +383,22 @@ void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)
     for (size_t i = 0; i < set->n; i++) {
         kvb_shm_job_t *j = &set->jobs[i];
         if (j->status == KVB_ERR_AGAIN)
-            j->status = p->cma_ok ? cma_copy(p->pid, j->to_peer, j->theirs, j->mine, j->len)
-                                  : KVB_ERR_SHM_COPY;
+            j->status = !answered   ? KVB_ERR_PEER_LOST
+                        : p->cma_ok ? cma_copy(p->pid, j->to_peer, j->theirs, j->mine, j->len)
+                                    : KVB_ERR_SHM_COPY;
     }
     set->peer = NULL;
     set->segs = NULL;
+}
+
+void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)
+{
+    set_end(s, set, true);
+}
+
+void kvb__shm_abandon(kvb_shm_t *s, kvb_shm_set_t *set)
+{
+    set_end(s, set, false);
 }
 
 /* ---- the side channel: messages with an optional descriptor ---------------------------------- */

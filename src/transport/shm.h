@@ -74,5 +74,8 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
  * the set's are done, then sets each job's status (KVB_ERR_SHM_COPY if its memory is not
  * reachable). */
 void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set);
+/* The same for a set no one will be answered for (its connection failed): waits for its queued
+ * copies, makes no cross-memory ones. Does nothing for a set not started. */
+void kvb__shm_abandon(kvb_shm_t *s, kvb_shm_set_t *set);
 
 #endif

@@ -5,12 +5,12 @@
  * many requests' bytes, received with one scattering call). Also carries the p2p handshake. */
 #include <arpa/inet.h>
 #include <errno.h>
-#include <stddef.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -493,9 +493,9 @@ static void conn_close(tcp_conn_t *c)
     c->ndjobs = 0;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 2; k++) { /* a set started before the connection failed */
         job_set_t *js = &c->jsets[k];
-        kvb__shm_finish(c->th->tp->engine->shm, &js->run); /* copies under way end first */
+        kvb__shm_abandon(c->th->tp->engine->shm, &js->run); /* copies under way end first */
         for (size_t i = 0; i < js->n; i++)
             if (js->pin[i])
                 kvb__region_unpin(c->registry, js->pin[i]);
