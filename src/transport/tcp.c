@@ -436,6 +436,16 @@ static void fail_op_list(kvb_op_t *op, int err)
     }
 }
 
+/* Target side: releases the regions a set's requests pinned (their copies are done). */
+static void set_unpin(tcp_conn_t *c, job_set_t *js)
+{
+    for (size_t i = 0; i < js->n; i++)
+        if (js->pin[i]) {
+            kvb__region_unpin(c->registry, js->pin[i]);
+            js->pin[i] = NULL;
+        }
+}
+
 /* Owner thread: tears c down and ends everything it held. */
 static void conn_close(tcp_conn_t *c)
 {
@@ -496,9 +506,7 @@ static void conn_close(tcp_conn_t *c)
     for (int k = 0; k < 2; k++) { /* a set started before the connection failed */
         job_set_t *js = &c->jsets[k];
         kvb__shm_abandon(c->th->tp->engine->shm, &js->run); /* copies under way end first */
-        for (size_t i = 0; i < js->n; i++)
-            if (js->pin[i])
-                kvb__region_unpin(c->registry, js->pin[i]);
+        set_unpin(c, js);
         js->n = 0;
     }
     kvb__shm_peer_put(c->shm_peer);
@@ -612,7 +620,7 @@ static int conn_flush_locked(tcp_conn_t *c)
                 iov_add(iov, &cnt, f->hdr + hskip, hsize - hskip);
                 bytes += hsize - hskip;
             }
-            if (f->len > pskip) { /* a same-host request: one piece with its header */
+            if (f->len > pskip) { /* a same-host request's address joins its header's piece */
                 iov_add(iov, &cnt, f->data + pskip, f->len - pskip);
                 bytes += f->len - pskip;
             }
@@ -981,11 +989,7 @@ static void answer_set(tcp_conn_t *c, job_set_t *js)
     if (js->n == 0)
         return;
     kvb__shm_finish(c->th->tp->engine->shm, &js->run);
-    for (size_t i = 0; i < js->n; i++)
-        if (js->pin[i]) {
-            kvb__region_unpin(c->registry, js->pin[i]);
-            js->pin[i] = NULL;
-        }
+    set_unpin(c, js);
     /* Successes answer in runs: consecutive ids of one type (an initiator numbers its requests
      * in order, so a batch's copies make one run); a failure answers alone. */
     for (size_t i = 0, k; i < js->n; i = k) {
