@@ -358,22 +358,14 @@ static int plan_layers(kvb_kv_xfer_t *x, kvb_opcode_t op, const uint64_t *src, c
                        size_t n, char *reason, size_t cap)
 {
     kvb_kv_link_t *l = x->link;
-    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
-        kvb_kv_plan_args_t args = {.op = op,
-                                   .segment = l->seg,
-                                   .src_blocks = src,
-                                   .num_src = n,
-                                   .dst_blocks = dst,
-                                   .num_dst = n,
-                                   .layers = &layer,
-                                   .num_layers = 1,
-                                   .route = &l->route};
-        int rc = kvb_kv_plan(&l->agent->layout, l->remote, &args, &x->reqs[layer], &x->nreqs[layer],
-                             reason, cap);
-        if (rc)
-            return rc;
-    }
-    return KVB_OK;
+    kvb_kv_plan_args_t args = {.op = op,
+                               .segment = l->seg,
+                               .src_blocks = src,
+                               .num_src = n,
+                               .dst_blocks = dst,
+                               .num_dst = n,
+                               .route = &l->route};
+    return kvb__kv_plan_layers(&l->agent->layout, l->remote, &args, x->reqs, x->nreqs, reason, cap);
 }
 
 int kvb_kv_xfer_begin(kvb_kv_link_t *l, const char *req_id, kvb_opcode_t op, const uint64_t *src,

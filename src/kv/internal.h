@@ -48,6 +48,14 @@ void kvb__kv_topo_of(const kvb_kv_layout_t *layout, kvb_kv_topo_t *out);
  * in layout->slots plus one, 0 where the layer has no such slot. malloc'd; the caller frees. */
 int kvb__kv_slot_index(const kvb_kv_layout_t *layout, uint32_t **out);
 
+/* kvb_kv_plan for every layer of `local` at once (args->layers must be NULL): one
+ * request array per layer (reqs[i], counts[i]; NULL and 0 for a layer with none; free each with
+ * kvb_kv_plan_free), with the checks, the sort and the runs done once rather than per layer -
+ * on a 61-layer pull of 512 blocks that was 2 ms of planning before the first request went out. */
+int kvb__kv_plan_layers(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
+                        const kvb_kv_plan_args_t *args, kvb_request_t **reqs, size_t *counts,
+                        char *reason, size_t reason_cap);
+
 static inline const kvb_kv_slot_t *kvb__kv_slot_at(const kvb_kv_layout_t *l, const uint32_t *idx,
                                                    uint32_t layer, unsigned kind)
 {

@@ -201,18 +201,25 @@ static size_t layer_count(const plan_t *p)
     return p->args->layers ? p->args->num_layers : p->dst_l->num_layers;
 }
 
+/* Adds the requests of one layer to *total. */
+static int layer_requests(const plan_t *p, uint32_t layer, size_t *total)
+{
+    for (unsigned k = 0; k < KVB_KV_SLOT_COUNT; k++) {
+        const kvb_kv_slot_t *s = kvb__kv_slot_at(p->src_l, p->src_idx, layer, k);
+        if (s && kvb__add_size(*total, slot_requests(p, s), total))
+            return kvb__fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
+    }
+    return KVB_OK;
+}
+
 static int count_requests(const plan_t *p, size_t *out)
 {
     size_t total = 0;
-    for (size_t i = 0; i < layer_count(p); i++) {
-        for (unsigned k = 0; k < KVB_KV_SLOT_COUNT; k++) {
-            const kvb_kv_slot_t *s = kvb__kv_slot_at(p->src_l, p->src_idx, layer_at(p, i), k);
-            if (s && kvb__add_size(total, slot_requests(p, s), &total))
-                return kvb__fail(p->reason, p->cap, KVB_ERR_OVERFLOW, "too many requests");
-        }
-    }
+    int rc = KVB_OK;
+    for (size_t i = 0; i < layer_count(p) && !rc; i++)
+        rc = layer_requests(p, layer_at(p, i), &total);
     *out = total;
-    return KVB_OK;
+    return rc;
 }
 
 /* Address of `len` bytes at offset `off` into block `block` of slot s, which must lie inside the
@@ -285,18 +292,23 @@ static int emit_slot(plan_t *p, const kvb_kv_slot_t *ss, const kvb_kv_slot_t *ds
     return rc;
 }
 
+static int emit_layer(plan_t *p, uint32_t layer)
+{
+    int rc = KVB_OK;
+    for (unsigned k = 0; k < KVB_KV_SLOT_COUNT && !rc; k++) {
+        const kvb_kv_slot_t *ss = kvb__kv_slot_at(p->src_l, p->src_idx, layer, k);
+        const kvb_kv_slot_t *ds = kvb__kv_slot_at(p->dst_l, p->dst_idx, layer, k);
+        if (ss)
+            rc = emit_slot(p, ss, ds);
+    }
+    return rc;
+}
+
 static int emit_all(plan_t *p)
 {
     int rc = KVB_OK;
-    for (size_t i = 0; i < layer_count(p) && !rc; i++) {
-        uint32_t layer = layer_at(p, i);
-        for (unsigned k = 0; k < KVB_KV_SLOT_COUNT && !rc; k++) {
-            const kvb_kv_slot_t *ss = kvb__kv_slot_at(p->src_l, p->src_idx, layer, k);
-            const kvb_kv_slot_t *ds = kvb__kv_slot_at(p->dst_l, p->dst_idx, layer, k);
-            if (ss)
-                rc = emit_slot(p, ss, ds);
-        }
-    }
+    for (size_t i = 0; i < layer_count(p) && !rc; i++)
+        rc = emit_layer(p, layer_at(p, i));
     return rc;
 }
 
@@ -361,6 +373,54 @@ int kvb_kv_plan(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
     }
     *reqs = p.out;
     *count = total;
+    kvb__reason_clear(reason, reason_cap);
+    return KVB_OK;
+}
+
+int kvb__kv_plan_layers(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
+                        const kvb_kv_plan_args_t *args, kvb_request_t **reqs, size_t *counts,
+                        char *reason, size_t reason_cap)
+{
+    int read = args->op == KVB_OP_READ;
+    plan_t p = {.args = args,
+                .local = local,
+                .remote = remote,
+                .src_l = read ? remote : local,
+                .dst_l = read ? local : remote,
+                .reason = reason,
+                .cap = reason_cap};
+    int rc = args->layers
+                 ? kvb__fail(reason, reason_cap, INVAL, "a plan per layer is of all of them")
+                 : prepare(&p);
+    uint32_t n = rc ? 0 : local->num_layers, done = 0;
+    for (; done < n && !rc; done++) {
+        size_t count = 0, bytes = 0;
+        reqs[done] = NULL;
+        counts[done] = 0;
+        rc = layer_requests(&p, done, &count);
+        if (rc || count == 0)
+            continue;
+        if (kvb__mul_size(count, sizeof *p.out, &bytes) || !(p.out = malloc(bytes))) {
+            rc = kvb__fail(reason, reason_cap, KVB_ERR_NOMEM, "out of memory");
+            continue;
+        }
+        p.n = 0;
+        rc = emit_layer(&p, done);
+        reqs[done] = p.out;
+        counts[done] = count;
+        p.out = NULL;
+    }
+    free(p.runs);
+    free(p.src_idx);
+    free(p.dst_idx);
+    if (rc) {
+        for (uint32_t i = 0; i < done; i++) {
+            free(reqs[i]);
+            reqs[i] = NULL;
+            counts[i] = 0;
+        }
+        return rc;
+    }
     kvb__reason_clear(reason, reason_cap);
     return KVB_OK;
 }

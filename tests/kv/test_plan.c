@@ -502,6 +502,46 @@ static void verify(const sim_rank_t *d, const char *what)
     }
 }
 
+/* The per-layer plan (what layer-wise pulls and pushes use) is, layer by layer, exactly what
+ * kvb_kv_plan gives for that one layer. */
+static void same_per_layer(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
+                           const kvb_kv_plan_args_t *all)
+{
+    uint32_t L = local->num_layers;
+    kvb_request_t **per = calloc(L, sizeof *per);
+    size_t *counts = calloc(L, sizeof *counts);
+    char reason[KVB_KV_REASON_MAX] = "junk";
+    int rc = kvb__kv_plan_layers(local, remote, all, per, counts, reason, sizeof reason);
+    cr_assert_eq(rc, KVB_OK, "%s", reason);
+    cr_assert_str_empty(reason);
+    for (uint32_t layer = 0; layer < L; layer++) {
+        kvb_kv_plan_args_t one = *all;
+        one.layers = &layer;
+        one.num_layers = 1;
+        kvb_request_t *q = NULL;
+        size_t n = 0;
+        cr_assert_eq(kvb_kv_plan(local, remote, &one, &q, &n, reason, sizeof reason), KVB_OK);
+        cr_assert_eq(counts[layer], n, "layer %u", layer);
+        for (size_t i = 0; i < n; i++) {
+            const kvb_request_t *x = &per[layer][i];
+            cr_assert(x->opcode == q[i].opcode && x->local == q[i].local &&
+                          x->segment == q[i].segment && x->remote == q[i].remote &&
+                          x->len == q[i].len,
+                      "layer %u request %zu", layer, i);
+        }
+        kvb_kv_plan_free(q);
+        kvb_kv_plan_free(per[layer]);
+    }
+    kvb_kv_plan_args_t listed = *all;
+    uint32_t zero = 0;
+    listed.layers = &zero;
+    listed.num_layers = 1;
+    cr_assert_eq(kvb__kv_plan_layers(local, remote, &listed, per, counts, reason, sizeof reason),
+                 KVB_ERR_INVALID_ARG, "a layer list");
+    free(per);
+    free(counts);
+}
+
 static void plan_route(const kvb_kv_route_t *rt, int push)
 {
     sim_rank_t *p = &pre[rt->src_rank], *d = &dec[rt->dst_rank];
@@ -522,6 +562,7 @@ static void plan_route(const kvb_kv_route_t *rt, int push)
     cr_assert_eq(rc, KVB_OK, "plan %d -> %d: %s", rt->src_rank, rt->dst_rank, reason);
     execute(q, n, d);
     kvb_kv_plan_free(q);
+    same_per_layer(local, remote, &a);
 }
 
 /* Prefill (dp 2, group 1) -> decode group dd of dst_dp: every route planned from the side that
