@@ -330,6 +330,15 @@ void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
     }
 }
 
+bool kvb__region_repin(kvb_region_t *reg, uint64_t addr, uint64_t len, unsigned access)
+{
+    if (len == 0 || !kvb__range_within(addr, len, reg->addr, reg->len) ||
+        (reg->access & access) != access || atomic_load(&reg->removed))
+        return false;
+    atomic_fetch_add(&reg->refs, 1);
+    return true;
+}
+
 bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len)
 {
     bool hit = false;

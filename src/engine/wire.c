@@ -98,6 +98,16 @@ int kvb__wire_decode_hdr(const uint8_t in[KVB_WIRE_HDR_SIZE], kvb_frame_hdr_t *o
     if (h.status > 0)
         return fail(why, why_len, KVB_ERR_PROTOCOL, "positive status %llu", (unsigned)h.status);
     bool shm = h.flags & KVB_FRAME_F_SHM;
+    if (shm && (h.type == KVB_FRAME_READ_REQ || h.type == KVB_FRAME_WRITE_REQ)) {
+        if (!(h.flags & KVB_FRAME_F_RUN) || h.status != 0)
+            return fail(why, why_len, KVB_ERR_PROTOCOL,
+                        "same-host request (type %llu) outside a request run", h.type);
+        if (h.addr == 0 || h.addr > KVB_WIRE_MAX_RUN || h.len != h.addr * KVB_WIRE_SHM_ENTRY)
+            return fail(why, why_len, KVB_ERR_PROTOCOL, "same-host request run of %llu requests",
+                        (unsigned long long)h.addr);
+        *out = h; /* the payload names each request */
+        return KVB_OK;
+    }
     if ((h.flags & KVB_FRAME_F_RUN) && !(h.type == KVB_FRAME_READ_REQ && !shm)) {
         bool shm_run = shm && (h.type == KVB_FRAME_READ_RESP || h.type == KVB_FRAME_WRITE_ACK);
         if ((!shm_run && (shm || h.type != KVB_FRAME_READ_RESP)) || h.status != 0)
@@ -166,10 +176,24 @@ int kvb__wire_error_status(int32_t status)
     }
 }
 
+void kvb__wire_shm_entry_encode(const kvb_shm_entry_t *e, uint8_t out[KVB_WIRE_SHM_ENTRY])
+{
+    put_u64(out, e->remote);
+    put_u64(out + 8, e->len);
+    put_u64(out + 16, e->local);
+}
+
+int kvb__wire_shm_entry_decode(const uint8_t in[KVB_WIRE_SHM_ENTRY], kvb_shm_entry_t *out)
+{
+    *out =
+        (kvb_shm_entry_t){.remote = get_u64(in), .len = get_u64(in + 8), .local = get_u64(in + 16)};
+    return out->len > KVB_WIRE_MAX_DATA ? KVB_ERR_PROTOCOL : KVB_OK;
+}
+
 uint64_t kvb__wire_payload_len(const kvb_frame_hdr_t *h)
 {
     if (h->flags & KVB_FRAME_F_SHM)
-        return h->type == KVB_FRAME_READ_REQ || h->type == KVB_FRAME_WRITE_REQ ? 8 : 0;
+        return h->type == KVB_FRAME_READ_REQ || h->type == KVB_FRAME_WRITE_REQ ? h->len : 0;
     switch (h->type) {
     case KVB_FRAME_HELLO:
     case KVB_FRAME_WRITE_REQ:

@@ -12,9 +12,9 @@
 #include "kvbridge/engine.h"
 
 #define KVB_WIRE_MAGIC 0x3142564Bu /* "KVB1" read as little-endian */
-/* 2: mutual authentication; 3: same-host answer runs; 4: answer runs over TCP. Other versions are
- * refused at the first frame. */
-#define KVB_WIRE_VERSION  4
+/* 2: mutual authentication; 3: same-host answer runs; 4: answer runs over TCP; 5: same-host
+ * request runs. Other versions are refused at the first frame. */
+#define KVB_WIRE_VERSION  5
 #define KVB_WIRE_HDR_SIZE 40
 
 /* Limits on what a peer may announce; anything larger is a protocol error. */
@@ -44,8 +44,10 @@ typedef enum {
     KVB_FRAME_TYPE_MAX = 12,
 } kvb_frame_type_t;
 
-/* Header flag: the data moves through shared memory, not this connection (same host). Requests
- * then carry 8 payload bytes, the initiator's local address; answers carry none. */
+/* Header flag: the data moves through shared memory, not this connection (same host). Such
+ * requests always come in runs (F_SHM | F_RUN on READ_REQ or WRITE_REQ): one frame asks for
+ * `addr` requests (1..KVB_WIRE_MAX_RUN), ids id .. id+addr-1, all of this type; its payload, `len`
+ * = addr x KVB_WIRE_SHM_ENTRY bytes, names each one (kvb_shm_entry_t). Answers carry no data. */
 #define KVB_FRAME_F_SHM 0x1u
 /* Header flag for answer runs: one answer frame for many consecutive requests. A KV cache moves
  * as thousands of small blocks; one answer frame per block cost both sides more than the blocks'
@@ -60,6 +62,20 @@ typedef enum {
  *   request's after the one before. */
 #define KVB_FRAME_F_RUN  0x2u
 #define KVB_WIRE_MAX_RUN 4096u
+
+/* One request of a same-host request run: u64 remote address | u64 length | u64 the initiator's
+ * address, where the target's copy takes the bytes from (WRITE) or puts them (READ). A KV pull
+ * asks for tens of thousands of small blocks; a 40-byte header and its decoding for each one cost
+ * the initiator's submits and the target's reading thread more than the request itself. */
+#define KVB_WIRE_SHM_ENTRY 24u
+typedef struct {
+    uint64_t remote, len, local;
+} kvb_shm_entry_t;
+
+void kvb__wire_shm_entry_encode(const kvb_shm_entry_t *e, uint8_t out[KVB_WIRE_SHM_ENTRY]);
+/* KVB_OK, or KVB_ERR_PROTOCOL for a length over KVB_WIRE_MAX_DATA (what a lone request's header
+ * may ask). A length of 0 is the request's own failure, found when its range is checked. */
+int kvb__wire_shm_entry_decode(const uint8_t in[KVB_WIRE_SHM_ENTRY], kvb_shm_entry_t *out);
 
 typedef struct {
     uint8_t type;

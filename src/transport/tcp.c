@@ -71,17 +71,12 @@ typedef struct tcp_conn tcp_conn_t;
 typedef struct tcp_frame {
     struct tcp_frame *next;
     uint8_t hdr[KVB_WIRE_HDR_SIZE];
-    uint8_t inl[8]; /* small inline payload (a same-host request's local address), right behind
-                     * the header: the two go to sendmsg as one piece (see conn_flush_locked) */
     const uint8_t *data;
     uint64_t len;
     kvb_region_t *pin; /* target side: region `data` points into, unpinned once sent */
     void *owned;       /* heap payload (malloc'd or a bounce buffer) released once sent */
     bool nohdr;        /* the next request's bytes in an answer run: no header of its own */
 } tcp_frame_t;
-_Static_assert(offsetof(tcp_frame_t, inl) == offsetof(tcp_frame_t, hdr) + KVB_WIRE_HDR_SIZE,
-               "a frame's inline payload follows its header");
-
 /* Adds [base, base+len) to iov[0..*cnt), as part of the last piece when it continues it. */
 static void iov_add(struct iovec *iov, int *cnt, const void *base, size_t len)
 {
@@ -106,7 +101,7 @@ enum { ROLE_INIT, ROLE_TARGET };
  * the initiator has proved it knows the cluster secret. */
 enum { AUTH_HELLO, AUTH_PROOF, AUTH_DONE };
 enum { RX_HDR, RX_PAYLOAD };
-enum { SINK_DRAIN, SINK_OP, SINK_RUN, SINK_REGION, SINK_BUF, SINK_INLINE };
+enum { SINK_DRAIN, SINK_OP, SINK_RUN, SINK_REGION, SINK_BUF, SINK_ENTRIES };
 
 struct tcp_conn {
     atomic_uint refs;
@@ -160,9 +155,9 @@ struct tcp_conn {
     bool rx_more;     /* read budget ran out with bytes left: read again on the scan */
     uint8_t *scratch; /* where discarded payload bytes go; allocated on first use */
     char from[KVB_NAME_MAX + 1];
-    uint64_t their_incarnation; /* ROLE_TARGET: the initiator's, from its hello */
-    kvb_shm_peer_t *shm_peer;   /* ROLE_TARGET: its same-host link (bound through offer) */
-    uint8_t inl[8];             /* SINK_INLINE */
+    uint64_t their_incarnation;      /* ROLE_TARGET: the initiator's, from its hello */
+    kvb_shm_peer_t *shm_peer;        /* ROLE_TARGET: its same-host link (bound through offer) */
+    uint8_t ent[KVB_WIRE_SHM_ENTRY]; /* SINK_ENTRIES: a same-host request split across reads */
     /* Same-host copies owed, in arrival order, in sets of up to JOBS_MAX: the set being filled
      * (jsets[jfill]) and at most one started before it, whose copies the pool makes while this
      * thread reads the next requests (see start_jobs). */
@@ -620,7 +615,7 @@ static int conn_flush_locked(tcp_conn_t *c)
                 iov_add(iov, &cnt, f->hdr + hskip, hsize - hskip);
                 bytes += hsize - hskip;
             }
-            if (f->len > pskip) { /* a same-host request's address joins its header's piece */
+            if (f->len > pskip) { /* adjacent blocks of an answer run go as one piece */
                 iov_add(iov, &cnt, f->data + pskip, f->len - pskip);
                 bytes += f->len - pskip;
             }
@@ -679,44 +674,83 @@ static bool may_run(const kvb_op_t *op)
            !(op->pin && op->pin->kind != KVB_MEM_CPU);
 }
 
+/* Moves op in flight, behind the requests already sent or queued. Caller holds c->mu. */
+static void inflight_push(tcp_conn_t *c, kvb_op_t *op)
+{
+    if (c->inflight_tail) {
+        c->inflight_tail->next = op;
+    } else {
+        c->inflight_head = op;
+        /* The silence that counts against the peer starts with its first request. */
+        atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
+    }
+    c->inflight_tail = op;
+}
+
+/* Queues the same-host ops at *opp of op's kind - up to KVB_WIRE_MAX_RUN of them in a row - as
+ * one request run, and moves them in flight; *opp then points past them. Caller holds c->mu.
+ * Returns KVB_OK, or KVB_ERR_NOMEM with nothing queued or moved. */
+static int queue_shm_run(tcp_conn_t *c, kvb_op_t **opp)
+{
+    kvb_op_t *first = *opp, *op = first;
+    uint64_t n = 0;
+    for (; op && op->path == KVB_PATH_SHM && op->kind == first->kind && n < KVB_WIRE_MAX_RUN;
+         op = op->next)
+        n++;
+    uint8_t *buf = malloc(n * KVB_WIRE_SHM_ENTRY);
+    if (!buf)
+        return KVB_ERR_NOMEM;
+    kvb_frame_hdr_t h = {.type =
+                             first->kind == KVB_OPK_READ ? KVB_FRAME_READ_REQ : KVB_FRAME_WRITE_REQ,
+                         .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
+                         .id = c->next_id,
+                         .addr = n,
+                         .len = n * KVB_WIRE_SHM_ENTRY};
+    int rc = queue_frame_locked(c, &h, buf, NULL, buf); /* frees buf on failure */
+    if (rc)
+        return rc;
+    /* The target copies the data itself: each entry names our address for it. */
+    op = first;
+    for (uint64_t k = 0; k < n; k++) {
+        kvb_op_t *next = op->next;
+        kvb_shm_entry_t e = {.remote = op->remote, .len = op->len, .local = (uintptr_t)op->local};
+        kvb__wire_shm_entry_encode(&e, buf + k * KVB_WIRE_SHM_ENTRY);
+        op->wire_id = c->next_id++;
+        op->next = NULL;
+        inflight_push(c, op);
+        op = next;
+    }
+    *opp = op;
+    return KVB_OK;
+}
+
 /* Encodes ops (linked through op->next) as request frames behind what is queued and moves them
  * in flight, in order. Caller holds c->mu. Ops that cannot be queued end in *failed. */
 static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
 {
     static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
     while (op) {
+        if (op->path == KVB_PATH_SHM && queue_shm_run(c, &op) == KVB_OK)
+            continue;
         kvb_op_t *next = op->next;
         op->next = NULL;
-        op->wire_id = c->next_id++;
-        kvb_frame_hdr_t h = {.type = type_of[op->kind],
-                             .flags = op->path == KVB_PATH_SHM ? KVB_FRAME_F_SHM
-                                      : may_run(op)            ? KVB_FRAME_F_RUN
-                                                               : 0,
-                             .id = op->wire_id,
-                             .addr = op->remote,
-                             .len = op->len};
-        const uint8_t *payload = op->stage ? op->stage : op->local;
-        if (queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : payload, NULL, NULL)) {
+        int rc = KVB_ERR_NOMEM; /* a same-host run that could not be queued fails op by op */
+        if (op->path != KVB_PATH_SHM) {
+            op->wire_id = c->next_id++;
+            kvb_frame_hdr_t h = {.type = type_of[op->kind],
+                                 .flags = may_run(op) ? KVB_FRAME_F_RUN : 0,
+                                 .id = op->wire_id,
+                                 .addr = op->remote,
+                                 .len = op->len};
+            const uint8_t *payload = op->stage ? op->stage : op->local;
+            rc = queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : payload, NULL, NULL);
+        }
+        if (rc) {
             op->next = *failed;
             *failed = op;
-            op = next;
-            continue;
-        }
-        if (op->path ==
-            KVB_PATH_SHM) { /* the payload is our address; the target copies the data itself */
-            tcp_frame_t *f = c->txq_tail;
-            for (int i = 0; i < 8; i++)
-                f->inl[i] = (uint8_t)((uintptr_t)op->local >> (8 * i));
-            f->data = f->inl;
-        }
-        if (c->inflight_tail) {
-            c->inflight_tail->next = op;
         } else {
-            c->inflight_head = op;
-            /* The silence that counts against the peer starts with its first request. */
-            atomic_store_explicit(&c->last_io, kvb__now_ns(), memory_order_relaxed);
+            inflight_push(c, op);
         }
-        c->inflight_tail = op;
         op = next;
     }
 }
@@ -861,6 +895,10 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         flush_jobs(c); /* this frame's answer must follow the copies owed before it */
     if (shm || (h->type != KVB_FRAME_READ_REQ && h->type != KVB_FRAME_WRITE_REQ))
         flush_dev_jobs(c); /* likewise (requests on host memory flush below, once known) */
+    if (shm) { /* a request run: each request is owed as its entry comes in (sink_entries) */
+        c->rx_sink = SINK_ENTRIES;
+        return KVB_OK;
+    }
     switch (h->type) {
     case KVB_FRAME_NOTIFY:
         c->rx_dst = malloc(h->len ? h->len : 1);
@@ -868,24 +906,18 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
             return KVB_ERR_NOMEM;
         c->rx_sink = SINK_BUF;
         return KVB_OK;
-    case KVB_FRAME_READ_REQ:
-        if (!shm) { /* answered right away, straight from the region */
-            kvb_region_t *pin = NULL;
-            int st = check_range(reg, h->addr, h->len, access, false, &pin);
-            if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
-                return answer_staged_read(c, h, pin);
-            flush_dev_jobs(c);
-            return answer_read(c, h, st, pin);
-        }
-        /* a same-host READ is answered once its address payload is in */
-        __attribute__((fallthrough));
+    case KVB_FRAME_READ_REQ: { /* answered right away, straight from the region */
+        kvb_region_t *pin = NULL;
+        int st = check_range(reg, h->addr, h->len, access, false, &pin);
+        if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
+            return answer_staged_read(c, h, pin);
+        flush_dev_jobs(c);
+        return answer_read(c, h, st, pin);
+    }
     case KVB_FRAME_WRITE_REQ:
-        c->rx_status = check_range(reg, h->addr, h->len, access, shm, &c->rx_pin);
-        if (shm)
-            c->rx_sink = SINK_INLINE;
-        else
-            c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
-        c->rx_dst = c->rx_status || shm ? NULL : (uint8_t *)(uintptr_t)h->addr;
+        c->rx_status = check_range(reg, h->addr, h->len, access, false, &c->rx_pin);
+        c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
+        c->rx_dst = c->rx_status ? NULL : (uint8_t *)(uintptr_t)h->addr;
         if (c->rx_dst && c->rx_pin->kind != KVB_MEM_CPU) { /* device memory: bounce it */
             c->rx_stage = kvb__stage_get(h->len);
             c->rx_dst = c->rx_stage;
@@ -893,7 +925,7 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
                 c->rx_status = KVB_ERR_NOMEM;
                 c->rx_sink = SINK_DRAIN;
             }
-        } else if (!shm) {
+        } else {
             flush_dev_jobs(c);
         }
         return KVB_OK;
@@ -1038,29 +1070,48 @@ static void flush_jobs(tcp_conn_t *c)
     answer_set(c, &c->jsets[!c->jfill]);
 }
 
-/* Target side: a same-host request's address payload is in; owe its copy. */
-static int answer_shm(tcp_conn_t *c, const kvb_frame_hdr_t *h)
+/* Target side: request `k` of the same-host request run being read has come in (c->ent); owe
+ * its copy. The run's requests mostly fall in one region: the region the last one pinned is
+ * pinned again without a lookup, and c->rx_pin keeps it pinned until the run's frame ends. */
+static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
 {
-    int st = c->rx_status;
+    const kvb_frame_hdr_t *run = &c->rx_hdr;
+    kvb_shm_entry_t e;
+    if (kvb__wire_shm_entry_decode(ent, &e))
+        return KVB_ERR_PROTOCOL;
+    bool read = run->type == KVB_FRAME_READ_REQ;
+    unsigned access = read ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
+    kvb_region_t *pin = NULL;
+    int st = KVB_OK;
+    if (c->rx_pin && kvb__region_repin(c->rx_pin, e.remote, e.len, access)) {
+        pin = c->rx_pin;
+    } else {
+        st = check_range(c->registry, e.remote, e.len, access, true, &pin);
+        if (st == KVB_OK) {
+            if (c->rx_pin)
+                kvb__region_unpin(c->registry, c->rx_pin);
+            c->rx_pin = kvb__region_repin(pin, e.remote, e.len, access) ? pin : NULL;
+        }
+    }
     if (st == KVB_OK && !c->shm_peer)
         c->shm_peer = kvb__shm_offer_peer(c->offer);
     if (st == KVB_OK && !c->shm_peer)
         st = KVB_ERR_SHM_COPY; /* no same-host link bound to this connection */
     if (c->jsets[c->jfill].n == JOBS_MAX)
         start_jobs(c);
-    uint64_t theirs = 0;
-    for (int i = 7; i >= 0; i--)
-        theirs = (theirs << 8) | c->inl[i];
     job_set_t *js = &c->jsets[c->jfill];
-    size_t k = js->n++;
-    js->jobs[k] = (kvb_shm_job_t){.to_peer = h->type == KVB_FRAME_READ_REQ,
-                                  .theirs = theirs,
-                                  .mine = (uint8_t *)(uintptr_t)h->addr,
-                                  .len = h->len,
+    size_t i = js->n++;
+    js->jobs[i] = (kvb_shm_job_t){.to_peer = read,
+                                  .theirs = e.local,
+                                  .mine = (uint8_t *)(uintptr_t)e.remote,
+                                  .len = e.len,
                                   .status = st};
-    js->hdr[k] = *h;
-    js->pin[k] = c->rx_pin;
-    c->rx_pin = NULL;
+    js->hdr[i] = (kvb_frame_hdr_t){.type = run->type,
+                                   .flags = KVB_FRAME_F_SHM,
+                                   .id = run->id + k,
+                                   .addr = e.remote,
+                                   .len = e.len};
+    js->pin[i] = pin;
     return KVB_OK;
 }
 
@@ -1068,8 +1119,12 @@ static int answer_shm(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_engine_t *e = c->th->tp->engine;
-    if (h->flags & KVB_FRAME_F_SHM)
-        return answer_shm(c, h);
+    if (h->flags & KVB_FRAME_F_SHM) { /* a request run: every request is owed (owe_shm) */
+        if (c->rx_pin)
+            kvb__region_unpin(c->registry, c->rx_pin);
+        c->rx_pin = NULL;
+        return KVB_OK;
+    }
     switch (h->type) {
     case KVB_FRAME_HELLO: {
         int rc = send_challenge(c, c->rx_dst, h->len);
@@ -1248,10 +1303,40 @@ static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
  * (a plain read-ahead into rxbuf would pull the next payload through rxbuf, a second copy). */
 static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n);
 
+/* Target, SINK_ENTRIES: n bytes of a same-host request run's payload, always from rxbuf (see
+ * read_frames): owes each request whose entry is complete. Returns n, or the error that ends c. */
+static ssize_t sink_entries(tcp_conn_t *c, const uint8_t *src, size_t n)
+{
+    size_t at = (size_t)(c->rx_got % KVB_WIRE_SHM_ENTRY), used = 0;
+    uint64_t k = c->rx_got / KVB_WIRE_SHM_ENTRY;
+    while (used < n) {
+        const uint8_t *ent = src + used;
+        size_t take = KVB_WIRE_SHM_ENTRY - at;
+        if (at > 0 || n - used < take) { /* an entry split across reads */
+            take = take < n - used ? take : n - used;
+            memcpy(c->ent + at, src + used, take);
+            ent = c->ent;
+            at += take;
+            used += take;
+            if (at < KVB_WIRE_SHM_ENTRY)
+                break;
+        } else {
+            used += take;
+        }
+        at = 0;
+        int rc = owe_shm(c, ent, k++);
+        if (rc)
+            return rc;
+    }
+    return (ssize_t)n;
+}
+
 static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
 {
     if (c->rx_sink == SINK_RUN)
         return sink_run(c, src, n);
+    if (c->rx_sink == SINK_ENTRIES)
+        return sink_entries(c, src, n);
     uint8_t *dst = NULL;
     bool op_locked = false;
     bool staged = c->rx_sink == SINK_OP && c->rx_op->pin && c->rx_op->pin->kind != KVB_MEM_CPU;
@@ -1264,8 +1349,6 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
             dst += c->rx_got;
     } else if (c->rx_sink == SINK_REGION || c->rx_sink == SINK_BUF) {
         dst = c->rx_dst + c->rx_got;
-    } else if (c->rx_sink == SINK_INLINE) {
-        dst = c->inl + c->rx_got;
     }
     ssize_t got;
     if (!dst) { /* discard: the request ended meanwhile, or the target refused it */
@@ -1448,8 +1531,9 @@ static void read_frames(tcp_conn_t *c)
                 n = sink_bytes(c, c->rxbuf + c->rx_pos, avail < want ? avail : (size_t)want);
                 if (n > 0)
                     c->rx_pos += (size_t)n;
-            } else if (c->rx_plen < DIRECT_RECV && want < SMALL_RECV) {
-                goto fill; /* a small remainder: read it with what follows, in one syscall */
+            } else if ((c->rx_plen < DIRECT_RECV && want < SMALL_RECV) ||
+                       c->rx_sink == SINK_ENTRIES) {
+                goto fill; /* a small remainder, or requests: read with what follows, at once */
             } else {
                 if (budget-- == 0)
                     break;
@@ -1458,7 +1542,10 @@ static void read_frames(tcp_conn_t *c)
                     return;
             }
             if (n < 0) {
-                conn_fail(c, (int)n, "connection closed by peer");
+                conn_fail(c, (int)n,
+                          n == KVB_ERR_PEER_LOST  ? "connection closed by peer"
+                          : n == KVB_ERR_PROTOCOL ? "a same-host request over the data limit"
+                                                  : kvb_strerror((int)n));
                 return;
             }
             c->rx_got += (uint64_t)n;
@@ -1488,7 +1575,8 @@ static void read_frames(tcp_conn_t *c)
             c->rx_pos = 0;
         }
         size_t space = RXBUF_SIZE - c->rx_len;
-        if (c->rx_plen >= DIRECT_RECV && c->rx_len < KVB_WIRE_HDR_SIZE)
+        if (c->rx_plen >= DIRECT_RECV && c->rx_len < KVB_WIRE_HDR_SIZE &&
+            c->rx_sink != SINK_ENTRIES)
             space = KVB_WIRE_HDR_SIZE - c->rx_len; /* see sink_bytes: large frames come in place */
         ssize_t n = recv(c->fd, c->rxbuf + c->rx_len, space, MSG_DONTWAIT);
         if (n > 0) {
@@ -2257,10 +2345,10 @@ static void lane_append(tcp_conn_t *c, kvb_op_t *head)
         conn_fail(c, rc, "send failed");
 }
 
-/* What an op puts on its lane: its data, or for a same-host op just a header and an address. */
+/* What an op puts on its lane: a header and its data, or for a same-host op its run's entry. */
 static uint64_t wire_bytes(const kvb_op_t *op)
 {
-    return KVB_WIRE_HDR_SIZE + (op->path == KVB_PATH_SHM ? 8 : op->len);
+    return op->path == KVB_PATH_SHM ? KVB_WIRE_SHM_ENTRY : KVB_WIRE_HDR_SIZE + op->len;
 }
 
 static void hint_release(void *hint)

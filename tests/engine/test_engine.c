@@ -462,6 +462,79 @@ Test(engine, copy_sets_with_failures_in_order_shm)
     runs_with_failures("shm");
 }
 
+/* Same-host requests travel in runs, one frame naming many (KVB_FRAME_F_SHM | KVB_FRAME_F_RUN),
+ * and the target pins the region the request before it pinned without a lookup where it can. Every
+ * request is still checked on its own: a run of WRITEs that hops between a writable region, a
+ * read-only one, a second writable one and past the end fails exactly the ones it must; once a
+ * region is unregistered, a later run cannot reach it. */
+Test(engine, shm_request_runs_check_each_request)
+{
+    kvb_engine_t *a = make_proto(1, 1, "shm"), *b = make_proto(1, 1, "shm");
+    enum { N = 600, SZ = 1 << 20 };
+    uint8_t *src, *t[3];
+    cr_assert_eq(kvb_alloc(a, 3 * SZ, 0, (void **)&src), KVB_OK);
+    for (int i = 0; i < 3; i++)
+        t[i] = calloc(1, SZ);
+    test_pattern_fill(src, 0, 3 * SZ, 5);
+    cr_assert_eq(kvb_register(a, src, 3 * SZ, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb_register(b, t[0], SZ, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb_register(b, t[1], SZ, NULL, KVB_ACCESS_READ), KVB_OK);
+    cr_assert_eq(kvb_register(b, t[2], SZ, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    kvb_request_t *r = calloc(N, sizeof *r);
+    int *want = calloc(N, sizeof *want), *where = calloc(N, sizeof *where);
+    uint64_t rs = 3;
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < N; i++) {
+            /* mostly several in a row into one region, then a hop; disjoint 1 KiB slots */
+            int reg = (int)(test_rand(&rs) % 8 < 6 && i > 0 ? (unsigned)where[i - 1]
+                                                            : test_rand(&rs) % 3);
+            uint64_t len = 1 + test_rand(&rs) % 1024, off = (uint64_t)i * 1024;
+            bool past = i % 61 == 7;
+            uint64_t remote = past ? (uintptr_t)t[reg] + SZ - len / 2 : (uintptr_t)t[reg] + off;
+            where[i] = reg;
+            want[i] = past || (round == 1 && reg == 2) ? KVB_ERR_REMOTE_NOT_REGISTERED
+                      : reg == 1                       ? KVB_ERR_ACCESS_DENIED
+                                                       : KVB_OK;
+            r[i] = (kvb_request_t){KVB_OP_WRITE, src + (uint64_t)reg * SZ + off, s, remote, len};
+        }
+        kvb_batch_t *batch;
+        cr_assert_eq(kvb_batch_submit(a, r, N, NULL, &batch), KVB_OK);
+        cr_assert_neq(kvb_batch_wait(batch, 20000), KVB_OK);
+        size_t fine = 0;
+        for (int i = 0; i < N; i++) {
+            kvb_req_status_t st;
+            kvb_batch_status(batch, (size_t)i, &st);
+            if (want[i] != KVB_OK) {
+                cr_assert_eq(st.state, KVB_REQ_FAILED, "round %d request %d", round, i);
+                cr_assert_eq(st.error, want[i], "round %d request %d: %s", round, i,
+                             kvb_strerror(st.error));
+                continue;
+            }
+            fine++;
+            cr_assert_eq(st.state, KVB_REQ_COMPLETED, "round %d request %d", round, i);
+            cr_assert_eq(memcmp((uint8_t *)(uintptr_t)r[i].remote, r[i].local, r[i].len), 0,
+                         "round %d request %d", round, i);
+        }
+        cr_assert_gt(fine, N / 4);
+        for (int i = 0; i < N; i++) /* nothing reached the read-only region */
+            cr_assert_eq(t[1][(uint64_t)i * 1024], 0, "slot %d of the read-only region", i);
+        kvb_batch_free(batch);
+        if (round == 0)
+            cr_assert_eq(kvb_unregister(b, t[2]), KVB_OK);
+    }
+    free(r);
+    free(want);
+    free(where);
+    cr_assert_eq(kvb_unregister(a, src), KVB_OK);
+    cr_assert_eq(kvb_free(a, src), KVB_OK);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    for (int i = 0; i < 3; i++)
+        free(t[i]);
+}
+
 /* `protocol` is a path order: bad lists are refused; "tcp,shm" attaches both but sends host
  * memory over TCP (first that reaches it); "shm,tcp" the other way; every op is counted once. */
 Test(engine, path_order)

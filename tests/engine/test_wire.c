@@ -389,8 +389,8 @@ Test(wire_hdr, layout_is_fixed_little_endian)
     kvb__wire_encode_hdr(&h, buf);
     const uint8_t magic[4] = {'K', 'V', 'B', '1'};
     cr_assert_arr_eq(buf, magic, 4);
-    cr_assert_eq(KVB_WIRE_VERSION, 4, "protocol version 4: answer runs over TCP");
-    cr_assert_eq(buf[4], 4);
+    cr_assert_eq(KVB_WIRE_VERSION, 5, "protocol version 5: same-host request runs");
+    cr_assert_eq(buf[4], 5);
     cr_assert_eq(buf[5], KVB_FRAME_READ_RESP);
     cr_assert_eq(get16(buf + 6), 0);
     cr_assert_eq((int32_t)get32(buf + 8), -201);
@@ -458,17 +458,18 @@ Test(wire_hdr, bad_magic_rejected)
 
 Test(wire_hdr, wrong_version_is_a_version_error)
 {
-    /* Version 1 peers (no authentication), version 2 ones (no answer runs) and version 3 ones
-     * (same-host answer runs only) are refused outright, as is anything newer. */
+    /* Version 1 peers (no authentication), version 2 ones (no answer runs), version 3 ones
+     * (same-host answer runs only) and version 4 ones (same-host requests one frame each) are
+     * refused outright, as is anything newer. */
     const uint8_t types[] = {KVB_FRAME_HELLO, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
                              KVB_FRAME_READ_REQ};
     for (size_t t = 0; t < sizeof types; t++) {
         kvb_frame_hdr_t h = mkhdr(types[t], 0, type_min(types[t]));
         uint8_t buf[KVB_WIRE_HDR_SIZE];
         kvb__wire_encode_hdr(&h, buf);
-        cr_assert_eq(buf[4], 4);
-        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 4", types[t]);
-        const uint8_t versions[] = {0, 1, 2, 3, 5, 0x7F, 0x80, 0xFF};
+        cr_assert_eq(buf[4], 5);
+        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 5", types[t]);
+        const uint8_t versions[] = {0, 1, 2, 3, 4, 6, 0x7F, 0x80, 0xFF};
         for (size_t i = 0; i < sizeof versions; i++) {
             buf[4] = versions[i];
             cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "type %u version %u", types[t],
@@ -599,21 +600,72 @@ Test(wire_hdr, answer_runs_over_tcp)
     }
 }
 
-Test(wire_hdr, shm_flag_changes_payload)
+/* Same-host requests come in runs only: F_SHM | F_RUN, 1..KVB_WIRE_MAX_RUN requests, whose
+ * entries are the payload (exactly addr x KVB_WIRE_SHM_ENTRY bytes). Their answers carry no data.
+ */
+Test(wire_hdr, shm_request_runs)
 {
     const uint8_t req[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ};
     const uint8_t resp[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK};
     for (int i = 0; i < 2; i++) {
-        kvb_frame_hdr_t h = mkhdr(req[i], 0, 1 << 20), out;
-        h.flags = KVB_FRAME_F_SHM;
+        kvb_frame_hdr_t h = mkhdr(req[i], 0, 3 * KVB_WIRE_SHM_ENTRY), out;
+        h.flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN;
+        h.addr = 3;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
-        cr_assert_eq(out.flags, KVB_FRAME_F_SHM);
-        cr_assert_eq(kvb__wire_payload_len(&out), 8, "a request carries the local address");
+        cr_assert_eq(out.flags, KVB_FRAME_F_SHM | KVB_FRAME_F_RUN);
+        cr_assert_eq(kvb__wire_payload_len(&out), 3 * KVB_WIRE_SHM_ENTRY, "the entries follow");
+        h.len = 3 * KVB_WIRE_SHM_ENTRY + 1;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "a length that is not 3 entries");
+        h.len = 2 * KVB_WIRE_SHM_ENTRY;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "one entry short");
+        h.addr = KVB_WIRE_MAX_RUN;
+        h.len = KVB_WIRE_MAX_RUN * KVB_WIRE_SHM_ENTRY;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK, "at the limit");
+        h.addr = KVB_WIRE_MAX_RUN + 1;
+        h.len = (KVB_WIRE_MAX_RUN + 1) * KVB_WIRE_SHM_ENTRY;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "one over the limit");
+        h.addr = 0;
+        h.len = 0;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "a run of none");
+        h.addr = 1;
+        h.len = KVB_WIRE_SHM_ENTRY;
+        h.flags = KVB_FRAME_F_SHM;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "a same-host request alone");
+        h.flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN;
+        h.status = KVB_ERR_REMOTE_NOT_REGISTERED;
+        cr_assert_eq(hdr_roundtrip(&h, &out), KVB_ERR_PROTOCOL, "status on a request");
         h = mkhdr(resp[i], 0, 1 << 20);
         h.flags = KVB_FRAME_F_SHM;
         cr_assert_eq(hdr_roundtrip(&h, &out), KVB_OK);
         cr_assert_eq(kvb__wire_payload_len(&out), 0, "an answer carries no data");
     }
+}
+
+Test(wire_hdr, shm_entries)
+{
+    kvb_shm_entry_t e = {.remote = 0x7f0012345678ull, .len = 18432, .local = 0x55aa00000040ull},
+                    out;
+    uint8_t b[KVB_WIRE_SHM_ENTRY];
+    kvb__wire_shm_entry_encode(&e, b);
+    cr_assert_eq(b[0], 0x78, "little-endian");
+    cr_assert_eq(b[8], 0x00);
+    cr_assert_eq(b[9], 0x48);
+    cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_OK);
+    cr_assert_eq(out.remote, e.remote);
+    cr_assert_eq(out.len, e.len);
+    cr_assert_eq(out.local, e.local);
+    e.len = KVB_WIRE_MAX_DATA;
+    kvb__wire_shm_entry_encode(&e, b);
+    cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_OK, "what a lone request may ask");
+    e.len = KVB_WIRE_MAX_DATA + 1;
+    kvb__wire_shm_entry_encode(&e, b);
+    cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_ERR_PROTOCOL, "over the data limit");
+    e.len = UINT64_MAX;
+    kvb__wire_shm_entry_encode(&e, b);
+    cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_ERR_PROTOCOL);
+    e.len = 0; /* refused by the range check, as the request's own failure */
+    kvb__wire_shm_entry_encode(&e, b);
+    cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_OK);
 }
 
 Test(wire_hdr, reserved_bits_set_rejected)

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer harness for the wire codecs (src/engine/wire.c): the first byte picks a decoder, the
- * rest is what a peer sent. A header that decodes must encode back to the same bytes; whatever
- * else decodes is freed (so a leak or an overrun fails under ASan). */
+ * rest is what a peer sent (5: same-host request entries). A header that decodes must encode back
+ * to the same bytes; whatever else decodes is freed (so a leak or an overrun fails under ASan). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +19,23 @@ static void header(const uint8_t *in, size_t len)
     if (memcmp(out, in, KVB_WIRE_HDR_SIZE) != 0)
         __builtin_trap(); /* a header must mean one thing only */
     (void)kvb__wire_payload_len(&h);
+}
+
+/* Same-host request entries, one after another: each that decodes encodes back to its bytes. */
+static void shm_entries(const uint8_t *in, size_t len)
+{
+    for (; len >= KVB_WIRE_SHM_ENTRY; in += KVB_WIRE_SHM_ENTRY, len -= KVB_WIRE_SHM_ENTRY) {
+        kvb_shm_entry_t e;
+        if (kvb__wire_shm_entry_decode(in, &e) != KVB_OK) {
+            if (e.len <= KVB_WIRE_MAX_DATA)
+                __builtin_trap(); /* refused only over the data limit */
+            continue;
+        }
+        uint8_t out[KVB_WIRE_SHM_ENTRY];
+        kvb__wire_shm_entry_encode(&e, out);
+        if (memcmp(out, in, KVB_WIRE_SHM_ENTRY) != 0 || e.len > KVB_WIRE_MAX_DATA)
+            __builtin_trap();
+    }
 }
 
 static void hello_ack(const uint8_t *in, size_t len)
@@ -55,7 +72,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     const uint8_t *in = data + 1;
     size_t len = size - 1;
-    switch (data[0] % 5) {
+    switch (data[0] % 6) {
     case 0:
         header(in, len);
         break;
@@ -72,6 +89,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     case 3:
         hello_ack(in, len);
+        break;
+    case 5:
+        shm_entries(in, len);
         break;
     default: {
         kvb_attr_t *attrs = NULL;

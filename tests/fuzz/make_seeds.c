@@ -68,6 +68,19 @@ static void wire_seeds(void)
                             .len = 4096};
     kvb__wire_encode_hdr(&run, b);
     put("wire", "hdr-read-asks-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
+    run = (kvb_frame_hdr_t){.type = KVB_FRAME_WRITE_REQ,
+                            .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
+                            .id = 102,
+                            .addr = 3,
+                            .len = 3 * KVB_WIRE_SHM_ENTRY};
+    kvb__wire_encode_hdr(&run, b);
+    put("wire", "hdr-shm-request-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
+    for (int k = 0; k < 3; k++) {
+        kvb_shm_entry_t e = {
+            .remote = 0x7f0000001000ull + 18432u * (unsigned)k, .len = 18432, .local = 0x10000};
+        kvb__wire_shm_entry_encode(&e, b + k * KVB_WIRE_SHM_ENTRY);
+    }
+    put("wire", "shm-entries", 5, b, 3 * KVB_WIRE_SHM_ENTRY, 1);
     kvb_hello_t h = hello("prefill-0", 1);
     size_t n = kvb__wire_hello_encode(&h, b);
     put("wire", "hello", 1, b, n, 1);
@@ -133,14 +146,18 @@ static void session_seeds(void)
     kvb__wire_encode_hdr(&no, b + n);
     memcpy(b + n + KVB_WIRE_HDR_SIZE, "hello", 5);
     n += KVB_WIRE_HDR_SIZE + 5;
-    kvb_frame_hdr_t sh = {.type = KVB_FRAME_READ_REQ,
-                          .flags = KVB_FRAME_F_SHM,
+    kvb_frame_hdr_t sh = {.type = KVB_FRAME_READ_REQ, /* a same-host request run of two */
+                          .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
                           .id = 4,
-                          .addr = 0x7e0000000000ull,
-                          .len = 64};
+                          .addr = 2,
+                          .len = 2 * KVB_WIRE_SHM_ENTRY};
     kvb__wire_encode_hdr(&sh, b + n);
-    memset(b + n + KVB_WIRE_HDR_SIZE, 0, 8);
-    n += KVB_WIRE_HDR_SIZE + 8;
+    n += KVB_WIRE_HDR_SIZE;
+    for (int k = 0; k < 2; k++) {
+        kvb_shm_entry_t e = {.remote = 0x7e0000000000ull + 64u * (unsigned)k, .len = 64};
+        kvb__wire_shm_entry_encode(&e, b + n);
+        n += KVB_WIRE_SHM_ENTRY;
+    }
     put("session", "write-notify-shm", 1, b, n, 1);
     kvb_hello_t h = hello("stranger:1", 0);
     size_t hl = kvb__wire_hello_encode(&h, b + KVB_WIRE_HDR_SIZE);

@@ -854,27 +854,79 @@ static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
     return 0;
 }
 
+/* A same-host request run (F_SHM | F_RUN) of n READs into mem, each naming `theirs` as where its
+ * bytes go; entry k asks for lens[k] bytes. */
+static size_t shm_run(uint8_t *out, uint64_t id, const uint64_t *lens, size_t n, uint64_t theirs)
+{
+    kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
+                         .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
+                         .id = id,
+                         .addr = n,
+                         .len = n * KVB_WIRE_SHM_ENTRY};
+    kvb__wire_encode_hdr(&h, out);
+    for (size_t k = 0; k < n; k++) {
+        kvb_shm_entry_t e = {.remote = (uintptr_t)mem + 64 * k, .len = lens[k], .local = theirs};
+        kvb__wire_shm_entry_encode(&e, out + KVB_WIRE_HDR_SIZE + k * KVB_WIRE_SHM_ENTRY);
+    }
+    return KVB_WIRE_HDR_SIZE + n * KVB_WIRE_SHM_ENTRY;
+}
+
 Test(hostile, shm_requests_need_a_bound_link)
 {
-    /* Authenticated, same host, but no link bound: a READ_REQ|F_SHM naming an address in some
-     * process must not make the engine copy anywhere. */
+    /* Authenticated, same host, but no link bound: READs naming an address in some process must
+     * not make the engine copy anywhere. Each is refused on its own, in order. */
     int fd = raw_connect(kvb_engine_port(eng));
     raw_login_as(fd, SECRET, 0, NULL, NULL);
     read_handshake_reply(fd);
-    uint8_t f[KVB_WIRE_HDR_SIZE + 8];
-    kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
-                         .flags = KVB_FRAME_F_SHM,
-                         .id = 1,
-                         .addr = (uintptr_t)mem,
-                         .len = 64};
-    kvb__wire_encode_hdr(&h, f);
-    uint64_t victim = 0x7f0000001000ull;
-    memcpy(f + KVB_WIRE_HDR_SIZE, &victim, 8);
-    send(fd, f, sizeof f, 0);
-    h = recv_frame(fd, NULL);
-    cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
-    cr_assert_eq(h.status, KVB_ERR_SHM_COPY);
+    uint8_t f[KVB_WIRE_HDR_SIZE + 2 * KVB_WIRE_SHM_ENTRY];
+    static const uint64_t lens[] = {64, 64};
+    size_t n = shm_run(f, 1, lens, 2, 0x7f0000001000ull);
+    cr_assert_eq(send(fd, f, n, 0), (ssize_t)n);
+    for (uint64_t id = 1; id <= 2; id++) {
+        kvb_frame_hdr_t h = recv_frame(fd, NULL);
+        cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+        cr_assert_eq(h.id, id);
+        cr_assert_eq(h.status, KVB_ERR_SHM_COPY);
+    }
     close(fd);
+}
+
+/* A same-host request outside a run, or a run entry asking for more than a frame may carry,
+ * ends the connection (nothing answered as done); the engine goes on serving others. */
+Test(hostile, shm_request_runs_are_checked)
+{
+    for (int bad = 0; bad < 3; bad++) {
+        int fd = raw_connect(kvb_engine_port(eng));
+        raw_login_as(fd, SECRET, 0, NULL, NULL);
+        read_handshake_reply(fd);
+        uint8_t f[KVB_WIRE_HDR_SIZE + 3 * KVB_WIRE_SHM_ENTRY];
+        uint64_t lens[] = {64, KVB_WIRE_MAX_DATA + 1, 64};
+        size_t n = shm_run(f, 1, lens, 3, 0x7f0000001000ull);
+        if (bad == 1) { /* the old single form: a header and an 8-byte address */
+            kvb_frame_hdr_t h = {.type = KVB_FRAME_WRITE_REQ,
+                                 .flags = KVB_FRAME_F_SHM,
+                                 .id = 1,
+                                 .addr = (uintptr_t)mem,
+                                 .len = 64};
+            kvb__wire_encode_hdr(&h, f);
+            memset(f + KVB_WIRE_HDR_SIZE, 0, 8);
+            n = KVB_WIRE_HDR_SIZE + 8;
+        } else if (bad == 2) { /* a header whose length does not match its count */
+            f[32] = (uint8_t)(3 * KVB_WIRE_SHM_ENTRY - 1);
+        }
+        cr_assert_eq(send(fd, f, n, MSG_NOSIGNAL), (ssize_t)n);
+        uint8_t types[8];
+        int32_t st;
+        frames_until_close(fd, types, sizeof types, &st);
+        /* bad 0: the first request's refusal may go out before the second is read */
+        for (size_t i = 0; types[i]; i++) {
+            cr_assert_eq(bad, 0, "case %d: frame type %u", bad, types[i]);
+            cr_assert_eq(types[i], KVB_FRAME_READ_RESP);
+            cr_assert_neq(st, KVB_OK, "a request of an ill-formed run was answered as done");
+        }
+        close(fd);
+    }
+    engine_serves_with_secret();
 }
 
 Test(hostile, link_tokens_are_one_time_and_memfds_must_be_sealed)
