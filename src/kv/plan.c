@@ -348,25 +348,37 @@ static int build(plan_t *p, size_t *total)
     return emit_all(p);
 }
 
+static plan_t plan_of(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
+                      const kvb_kv_plan_args_t *args, char *reason, size_t cap)
+{
+    int read = args->op == KVB_OP_READ;
+    return (plan_t){.args = args,
+                    .local = local,
+                    .remote = remote,
+                    .src_l = read ? remote : local,
+                    .dst_l = read ? local : remote,
+                    .reason = reason,
+                    .cap = cap};
+}
+
+/* Frees what prepare() made (not the output). */
+static void plan_release(plan_t *p)
+{
+    free(p->runs);
+    free(p->src_idx);
+    free(p->dst_idx);
+}
+
 int kvb_kv_plan(const kvb_kv_layout_t *local, const kvb_kv_layout_t *remote,
                 const kvb_kv_plan_args_t *args, kvb_request_t **reqs, size_t *count, char *reason,
                 size_t reason_cap)
 {
     if (!args || !reqs || !count)
         return kvb__fail(reason, reason_cap, INVAL, "args, reqs and count must not be NULL");
-    int read = args->op == KVB_OP_READ;
-    plan_t p = {.args = args,
-                .local = local,
-                .remote = remote,
-                .src_l = read ? remote : local,
-                .dst_l = read ? local : remote,
-                .reason = reason,
-                .cap = reason_cap};
+    plan_t p = plan_of(local, remote, args, reason, reason_cap);
     size_t total = 0;
     int rc = build(&p, &total);
-    free(p.runs);
-    free(p.src_idx);
-    free(p.dst_idx);
+    plan_release(&p);
     if (rc) {
         free(p.out);
         return rc;
@@ -381,14 +393,7 @@ int kvb__kv_plan_layers(const kvb_kv_layout_t *local, const kvb_kv_layout_t *rem
                         const kvb_kv_plan_args_t *args, kvb_request_t **reqs, size_t *counts,
                         char *reason, size_t reason_cap)
 {
-    int read = args->op == KVB_OP_READ;
-    plan_t p = {.args = args,
-                .local = local,
-                .remote = remote,
-                .src_l = read ? remote : local,
-                .dst_l = read ? local : remote,
-                .reason = reason,
-                .cap = reason_cap};
+    plan_t p = plan_of(local, remote, args, reason, reason_cap);
     int rc = args->layers
                  ? kvb__fail(reason, reason_cap, INVAL, "a plan per layer is of all of them")
                  : prepare(&p);
@@ -410,9 +415,7 @@ int kvb__kv_plan_layers(const kvb_kv_layout_t *local, const kvb_kv_layout_t *rem
         counts[done] = count;
         p.out = NULL;
     }
-    free(p.runs);
-    free(p.src_idx);
-    free(p.dst_idx);
+    plan_release(&p);
     if (rc) {
         for (uint32_t i = 0; i < done; i++) {
             free(reqs[i]);

@@ -854,9 +854,10 @@ static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
     return 0;
 }
 
-/* A same-host request run (F_SHM | F_RUN) of n READs into mem, each naming `theirs` as where its
- * bytes go; entry k asks for lens[k] bytes. */
-static size_t shm_run(uint8_t *out, uint64_t id, const uint64_t *lens, size_t n, uint64_t theirs)
+/* A same-host request run (F_SHM | F_RUN) of n READs, ids id..id+n-1: request k asks for lens[k]
+ * bytes (NULL: 64) of mem at 64k, to go to theirs + step * k. Returns its size. */
+static size_t shm_run(uint8_t *out, uint64_t id, size_t n, const uint64_t *lens, uint64_t theirs,
+                      uint64_t step)
 {
     kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
                          .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
@@ -865,7 +866,9 @@ static size_t shm_run(uint8_t *out, uint64_t id, const uint64_t *lens, size_t n,
                          .len = n * KVB_WIRE_SHM_ENTRY};
     kvb__wire_encode_hdr(&h, out);
     for (size_t k = 0; k < n; k++) {
-        kvb_shm_entry_t e = {.remote = (uintptr_t)mem + 64 * k, .len = lens[k], .local = theirs};
+        kvb_shm_entry_t e = {.remote = (uintptr_t)mem + 64 * k,
+                             .len = lens ? lens[k] : 64,
+                             .local = theirs + step * k};
         kvb__wire_shm_entry_encode(&e, out + KVB_WIRE_HDR_SIZE + k * KVB_WIRE_SHM_ENTRY);
     }
     return KVB_WIRE_HDR_SIZE + n * KVB_WIRE_SHM_ENTRY;
@@ -880,7 +883,7 @@ Test(hostile, shm_requests_need_a_bound_link)
     read_handshake_reply(fd);
     uint8_t f[KVB_WIRE_HDR_SIZE + 2 * KVB_WIRE_SHM_ENTRY];
     static const uint64_t lens[] = {64, 64};
-    size_t n = shm_run(f, 1, lens, 2, 0x7f0000001000ull);
+    size_t n = shm_run(f, 1, 2, lens, 0x7f0000001000ull, 0);
     cr_assert_eq(send(fd, f, n, 0), (ssize_t)n);
     for (uint64_t id = 1; id <= 2; id++) {
         kvb_frame_hdr_t h = recv_frame(fd, NULL);
@@ -901,7 +904,7 @@ Test(hostile, shm_request_runs_are_checked)
         read_handshake_reply(fd);
         uint8_t f[KVB_WIRE_HDR_SIZE + 3 * KVB_WIRE_SHM_ENTRY];
         uint64_t lens[] = {64, KVB_WIRE_MAX_DATA + 1, 64};
-        size_t n = shm_run(f, 1, lens, 3, 0x7f0000001000ull);
+        size_t n = shm_run(f, 1, 3, lens, 0x7f0000001000ull, 0);
         if (bad == 1) { /* the old single form: a header and an 8-byte address */
             kvb_frame_hdr_t h = {.type = KVB_FRAME_WRITE_REQ,
                                  .flags = KVB_FRAME_F_SHM,
@@ -972,24 +975,6 @@ Test(hostile, link_tokens_are_one_time_and_memfds_must_be_sealed)
     engine_serves_with_secret();
 }
 
-/* A same-host READ run of n requests (ids id..id+n-1), request k copying 64 bytes of mem at 64k
- * to dst + 64k. Returns its size. */
-static size_t shm_read_run(uint8_t *out, uint64_t id, size_t n, const uint8_t *dst)
-{
-    kvb_frame_hdr_t h = {.type = KVB_FRAME_READ_REQ,
-                         .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
-                         .id = id,
-                         .addr = n,
-                         .len = n * KVB_WIRE_SHM_ENTRY};
-    kvb__wire_encode_hdr(&h, out);
-    for (size_t k = 0; k < n; k++) {
-        kvb_shm_entry_t e = {
-            .remote = (uintptr_t)mem + 64 * k, .len = 64, .local = (uintptr_t)dst + 64 * k};
-        kvb__wire_shm_entry_encode(&e, out + KVB_WIRE_HDR_SIZE + k * KVB_WIRE_SHM_ENTRY);
-    }
-    return KVB_WIRE_HDR_SIZE + n * KVB_WIRE_SHM_ENTRY;
-}
-
 /* Same-host request runs spoken by hand over a bound link. A run of 300 READs sent in two parts,
  * cut inside an entry, lands byte for byte (by cross-memory attach: this memory is not shared)
  * and is answered in runs that name every id in order. Then a run that ends its connection
@@ -1008,7 +993,7 @@ Test(hostile, shm_request_runs_by_hand)
     static uint8_t dst[N * 64];
     memset(dst, 0, sizeof dst);
     uint8_t *f = malloc(KVB_WIRE_HDR_SIZE + N * KVB_WIRE_SHM_ENTRY);
-    size_t len = shm_read_run(f, 1, N, dst);
+    size_t len = shm_run(f, 1, N, NULL, (uintptr_t)dst, 64);
     size_t cut = KVB_WIRE_HDR_SIZE + 3 * KVB_WIRE_SHM_ENTRY + 5;
     cr_assert_eq(send(tfd, f, cut, 0), (ssize_t)cut);
     usleep(50000); /* read on its own: the fourth entry is split across two reads */
@@ -1030,7 +1015,7 @@ Test(hostile, shm_request_runs_by_hand)
 
     /* Its 290th entry asks for more than a frame may carry: the engine ends the connection
      * there, with the copies of requests 129-256 started and 257-289 owed. */
-    len = shm_read_run(f, N + 1, N, dst);
+    len = shm_run(f, N + 1, N, NULL, (uintptr_t)dst, 64);
     kvb_shm_entry_t bad = {.remote = (uintptr_t)mem, .len = KVB_WIRE_MAX_DATA + 1};
     kvb__wire_shm_entry_encode(&bad, f + KVB_WIRE_HDR_SIZE + 289 * KVB_WIRE_SHM_ENTRY);
     cr_assert_eq(send(tfd, f, len, 0), (ssize_t)len);
