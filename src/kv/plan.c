@@ -394,9 +394,9 @@ int kvb__kv_plan_layers(const kvb_kv_layout_t *local, const kvb_kv_layout_t *rem
                         char *reason, size_t reason_cap)
 {
     plan_t p = plan_of(local, remote, args, reason, reason_cap);
-    int rc = args->layers
-                 ? kvb__fail(reason, reason_cap, INVAL, "a plan per layer is of all of them")
-                 : prepare(&p);
+    int rc = args->layers ? kvb__fail(reason, reason_cap, INVAL,
+                                      "a per-layer plan covers every layer: pass no layer list")
+                          : prepare(&p);
     uint32_t n = rc ? 0 : local->num_layers, done = 0;
     for (; done < n && !rc; done++) {
         size_t count = 0, bytes = 0;

@@ -1070,7 +1070,7 @@ static void flush_jobs(tcp_conn_t *c)
     answer_set(c, &c->jsets[!c->jfill]);
 }
 
-/* Target side: request `k` of the same-host request run being read has come in (c->ent); owe
+/* Target side: request `k` of the same-host request run being read has come in (`ent`); owe
  * its copy. The run's requests mostly fall in one region: the region the last one pinned is
  * pinned again without a lookup, and c->rx_pin keeps it pinned until the run's frame ends. */
 static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
