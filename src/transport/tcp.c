@@ -10,7 +10,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -724,28 +723,31 @@ static int queue_shm_run(tcp_conn_t *c, kvb_op_t **opp)
     return KVB_OK;
 }
 
-/* Encodes ops (linked through op->next) as request frames behind what is queued and moves them
- * in flight, in order. Caller holds c->mu. Ops that cannot be queued end in *failed. */
-static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
+/* Queues one request that is not same-host as a frame of its own. Caller holds c->mu. */
+static int queue_request(tcp_conn_t *c, kvb_op_t *op)
 {
     static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
+    op->wire_id = c->next_id++;
+    kvb_frame_hdr_t h = {.type = type_of[op->kind],
+                         .flags = may_run(op) ? KVB_FRAME_F_RUN : 0,
+                         .id = op->wire_id,
+                         .addr = op->remote,
+                         .len = op->len};
+    const uint8_t *payload = op->stage ? op->stage : op->local;
+    return queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : payload, NULL, NULL);
+}
+
+/* Encodes ops (linked through op->next) as request frames behind what is queued and moves them
+ * in flight, in order. Caller holds c->mu. Ops that cannot be queued end in *failed (a same-host
+ * run without memory for its frame: its first op, the rest try again). */
+static void queue_ops_locked(tcp_conn_t *c, kvb_op_t *op, kvb_op_t **failed)
+{
     while (op) {
         if (op->path == KVB_PATH_SHM && queue_shm_run(c, &op) == KVB_OK)
             continue;
         kvb_op_t *next = op->next;
         op->next = NULL;
-        int rc = KVB_ERR_NOMEM; /* a same-host run that could not be queued fails op by op */
-        if (op->path != KVB_PATH_SHM) {
-            op->wire_id = c->next_id++;
-            kvb_frame_hdr_t h = {.type = type_of[op->kind],
-                                 .flags = may_run(op) ? KVB_FRAME_F_RUN : 0,
-                                 .id = op->wire_id,
-                                 .addr = op->remote,
-                                 .len = op->len};
-            const uint8_t *payload = op->stage ? op->stage : op->local;
-            rc = queue_frame_locked(c, &h, op->kind == KVB_OPK_READ ? NULL : payload, NULL, NULL);
-        }
-        if (rc) {
+        if (op->path == KVB_PATH_SHM || queue_request(c, op) != KVB_OK) {
             op->next = *failed;
             *failed = op;
         } else {
