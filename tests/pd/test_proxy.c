@@ -609,7 +609,10 @@ static void *kill_later(void *arg)
 
 /* Pull: the prefill has answered and holds the KV the decode is about to read - kill it now.
  * Push: the reservation is made and the prefill is about to compute and push each layer - kill
- * it a few milliseconds into that. */
+ * it a few milliseconds into that. It stalls after its first layer (KVB_PD_FAULT_STALL_LAYER),
+ * so the kill always lands mid-push: a tiny model's whole push can end before a kill that a
+ * loaded machine delays past those milliseconds, and the request then succeeded (seen once in
+ * CI, the streamed push: an answer and no error). */
 static void kill_victim(const char *stage, const kvb__pxy_job_t *job)
 {
     (void)job;
@@ -623,10 +626,13 @@ static void prefill_killed(const char *mode, bool stream)
 {
     need_serve();
     inst_t pre, dec;
-    serve(&pre, "prefill", "tiny-gqa", 1, mode);
-    serve(&dec, "decode", "tiny-gqa", 1, mode);
     kvb_pd_kv_mode_t m;
     kvb_pd_kv_mode_parse(mode, &m);
+    if (m == KVB_PD_KV_PUSH)
+        setenv("KVB_PD_FAULT_STALL_LAYER", "0", 1);
+    serve(&pre, "prefill", "tiny-gqa", 1, mode);
+    unsetenv("KVB_PD_FAULT_STALL_LAYER");
+    serve(&dec, "decode", "tiny-gqa", 1, mode);
     proxy_up(pre.url, dec.url, m, 20000);
     victim = pre.pid;
     kvb__pxy_fault_hook = kill_victim;
