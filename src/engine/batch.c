@@ -81,9 +81,10 @@ void kvb__batch_cache_drain(kvb_engine_t *e)
     e->batch_cached = 0;
 }
 
-static void batch_release(kvb_batch_t *b)
+/* Drops n references; the last one frees the batch. */
+static void batch_release_n(kvb_batch_t *b, unsigned n)
 {
-    if (atomic_fetch_sub(&b->refs, 1) != 1)
+    if (atomic_fetch_sub(&b->refs, n) != n)
         return;
     kvb__peer_release(b->notify_peer);
     if (b->drive_hint)
@@ -94,6 +95,11 @@ static void batch_release(kvb_batch_t *b)
     free(b->notify_buf);
     batch_mem_put(e, b, b->mem_cap);
     kvb__engine_put(e);
+}
+
+static void batch_release(kvb_batch_t *b)
+{
+    batch_release_n(b, 1);
 }
 
 static bool batch_done(const kvb_batch_t *b)
@@ -135,6 +141,50 @@ static void send_notify(kvb_batch_t *b)
     p->engine->tp_ops->submit(p->engine->tp, p, &b->notify_op);
 }
 
+/* Counts op's bytes or failure against its request. Caller holds b->mu. */
+static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t bytes)
+{
+    kvb_req_t *r = &b->reqs[op->req];
+    kvb_engine_t *e = b->engine;
+    if (r->state != KVB_REQ_PENDING)
+        return;
+    if (status < 0) {
+        r->state = KVB_REQ_FAILED;
+        r->error = status;
+        b->open--;
+        atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
+        return;
+    }
+    r->bytes += bytes;
+    atomic_fetch_add_explicit(&e->st_path_bytes[op->path], bytes, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->st_path_ops[op->path], 1, memory_order_relaxed);
+    if (--r->ops_left == 0) {
+        r->state = KVB_REQ_COMPLETED;
+        b->open--;
+        atomic_fetch_add_explicit(&e->st_completed, 1, memory_order_relaxed);
+    }
+}
+
+/* Whether the batch's notification goes now: every request ended, all of them COMPLETED (else
+ * the notification ends CANCELED). Caller holds b->mu; a true answer holds a batch reference
+ * for send_notify. */
+static bool notify_due(kvb_batch_t *b)
+{
+    if (b->open != 0 || b->notify_state != KVB_NOTIFY_WAITING)
+        return false;
+    bool all_ok = !b->freed;
+    for (size_t i = 0; i < b->n && all_ok; i++)
+        all_ok = b->reqs[i].state == KVB_REQ_COMPLETED;
+    if (!all_ok) {
+        b->notify_state = KVB_NOTIFY_DONE;
+        b->notify_error = KVB_ERR_CANCELED;
+        return false;
+    }
+    b->notify_state = KVB_NOTIFY_SENT;
+    atomic_fetch_add(&b->refs, 1);
+    return true;
+}
+
 void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
 {
     kvb_batch_t *b = op->batch;
@@ -146,38 +196,8 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
             b->notify_error = status;
         }
     } else {
-        kvb_req_t *r = &b->reqs[op->req];
-        kvb_engine_t *e = b->engine;
-        if (r->state == KVB_REQ_PENDING) {
-            if (status < 0) {
-                r->state = KVB_REQ_FAILED;
-                r->error = status;
-                b->open--;
-                atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
-            } else {
-                r->bytes += bytes;
-                atomic_fetch_add_explicit(&e->st_path_bytes[op->path], bytes, memory_order_relaxed);
-                atomic_fetch_add_explicit(&e->st_path_ops[op->path], 1, memory_order_relaxed);
-                if (--r->ops_left == 0) {
-                    r->state = KVB_REQ_COMPLETED;
-                    b->open--;
-                    atomic_fetch_add_explicit(&e->st_completed, 1, memory_order_relaxed);
-                }
-            }
-        }
-        if (b->open == 0 && b->notify_state == KVB_NOTIFY_WAITING) {
-            bool all_ok = !b->freed;
-            for (size_t i = 0; i < b->n && all_ok; i++)
-                all_ok = b->reqs[i].state == KVB_REQ_COMPLETED;
-            if (all_ok) {
-                b->notify_state = KVB_NOTIFY_SENT;
-                atomic_fetch_add(&b->refs, 1);
-                notify = true;
-            } else {
-                b->notify_state = KVB_NOTIFY_DONE;
-                b->notify_error = KVB_ERR_CANCELED;
-            }
-        }
+        op_account(b, op, status, bytes);
+        notify = notify_due(b);
     }
     if (batch_done(b))
         pthread_cond_broadcast(&b->cv);
@@ -189,6 +209,36 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
     if (notify)
         send_notify(b);
     batch_release(b);
+}
+
+void kvb__ops_done(kvb_op_t *ops, int status)
+{
+    while (ops) {
+        kvb_batch_t *b = ops->batch;
+        kvb_op_t *end = ops;
+        unsigned n = 0;
+        pthread_mutex_lock(&b->mu);
+        for (; end && end->batch == b && end->req != KVB_OP_NOTIFY_REQ; end = end->next, n++)
+            op_account(b, end, status, status ? 0 : end->len);
+        bool notify = notify_due(b);
+        if (batch_done(b))
+            pthread_cond_broadcast(&b->cv);
+        pthread_mutex_unlock(&b->mu);
+        for (kvb_op_t *op = ops; op != end; op = op->next)
+            if (op->pin) {
+                kvb__region_unpin(&b->engine->registry, op->pin);
+                op->pin = NULL;
+            }
+        if (notify)
+            send_notify(b);
+        if (n == 0) { /* a notification's op ends on its own */
+            end = ops->next;
+            kvb__op_done(ops, status, 0);
+        } else {
+            batch_release_n(b, n); /* `end` was read first: the ops live in the batch's memory */
+        }
+        ops = end;
+    }
 }
 
 void kvb__batch_dst_lock(kvb_batch_t *b)

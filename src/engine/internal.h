@@ -300,6 +300,9 @@ kvb_peer_t *kvb__segment_peer(kvb_engine_t *e, kvb_segment_t seg);
 /* Called by transports. */
 bool kvb__batch_done(kvb_batch_t *b); /* locks the batch */
 void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
+/* kvb__op_done for a list of ops (linked by next, consecutive ops of one batch together), each
+ * ending with `status` and, when it is KVB_OK, all of its bytes: one hold of each batch's lock. */
+void kvb__ops_done(kvb_op_t *ops, int status);
 /* For READ payloads: returns where op's data may be written now, with the batch locked, or NULL
  * (batch unlocked) if the data must be discarded (request ended or batch freed). Pair every
  * non-NULL return with kvb__op_dst_unlock. */

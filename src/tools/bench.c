@@ -336,7 +336,13 @@ static void *worker_main(void *arg)
         if (rc == KVB_OK) {
             rc = kvb_batch_wait(b, -1);
             record_latency(w, (double)(kvb__now_ns() - t0) / 1e3);
-            for (uint64_t i = 0; i < o->batch; i++) {
+            if (rc == KVB_OK) { /* every request COMPLETED: no need to ask each */
+                w->bytes += o->batch * o->block;
+                atomic_fetch_add_explicit(&g_progress_bytes, o->batch * o->block,
+                                          memory_order_relaxed);
+                w->reqs += o->batch;
+            }
+            for (uint64_t i = 0; rc != KVB_OK && i < o->batch; i++) {
                 kvb_req_status_t st;
                 kvb_batch_status(b, i, &st);
                 if (st.state == KVB_REQ_COMPLETED) {

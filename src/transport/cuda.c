@@ -10,11 +10,13 @@
  * memory that is not IPC-capable, the device not visible here) the path says why, once, and does
  * not take that memory, so the engine's next path does.
  *
- * One worker thread issues the copies: it takes every queued op, starts them all on their
- * devices' streams, waits for the streams, then completes the ops - a READ is COMPLETED only
- * when its bytes are in local memory, a WRITE only when they are in the peer's. The streams are
- * blocking ones (flags 0), so each copy is ordered after work the application queued on the
- * legacy default stream of the same context before it submitted.
+ * Submitting starts the copies at once, in the submitting thread, on a stream per device
+ * (consecutive requests as one copy), and records an event after them. The ops end together when
+ * the event has: a READ is COMPLETED only when its bytes are in local memory, a WRITE only when
+ * they are in the peer's. The batch's waiting thread watches the event itself (cuda_progress), so
+ * the usual submit-and-wait costs no hand-off between threads; a worker thread ends the copies
+ * nobody waits for. The streams are blocking ones (flags 0), so each copy is ordered after work
+ * the application queued on the legacy default stream of the same context before it submitted.
  *
  * What the peer is trusted with: CUDA IPC maps a whole allocation, so a same-host peer that
  * proved the cluster secret can reach all of an allocation that holds a registered region. The
@@ -26,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "engine/internal.h"
 #include "transport/cuda_driver.h"
@@ -53,24 +56,38 @@ typedef struct {
     bool warned; /* a failed open was logged */
 } cuda_peer_t;
 
-typedef struct cuda_job {
-    struct cuda_job *next;
-    kvb_op_t *op;
-    kvb_peer_t *peer; /* a reference, so the peer's maps outlive the copy */
-    kvb_cu_ptr_t dst, src;
+/* One submit's copies on one device: ops of one batch, started on the device's stream, and an
+ * event recorded after the last. Whoever takes it off the path's list ends its ops. */
+typedef struct cuda_group {
+    struct cuda_group *next;
+    kvb_batch_t *batch;
+    kvb_op_t *ops, **tail; /* linked by op->next, ended together */
+    kvb_peer_t *peer;      /* a reference, so the peer's maps outlive the copies */
+    kvb_cu_event_t event;  /* recorded after the last copy; NULL until one started */
     int dev;
-} cuda_job_t;
+    int status;  /* the first launch error: the ops fail with it */
+    bool driven; /* a waiting thread watches the event (cuda_path_t.mu) */
+    /* The run of consecutive requests being gathered into one copy. */
+    kvb_cu_ptr_t run_dst, run_src;
+    uint64_t run_len;
+} cuda_group_t;
+
+typedef struct {
+    kvb_cu_stream_t stream; /* NULL where it could not be made (logged at create) */
+    kvb_cu_event_t *events; /* recorded and ended, ready to use again (cuda_path_t.mu) */
+    size_t nevents, cap;
+} cuda_dev_t;
 
 typedef struct {
     atomic_uint refs; /* the engine's, plus one per batch naming it as its drive hint */
     kvb_engine_t *engine;
     pthread_t worker;
-    pthread_mutex_t mu; /* guards the queue and stop */
+    pthread_mutex_t mu; /* guards the groups, the spare events, stop and driving */
     pthread_cond_t cv;
-    cuda_job_t *head, **tail;
+    cuda_group_t *head, **tail; /* copies in flight, oldest first */
     bool stop;
-    unsigned driving;         /* waiting threads running jobs themselves (cuda_progress) */
-    kvb_cu_stream_t *streams; /* per device, made at create; NULL where that failed */
+    unsigned driving; /* waiting threads watching events (cuda_progress) */
+    cuda_dev_t *devs; /* per device, made at create */
     int ndev;
 } cuda_path_t;
 
@@ -224,20 +241,13 @@ static bool cuda_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
 /* ---- copies -----------------------------------------------------------------------------------
  */
 
-static void job_end(cuda_job_t *j, int status)
-{
-    kvb__op_done(j->op, status, status ? 0 : j->op->len);
-    kvb__peer_release(j->peer);
-    free(j);
-}
-
 static void path_put(cuda_path_t *cp)
 {
     if (atomic_fetch_sub(&cp->refs, 1) != 1)
         return;
     pthread_mutex_destroy(&cp->mu);
     pthread_cond_destroy(&cp->cv);
-    free(cp->streams);
+    free(cp->devs);
     free(cp);
 }
 
@@ -246,198 +256,340 @@ static void hint_release(void *hint)
     path_put(hint);
 }
 
+/* An event of device d to record, from the spares or made now (d's context is current). */
+static kvb_cu_event_t event_get(cuda_path_t *cp, int d)
+{
+    kvb_cu_event_t ev = NULL;
+    pthread_mutex_lock(&cp->mu);
+    if (cp->devs[d].nevents)
+        ev = cp->devs[d].events[--cp->devs[d].nevents];
+    pthread_mutex_unlock(&cp->mu);
+    if (!ev && kvb__cuda_status(kvb__cuda()->EventCreate(&ev, KVB_CU_EVENT_DISABLE_TIMING),
+                                "cuEventCreate"))
+        ev = NULL;
+    return ev;
+}
+
+/* Keeps an ended group's event for the next one. Caller holds cp->mu. */
+static void event_put_locked(cuda_path_t *cp, int d, kvb_cu_event_t ev)
+{
+    cuda_dev_t *dv = &cp->devs[d];
+    if (dv->nevents == dv->cap) {
+        size_t ncap = dv->cap ? dv->cap * 2 : 8;
+        kvb_cu_event_t *n = realloc(dv->events, ncap * sizeof *n);
+        if (!n) { /* rare: let it go (destroying needs d's context, which this thread may lack) */
+            return;
+        }
+        dv->events = n;
+        dv->cap = ncap;
+    }
+    dv->events[dv->nevents++] = ev;
+}
+
+/* Ends g's ops with its status (the caller took g off the list, its event has ended). */
+static void group_end(cuda_path_t *cp, cuda_group_t *g)
+{
+    if (g->event) {
+        pthread_mutex_lock(&cp->mu);
+        event_put_locked(cp, g->dev, g->event);
+        pthread_mutex_unlock(&cp->mu);
+    }
+    kvb__ops_done(g->ops, g->status);
+    kvb__peer_release(g->peer);
+    free(g);
+}
+
+/* Whether g's copies have ended: 1 yes (g->status says how), 0 not yet. Any thread may ask. */
+static int group_poll(cuda_group_t *g)
+{
+    if (!g->event || g->status)
+        return 1;
+    kvb_cu_result_t r = kvb__cuda()->EventQuery(g->event);
+    if (r == KVB_CUDA_ERROR_NOT_READY)
+        return 0;
+    if (r != KVB_CUDA_SUCCESS)
+        g->status = kvb__cuda_status(r, "cuda path: the copies");
+    return 1;
+}
+
+/* Starts the copy of g's gathered run on its device's stream (its context is current). */
+static void run_flush(cuda_path_t *cp, cuda_group_t *g)
+{
+    if (!g->run_len || g->status)
+        return;
+    g->status = kvb__cuda_status(kvb__cuda()->MemcpyAsync(g->run_dst, g->run_src, g->run_len,
+                                                          cp->devs[g->dev].stream),
+                                 "cuMemcpyAsync");
+    g->run_len = 0;
+}
+
+/* Records g's event after its copies; on an error, waits for what was started (the ops must not
+ * end while a copy still touches their memory) and leaves no event. */
+static void group_seal(cuda_path_t *cp, cuda_group_t *g)
+{
+    const kvb__cuda_api_t *api = kvb__cuda();
+    kvb_cu_stream_t st = cp->devs[g->dev].stream;
+    run_flush(cp, g);
+    if (!g->status && !(g->event = event_get(cp, g->dev)))
+        g->status = KVB_ERR_DEVICE;
+    if (!g->status)
+        g->status = kvb__cuda_status(api->EventRecord(g->event, st), "cuEventRecord");
+    if (g->status) {
+        kvb__cuda_status(api->StreamSynchronize(st), "cuStreamSynchronize");
+        if (g->event) {
+            pthread_mutex_lock(&cp->mu);
+            event_put_locked(cp, g->dev, g->event);
+            pthread_mutex_unlock(&cp->mu);
+            g->event = NULL;
+        }
+    }
+}
+
 static void cuda_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
     cuda_peer_t *cpp = p->path_state[KVB_PATH_CUDA];
-    cuda_job_t *head = NULL, **tail = &head;
+    kvb_batch_t *b = ops ? ops->batch : NULL;
+    /* One group per device the ops reach (nearly always one). */
+    cuda_group_t *groups = NULL;
+    kvb_op_t *failed = NULL, **ftail = &failed;
+    int fail_st = KVB_OK, cur = -1;
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
+    const kvb_region_desc_t *last_region = NULL; /* the key and map of the previous op's region */
+    cuda_key_t k;
+    cuda_map_t m = {.mapped = 0};
     while (ops) {
         kvb_op_t *op = ops;
         ops = ops->next;
         op->next = NULL;
-        cuda_key_t k;
         unsigned need = op->kind == KVB_OPK_READ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
-        int st = KVB_OK;
-        cuda_map_t m = {.mapped = 0};
-        if (atomic_load(&p->lost))
-            st = atomic_load(&p->lost);
-        else if (!op_key(op, &k))
-            st = KVB_ERR_PROTOCOL; /* cannot happen: reaches() said yes for this very region */
-        else if ((op->rregion->info.access & need) != need)
-            st = KVB_ERR_ACCESS_DENIED; /* no target checks one-sided requests: we do */
-        if (st == KVB_OK) {             /* a copy: the array may move once the lock is dropped */
-            pthread_mutex_lock(&cpp->mu);
-            const cuda_map_t *found = map_of(cpp, p, &k);
-            if (found)
-                m = *found;
-            pthread_mutex_unlock(&cpp->mu);
+        int st = atomic_load(&p->lost);
+        if (st == KVB_OK && op->rregion != last_region) {
+            m.mapped = 0;
+            last_region = NULL;
+            if (!op_key(op, &k)) {
+                st = KVB_ERR_PROTOCOL; /* cannot happen: reaches() said yes for this region */
+            } else {
+                pthread_mutex_lock(&cpp->mu);
+                const cuda_map_t *found = map_of(cpp, p, &k);
+                if (found)
+                    m = *found; /* a copy: the array may move once the lock is dropped */
+                pthread_mutex_unlock(&cpp->mu);
+                last_region = m.mapped ? op->rregion : NULL;
+            }
         }
-        cuda_job_t *j = st || !m.mapped ? NULL : malloc(sizeof *j);
-        if (!j) {
-            kvb__op_done(op, st ? st : m.mapped ? KVB_ERR_NOMEM : KVB_ERR_UNSUPPORTED, 0);
+        if (st == KVB_OK && !m.mapped)
+            st = KVB_ERR_UNSUPPORTED;
+        if (st == KVB_OK && (op->rregion->info.access & need) != need)
+            st = KVB_ERR_ACCESS_DENIED; /* no target checks one-sided requests: we do */
+        if (st == KVB_OK && (m.dev < 0 || m.dev >= cp->ndev || !cp->devs[m.dev].stream))
+            st = KVB_ERR_DEVICE; /* its stream could not be made (logged at create) */
+        cuda_group_t *g = groups;
+        while (st == KVB_OK && g && g->dev != m.dev)
+            g = g->next;
+        if (st == KVB_OK && !g) {
+            if ((g = calloc(1, sizeof *g))) {
+                atomic_fetch_add(&p->refs, 1);
+                *g = (cuda_group_t){.next = groups, .batch = b, .peer = p, .dev = m.dev};
+                g->tail = &g->ops;
+                groups = g;
+            } else {
+                st = KVB_ERR_NOMEM;
+            }
+        }
+        if (st != KVB_OK) {
+            if (failed && st != fail_st) { /* one status per list: end the ones gathered */
+                kvb__ops_done(failed, fail_st);
+                failed = NULL;
+                ftail = &failed;
+            }
+            fail_st = st;
+            *ftail = op;
+            ftail = &op->next;
             continue;
         }
-        kvb_cu_ptr_t remote = m.mapped + (op->remote - m.base);
-        atomic_fetch_add(&p->refs, 1);
-        *j = (cuda_job_t){.op = op,
-                          .peer = p,
-                          .dst = op->kind == KVB_OPK_READ ? (uintptr_t)op->local : remote,
-                          .src = op->kind == KVB_OPK_READ ? remote : (uintptr_t)op->local,
-                          .dev = m.dev};
-        *tail = j;
-        tail = &j->next;
+        *g->tail = op;
+        g->tail = &op->next;
+        if (g->status)
+            continue; /* a copy failed to start: the rest of the group fails with it */
+        kvb_cu_ptr_t remote = m.mapped + (op->remote - m.base), local = (uintptr_t)op->local;
+        kvb_cu_ptr_t dst = op->kind == KVB_OPK_READ ? local : remote;
+        kvb_cu_ptr_t src = op->kind == KVB_OPK_READ ? remote : local;
+        /* Requests that continue each other on both sides (a batch of consecutive blocks) go
+         * as one copy: small copies are bound by their launch, not by the copy engine. */
+        if (g->run_len && dst == g->run_dst + g->run_len && src == g->run_src + g->run_len) {
+            g->run_len += op->len;
+            continue;
+        }
+        if (cur != g->dev && (g->status = kvb__cuda_use(g->dev)) == KVB_OK)
+            cur = g->dev;
+        if (g->status == KVB_OK)
+            run_flush(cp, g);
+        g->run_dst = dst;
+        g->run_src = src;
+        g->run_len = op->len;
     }
-    if (!head)
+    if (failed)
+        kvb__ops_done(failed, fail_st);
+    for (cuda_group_t *g = groups; g; g = g->next) {
+        if (cur != g->dev && kvb__cuda_use(g->dev) == KVB_OK)
+            cur = g->dev;
+        if (cur == g->dev)
+            group_seal(cp, g); /* after a failed launch too: it waits for what started */
+        else if (!g->status)
+            g->status = KVB_ERR_DEVICE;
+    }
+    kvb__cuda_ctx_restore(prev);
+    if (!groups)
         return;
-    /* The batch's waiter may run these itself (cuda_progress); the hint keeps the path's struct
-     * (not its streams or worker) alive until the batch goes. */
-    kvb_batch_t *b = head->op->batch;
+    /* The batch's waiter watches the events itself (cuda_progress); the hint keeps the path's
+     * struct (not its streams or worker) alive until the batch goes. */
     if (!b->drive_hint) {
         atomic_fetch_add(&cp->refs, 1);
         b->drive_hint = cp;
         b->hint_release = hint_release;
     }
+    cuda_group_t *now = NULL; /* nothing to wait for (an error), or the path is stopping */
     pthread_mutex_lock(&cp->mu);
-    bool stop = cp->stop;
-    if (!stop) {
-        *cp->tail = head;
-        cp->tail = tail;
-        pthread_cond_signal(&cp->cv);
+    while (groups) {
+        cuda_group_t *g = groups;
+        groups = g->next;
+        g->next = NULL;
+        if (g->event && !cp->stop) {
+            *cp->tail = g;
+            cp->tail = &g->next;
+        } else {
+            g->next = now;
+            now = g;
+        }
     }
+    pthread_cond_signal(&cp->cv);
     pthread_mutex_unlock(&cp->mu);
-    while (stop && head) {
-        cuda_job_t *j = head;
-        head = j->next;
-        job_end(j, KVB_ERR_SHUTDOWN);
+    while (now) { /* stopping: the worker is gone or going, so wait here */
+        cuda_group_t *g = now;
+        now = g->next;
+        if (g->event)
+            kvb__cuda_status(kvb__cuda()->EventSynchronize(g->event), "cuEventSynchronize");
+        if (g->event && !g->status)
+            g->status = KVB_ERR_SHUTDOWN;
+        group_end(cp, g);
     }
 }
 
-/* Starts every job on its device's stream, waits for the streams, completes the jobs. */
-static void run_jobs(cuda_path_t *cp, cuda_job_t *jobs)
+/* Takes g off the path's list. Caller holds cp->mu. */
+static void unlink_locked(cuda_path_t *cp, cuda_group_t *g)
 {
-    const kvb__cuda_api_t *api = kvb__cuda();
-    int fail[64] = {0}; /* per device: the first error */
-    bool used[64] = {false};
-    for (cuda_job_t *j = jobs; j; j = j->next) {
-        int d = j->dev;
-        if (d < 0 || d >= cp->ndev || d >= 64) {
-            fail[0] = fail[0] ? fail[0] : KVB_ERR_INVALID_ARG;
-            j->dev = 0;
-            continue;
-        }
-        if (!fail[d] && !cp->streams[d])
-            fail[d] = KVB_ERR_DEVICE; /* its stream could not be made (logged at create) */
-        if (fail[d] || (fail[d] = kvb__cuda_use(d)))
-            continue;
-        used[d] = true;
-        /* Requests that continue each other on both sides (a batch of consecutive blocks) go
-         * as one copy: small copies are bound by their launch, not by the copy engine. */
-        cuda_job_t *last = j;
-        uint64_t len = j->op->len;
-        while (last->next && last->next->dev == d && last->next->src == j->src + len &&
-               last->next->dst == j->dst + len) {
-            last = last->next;
-            len += last->op->len;
-        }
-        fail[d] = kvb__cuda_status(api->MemcpyAsync(j->dst, j->src, len, cp->streams[d]),
-                                   "cuMemcpyAsync");
-        j = last;
-    }
-    for (int d = 0; d < cp->ndev && d < 64; d++)
-        if (used[d] && kvb__cuda_use(d) == KVB_OK) {
-            int rc =
-                kvb__cuda_status(api->StreamSynchronize(cp->streams[d]), "cuStreamSynchronize");
-            fail[d] = fail[d] ? fail[d] : rc;
-        }
-    while (jobs) {
-        cuda_job_t *j = jobs;
-        jobs = j->next;
-        job_end(j, fail[j->dev]);
-    }
+    cuda_group_t **pp = &cp->head;
+    while (*pp != g)
+        pp = &(*pp)->next;
+    *pp = g->next;
+    if (cp->tail == &g->next)
+        cp->tail = pp;
+    g->next = NULL;
 }
 
+/* Ends the copies nobody waits for: sleeps on the oldest group no waiting thread watches, then
+ * ends every such group whose copies are done. */
 static void *worker(void *arg)
 {
     cuda_path_t *cp = arg;
+    const kvb__cuda_api_t *api = kvb__cuda();
+    int cur = -1;
     pthread_mutex_lock(&cp->mu);
     for (;;) {
-        while (!cp->head && !cp->stop)
+        cuda_group_t *g = cp->head;
+        while (g && g->driven)
+            g = g->next;
+        if (!g) {
+            if (cp->stop && !cp->head)
+                break;
             pthread_cond_wait(&cp->cv, &cp->mu);
-        if (!cp->head)
-            break; /* stopping, and nothing left */
-        cuda_job_t *jobs = cp->head;
-        cp->head = NULL;
-        cp->tail = &cp->head;
+            continue;
+        }
+        /* Events are kept for reuse until the path goes, never destroyed before: waiting on one
+         * that a later group recorded again only waits longer. */
+        kvb_cu_event_t ev = g->event;
+        int dev = g->dev;
         pthread_mutex_unlock(&cp->mu);
-        run_jobs(cp, jobs);
+        if (cur != dev && kvb__cuda_use(dev) == KVB_OK)
+            cur = dev;
+        api->EventSynchronize(ev); /* its result is read again below, per group */
+        pthread_mutex_lock(&cp->mu);
+        cuda_group_t *done = NULL;
+        for (cuda_group_t *n, *x = cp->head; x; x = n) {
+            n = x->next;
+            if (!x->driven && group_poll(x)) {
+                unlink_locked(cp, x);
+                x->next = done;
+                done = x;
+            }
+        }
+        pthread_mutex_unlock(&cp->mu);
+        while (done) {
+            cuda_group_t *x = done;
+            done = x->next;
+            group_end(cp, x);
+        }
         pthread_mutex_lock(&cp->mu);
     }
     pthread_mutex_unlock(&cp->mu);
     return NULL;
 }
 
-/* A thread waiting for batch b runs b's jobs that the worker has not taken yet itself: no hand-off
- * to the worker and back. KVB_ERR_BUSY when there are none (the worker has them). */
+/* A thread waiting for batch b watches b's copies itself and ends them: no hand-off to the worker
+ * and back. KVB_ERR_BUSY when none is left to watch (the worker is ending them). */
 static int cuda_progress(kvb_batch_t *b, uint64_t deadline)
 {
-    (void)deadline; /* the copies it starts are bounded; it waits for nothing else */
     cuda_path_t *cp = b->drive_hint;
-    cuda_job_t *mine = NULL, **mt = &mine;
+    enum { MAX = 16 };
+    cuda_group_t *mine[MAX];
+    size_t n = 0;
     pthread_mutex_lock(&cp->mu);
-    for (cuda_job_t **pp = &cp->head; *pp && !cp->stop;) {
-        cuda_job_t *j = *pp;
-        if (j->op->batch == b) {
-            *pp = j->next;
-            j->next = NULL;
-            *mt = j;
-            mt = &j->next;
-        } else {
-            pp = &j->next;
+    for (cuda_group_t *g = cp->head; g && n < MAX; g = g->next)
+        if (g->batch == b && !g->driven) {
+            g->driven = true;
+            mine[n++] = g;
         }
-    }
-    cp->tail = &cp->head;
-    while (*cp->tail)
-        cp->tail = &(*cp->tail)->next;
-    if (mine)
+    if (n)
         cp->driving++;
     pthread_mutex_unlock(&cp->mu);
-    if (!mine)
+    if (!n)
         return KVB_ERR_BUSY;
     kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
-    run_jobs(cp, mine);
+    int cur = -1;
+    size_t left = n;
+    bool ended[MAX] = {false};
+    /* Copies are short: spin on the events, up to the deadline. */
+    while (left && kvb__now_ns() < deadline)
+        for (size_t i = 0; i < n; i++) {
+            if (ended[i])
+                continue;
+            if (cur != mine[i]->dev && kvb__cuda_use(mine[i]->dev) == KVB_OK)
+                cur = mine[i]->dev;
+            if (group_poll(mine[i])) {
+                ended[i] = true;
+                left--;
+            }
+        }
     kvb__cuda_ctx_restore(prev);
     pthread_mutex_lock(&cp->mu);
+    for (size_t i = 0; i < n; i++) {
+        if (ended[i])
+            unlink_locked(cp, mine[i]);
+        else
+            mine[i]->driven = false; /* the deadline came first: the worker watches it again */
+    }
+    if (left)
+        pthread_cond_broadcast(&cp->cv);
+    pthread_mutex_unlock(&cp->mu);
+    for (size_t i = 0; i < n; i++)
+        if (ended[i])
+            group_end(cp, mine[i]);
+    pthread_mutex_lock(&cp->mu); /* only now: cuda_stop waits for this thread's group_end */
     if (--cp->driving == 0 && cp->stop)
         pthread_cond_broadcast(&cp->cv);
     pthread_mutex_unlock(&cp->mu);
     return KVB_OK;
-}
-
-/* Jobs of a cancelled or freed batch that have not started end now. */
-static void cuda_cancel(kvb_provider_t *pv, kvb_batch_t *b)
-{
-    cuda_path_t *cp = (cuda_path_t *)pv;
-    cuda_job_t *gone = NULL;
-    pthread_mutex_lock(&cp->mu);
-    for (cuda_job_t **pp = &cp->head; *pp;) {
-        cuda_job_t *j = *pp;
-        if (j->op->batch == b) {
-            *pp = j->next;
-            j->next = gone;
-            gone = j;
-        } else {
-            pp = &j->next;
-        }
-    }
-    cp->tail = &cp->head;
-    while (*cp->tail)
-        cp->tail = &(*cp->tail)->next;
-    pthread_mutex_unlock(&cp->mu);
-    while (gone) {
-        cuda_job_t *j = gone;
-        gone = j->next;
-        job_end(j, KVB_ERR_CANCELED);
-    }
 }
 
 /* ---- the path ---------------------------------------------------------------------------------
@@ -455,23 +607,23 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
     atomic_init(&cp->refs, 1);
     cp->engine = e;
     cp->ndev = kvb__cuda_device_count();
-    cp->streams = calloc((size_t)cp->ndev, sizeof *cp->streams);
+    cp->devs = calloc((size_t)cp->ndev, sizeof *cp->devs);
     cp->tail = &cp->head;
     pthread_mutex_init(&cp->mu, NULL);
     pthread_cond_init(&cp->cv, NULL);
     /* A blocking stream per device (ordered after the legacy default stream's work), shared by
-     * the worker and waiting threads; stream handles may be used from any thread. */
+     * every submitting thread; stream handles may be used from any thread. */
     kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
-    for (int d = 0; cp->streams && d < cp->ndev; d++)
+    for (int d = 0; cp->devs && d < cp->ndev; d++)
         if (kvb__cuda_use(d) != KVB_OK ||
-            kvb__cuda_status(kvb__cuda()->StreamCreate(&cp->streams[d], KVB_CU_STREAM_DEFAULT),
+            kvb__cuda_status(kvb__cuda()->StreamCreate(&cp->devs[d].stream, KVB_CU_STREAM_DEFAULT),
                              "cuStreamCreate"))
-            cp->streams[d] = NULL;
+            cp->devs[d].stream = NULL;
     kvb__cuda_ctx_restore(prev);
-    if (!cp->streams || pthread_create(&cp->worker, NULL, worker, cp)) {
+    if (!cp->devs || pthread_create(&cp->worker, NULL, worker, cp)) {
         pthread_mutex_destroy(&cp->mu);
         pthread_cond_destroy(&cp->cv);
-        free(cp->streams);
+        free(cp->devs);
         free(cp);
         return KVB_ERR_SYSTEM;
     }
@@ -479,27 +631,34 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
     return KVB_OK;
 }
 
-/* Runs after the control plane is gone, before the registry: jobs still queued finish their
- * copies and end while the regions they pin still exist. */
+/* Runs after the control plane is gone, before the registry: copies still in flight end, and
+ * their ops with them, while the regions they pin still exist. */
 static void cuda_stop(kvb_provider_t *pv)
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
     pthread_mutex_lock(&cp->mu);
     cp->stop = true;
     pthread_cond_broadcast(&cp->cv);
-    while (cp->driving > 0) /* waiting threads running jobs: their copies end first */
+    while (cp->driving > 0) /* waiting threads ending their groups: they finish first */
         pthread_cond_wait(&cp->cv, &cp->mu);
     pthread_mutex_unlock(&cp->mu);
-    pthread_join(cp->worker, NULL);
+    pthread_join(cp->worker, NULL); /* it leaves once no group is left */
 }
 
 static void cuda_destroy(kvb_provider_t *pv) /* after cuda_stop */
 {
     cuda_path_t *cp = (cuda_path_t *)pv;
     kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
-    for (int d = 0; d < cp->ndev; d++)
-        if (cp->streams[d] && kvb__cuda_use(d) == KVB_OK)
-            kvb__cuda()->StreamDestroy(cp->streams[d]);
+    for (int d = 0; d < cp->ndev; d++) {
+        cuda_dev_t *dv = &cp->devs[d];
+        if (kvb__cuda_use(d) == KVB_OK) {
+            for (size_t i = 0; i < dv->nevents; i++)
+                kvb__cuda()->EventDestroy(dv->events[i]);
+            if (dv->stream)
+                kvb__cuda()->StreamDestroy(dv->stream);
+        }
+        free(dv->events);
+    }
     kvb__cuda_ctx_restore(prev);
     path_put(cp);
 }
@@ -518,5 +677,5 @@ const kvb_provider_ops_t kvb__cuda_provider = {
     .reaches = cuda_reaches,
     .submit = cuda_submit,
     .progress = cuda_progress,
-    .cancel = cuda_cancel,
+    /* no .cancel: copies start at submit, and their ops end when they do */
 };
