@@ -272,8 +272,10 @@ void kvb__op_dst_unlock(kvb_op_t *op)
 }
 
 /* Checks request i and pins its local region into *pin. */
+/* Checks request i and pins its local region; `prev` is the previous request's pin, which it
+ * reuses without the registry's lock when the range lies in it (requests come in runs). */
 static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops,
-                         kvb_region_t **pin)
+                         kvb_region_t *prev, kvb_region_t **pin)
 {
     uint64_t end, chunks;
     if ((r->opcode != KVB_OP_READ && r->opcode != KVB_OP_WRITE) || !r->local || r->len == 0 ||
@@ -285,7 +287,11 @@ static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint
         KVB_WARN("request %zu: address + length overflows", i);
         return KVB_ERR_OVERFLOW;
     }
-    int rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
+    int rc = KVB_OK;
+    if (prev && kvb__region_repin(prev, (uintptr_t)r->local, r->len, 0))
+        *pin = prev;
+    else
+        rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
                                  KVB_ERR_LOCAL_NOT_REGISTERED, pin);
     if (rc) {
         KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
@@ -403,17 +409,32 @@ static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
     kvb_batch_t *b = ops ? ops->batch : NULL;
     kvb_op_t *unreached = NULL;
     int drive = b ? b->drive_path : -1;
+    /* Requests come in runs on one region: the previous op's region, and its path when every
+     * path asked for it answers per region alone (region_reach). */
+    const kvb_region_desc_t *last = NULL;
+    int last_path = -1;
     while (ops) {
         kvb_op_t *op = ops;
         ops = ops->next;
         op->next = NULL;
-        op->rregion = rl ? kvb__region_find(rl->d, rl->n, op->remote, op->len) : NULL;
-        int path = -1;
+        if (last && kvb__range_within(op->remote, op->len, last->info.addr, last->info.len))
+            op->rregion = last;
+        else
+            op->rregion = rl ? kvb__region_find(rl->d, rl->n, op->remote, op->len) : NULL;
+        int path = op->rregion && op->rregion == last ? last_path : -1;
+        bool per_region = true;
         for (size_t i = 0; i < e->norder && path < 0; i++) {
             unsigned id = e->order[i];
             const kvb_provider_ops_t *pv = kvb__provider(id);
-            if ((p->paths & (1u << id)) && pv->reaches(e->path_state[id], p, op))
+            if (!(p->paths & (1u << id)))
+                continue;
+            per_region = per_region && pv->region_reach;
+            if (pv->reaches(e->path_state[id], p, op))
                 path = (int)id;
+        }
+        if (op->rregion != last || last_path < 0) {
+            last = op->rregion;
+            last_path = per_region ? path : -1;
         }
         if (path < 0) {
             op->next = unreached;
@@ -461,7 +482,7 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
     uint64_t nops = 0;
     int rc = KVB_OK;
     for (size_t i = 0; i < n && rc == KVB_OK; i++)
-        rc = check_request(e, &reqs[i], i, &nops, &pins[i]);
+        rc = check_request(e, &reqs[i], i, &nops, i ? pins[i - 1] : NULL, &pins[i]);
     if (rc == KVB_OK && nops > UINT32_MAX)
         rc = KVB_ERR_TOO_LARGE;
     /* Requests come grouped by segment in practice: reuse the previous lookup. */

@@ -1178,6 +1178,9 @@ int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, siz
 {
     if (len > KVB_NOTIFY_MAX)
         return KVB_ERR_TOO_LARGE;
+    for (unsigned id = 0; id < KVB_PATHS; id++) /* the paths live until the control plane went */
+        if ((e->paths & (1u << id)) && kvb__provider(id)->settle)
+            kvb__provider(id)->settle(e->path_state[id]);
     pthread_mutex_lock(&e->notify_mu);
     if (e->notify_count == e->notify_cap) {
         pthread_mutex_unlock(&e->notify_mu);

@@ -169,6 +169,7 @@ struct kvb_provider_ops {
     uint8_t id;         /* KVB_PATH_* */
     bool device_only;   /* it never carries a request between host memory on both sides */
     bool remote_region; /* its reaches() looks at op->rregion (the engine finds it only then) */
+    bool region_reach;  /* its reaches() looks at nothing else of the op: one answer per region */
     /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
      * without it). NULL: the path needs none. */
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);
@@ -206,6 +207,9 @@ struct kvb_provider_ops {
      * now with KVB_ERR_CANCELED instead of moving their bytes. (The TCP lanes have none: frames
      * queued are sent, and their answers discarded.) */
     void (*cancel)(kvb_provider_t *pv, kvb_batch_t *b);
+    /* Optional: a notification is about to reach the application; make what peers wrote here
+     * one-sided (a NIC into GPU memory) visible to its consumers first. */
+    void (*settle)(kvb_provider_t *pv);
 };
 
 /* The built-in providers by id (NULL where none), from transport/transports.c. */

@@ -317,9 +317,9 @@ static void run_flush(cuda_path_t *cp, cuda_group_t *g)
 {
     if (!g->run_len || g->status)
         return;
-    g->status = kvb__cuda_status(kvb__cuda()->MemcpyAsync(g->run_dst, g->run_src, g->run_len,
-                                                          cp->devs[g->dev].stream),
-                                 "cuMemcpyAsync");
+    g->status = kvb__cuda_status(
+        kvb__cuda()->MemcpyAsync(g->run_dst, g->run_src, g->run_len, cp->devs[g->dev].stream),
+        "cuMemcpyAsync");
     g->run_len = 0;
 }
 
@@ -667,6 +667,7 @@ const kvb_provider_ops_t kvb__cuda_provider = {
     .name = "cuda",
     .id = KVB_PATH_CUDA,
     .remote_region = true,
+    .region_reach = true,
     .device_only = true,
     .create = cuda_create,
     .stop = cuda_stop,

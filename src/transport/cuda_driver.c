@@ -474,3 +474,27 @@ int kvb__cuda_device_by_bus_id(const char *bus, int *device)
     KVB_DEBUG("CUDA device at %s is not one of ours", bus);
     return KVB_ERR_NOT_FOUND;
 }
+
+int kvb__cuda_flush_rdma_writes(int device)
+{
+    int rc = check_device(device, "kvb__cuda_flush_rdma_writes");
+    if (rc != KVB_OK || !api.FlushGPUDirectRDMAWrites)
+        return rc;
+    kvb_cu_device_t dev;
+    int options = 0;
+    if (api.DeviceGet(&dev, device) != KVB_CUDA_SUCCESS ||
+        api.DeviceGetAttribute(&options,
+                               KVB_CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS,
+                               dev) != KVB_CUDA_SUCCESS ||
+        !(options & KVB_CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST))
+        return KVB_OK;
+    kvb_cu_ctx_t prev = kvb__cuda_ctx_save();
+    rc = kvb__cuda_use(device);
+    if (rc == KVB_OK)
+        rc = kvb__cuda_status(
+            api.FlushGPUDirectRDMAWrites(KVB_CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                                         KVB_CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER),
+            "cuFlushGPUDirectRDMAWrites");
+    kvb__cuda_ctx_restore(prev);
+    return rc;
+}

@@ -228,4 +228,11 @@ int kvb__cuda_bus_id(int device, char *out, size_t cap);
  * NULL, KVB_ERR_UNSUPPORTED without a driver. */
 int kvb__cuda_device_by_bus_id(const char *bus, int *device);
 
+/* Makes writes that a NIC made into memory of `device` (GPUDirect RDMA) visible to that device's
+ * work before the caller reports them: cuFlushGPUDirectRDMAWrites on the device's context, where
+ * the device says it supports the flush from the host. KVB_OK with nothing done where the driver
+ * is too old to export it or the device does not offer it (there the platform's ordering of the
+ * NIC's writes is what holds); KVB_ERR_DEVICE if the flush fails. */
+int kvb__cuda_flush_rdma_writes(int device);
+
 #endif

@@ -93,6 +93,7 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "transport/cuda_driver.h"
 
 /* libfabric is opened (dlopen) when a fabric path is first wanted, not linked: Debian's build
  * pulls in the PSM libraries, and libinfinipath's constructor installs signal handlers in the
@@ -227,7 +228,10 @@ typedef struct {
     uint64_t poll_ns; /* without one: the progress thread's current sleep */
     int wake_fd;
     bool flush; /* no FI_DELIVERY_COMPLETE: each WRITE op ends with a 1-byte READ (FI_ORDER_RAW) */
-    uint8_t scratch[8]; /* where flush READs land */
+    bool hmem;  /* the provider registers CUDA device memory (FI_HMEM) */
+    atomic_uint hmem_devs; /* bit d: device memory of CUDA device d registered (for settle) */
+    atomic_bool hmem_told; /* device memory refused: logged once */
+    uint8_t scratch[8];    /* where flush READs land */
     struct fid_mr *scratch_mr;
     void *scratch_desc;
     pthread_t thread;
@@ -308,8 +312,9 @@ static uint64_t env_u64(const char *name)
 
 /* ---- set-up ---------------------------------------------------------------------------------- */
 
-/* The first fi_info of `prov` offering RDM endpoints with RMA and delivery-complete writes. */
-static int find_info(uint32_t version, const char *prov, bool dc, struct fi_info **out)
+/* The first fi_info of `prov` offering RDM endpoints with RMA and delivery-complete writes (and
+ * device memory, with `hmem`). */
+static int find_info(uint32_t version, const char *prov, bool dc, bool hmem, struct fi_info **out)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
@@ -318,6 +323,10 @@ static int find_info(uint32_t version, const char *prov, bool dc, struct fi_info
     hints->ep_attr->type = FI_EP_RDM;
     hints->domain_attr->mr_mode =
         FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    if (hmem) {
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+    }
     hints->domain_attr->threading = FI_THREAD_SAFE;
     if (dc)
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
@@ -347,13 +356,22 @@ static int find_info(uint32_t version, const char *prov, bool dc, struct fi_info
 /* `prov` with delivery-complete writes, else (*flush) with reads ordered after writes, which
  * WRITEs are then flushed with. KVB_FABRIC_FLUSH=1 takes the second even where the first works
  * (the tests run the flush that way). */
-static int pick(uint32_t version, const char *prov, bool *flush, struct fi_info **out)
+static int pick_one(uint32_t version, const char *prov, bool hmem, bool *flush,
+                    struct fi_info **out)
 {
-    int rc = env_u64("KVB_FABRIC_FLUSH") ? -FI_ENODATA : find_info(version, prov, true, out);
+    int rc = env_u64("KVB_FABRIC_FLUSH") ? -FI_ENODATA : find_info(version, prov, true, hmem, out);
     *flush = rc != 0;
     if (rc)
-        rc = find_info(version, prov, false, out);
+        rc = find_info(version, prov, false, hmem, out);
     return rc;
+}
+
+/* pick_one with device memory (*hmem) where there is a CUDA driver and `prov` offers FI_HMEM,
+ * else without. */
+static int pick(uint32_t version, const char *prov, bool *flush, bool *hmem, struct fi_info **out)
+{
+    *hmem = kvb__cuda_available() && pick_one(version, prov, true, flush, out) == 0;
+    return *hmem ? 0 : pick_one(version, prov, false, flush, out);
 }
 
 /* Registers the bytes flush READs land in (their value is never looked at). */
@@ -476,14 +494,14 @@ static void path_free(fab_path_t *fp)
 /* The provider this engine runs on: the one its config names, else the first RDMA provider here.
  * KVB_ERR_UNSUPPORTED: none (the path does not run); KVB_ERR_INVALID_ARG: the named one is not
  * available. */
-static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
+static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out, bool *hmem_out)
 {
     bool required = e->required & (1u << KVB_PATH_FABRIC);
     const char *want = e->cfg.fabric_provider;
     static const char *const rdma[] = {"verbs;ofi_rxm", "efa", "cxi"};
     struct fi_info *info = NULL;
     int rc = -FI_ENODATA;
-    bool flush = false;
+    bool flush = false, hmem = false;
     bool named = want && *want;
     if (!named && !rdma_device()) {
         /* libfabric's first fi_getinfo loads and probes every provider (0.3 s here): not for
@@ -508,10 +526,10 @@ static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
     uint32_t lib = fi_version(), hdr = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
     uint32_t version = lib < hdr ? lib : hdr;
     if (named) {
-        rc = pick(version, want, &flush, &info);
+        rc = pick(version, want, &flush, &hmem, &info);
     } else {
         for (size_t i = 0; i < sizeof rdma / sizeof rdma[0] && rc; i++)
-            rc = pick(version, rdma[i], &flush, &info);
+            rc = pick(version, rdma[i], &flush, &hmem, &info);
     }
     if (rc) {
         if (required || (want && *want))
@@ -527,14 +545,15 @@ static int choose(kvb_engine_t *e, struct fi_info **out, bool *flush_out)
     }
     *out = info;
     *flush_out = flush;
+    *hmem_out = hmem;
     return KVB_OK;
 }
 
 static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
 {
     struct fi_info *info = NULL;
-    bool flush = false;
-    int rc = choose(e, &info, &flush);
+    bool flush = false, hmem = false;
+    int rc = choose(e, &info, &flush, &hmem);
     if (rc)
         return rc;
     uint32_t lib = fi_version();
@@ -546,6 +565,7 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     fp->engine = e;
     fp->info = info;
     fp->flush = flush;
+    fp->hmem = hmem;
     fp->wake_fd = -1;
     snprintf(fp->prov, sizeof fp->prov, "%s", info->fabric_attr->prov_name);
     fp->prov_hash = fnv32(fp->prov);
@@ -600,14 +620,25 @@ static void reg_close(fab_reg_t *r)
     free(r);
 }
 
-static int mr_one(fab_path_t *fp, uint64_t addr, uint64_t len, uint64_t access, fab_reg_t *r,
-                  size_t i)
+/* Registers [addr, addr+len) of `reg` (device memory through FI_HMEM_CUDA) as r->mr[i]. */
+static int mr_one(fab_path_t *fp, const kvb_region_t *reg, uint64_t addr, uint64_t len,
+                  uint64_t access, fab_reg_t *r, size_t i)
 {
     uint64_t key = 0;
     if (!(fp->mr_mode & FI_MR_PROV_KEY))
         key = atomic_fetch_add(&fp->next_key, 1) & fp->key_mask;
     struct fid_mr *mr = NULL;
-    int rc = fi_mr_reg(fp->domain, (void *)(uintptr_t)addr, len, access, 0, key, 0, &mr, NULL);
+    struct iovec iov = {.iov_base = (void *)(uintptr_t)addr, .iov_len = len};
+    struct fi_mr_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = key;
+    attr.iface = reg->kind == KVB_MEM_CUDA ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
+    if (reg->kind == KVB_MEM_CUDA)
+        attr.device.cuda = reg->device;
+    int rc = fi_mr_regattr(fp->domain, &attr, 0, &mr);
     if (!rc && (fp->mr_mode & FI_MR_ENDPOINT)) {
         rc = fi_mr_bind(mr, &fp->ep->fid, 0);
         if (!rc)
@@ -638,7 +669,7 @@ static int reg_split(fab_path_t *fp, const kvb_region_t *reg, uint64_t split, ui
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++, r->n = i) {
         uint64_t off = i * split, len = reg->len - off < split ? reg->len - off : split;
-        rc = mr_one(fp, reg->addr + off, len, access, r, i);
+        rc = mr_one(fp, reg, reg->addr + off, len, access, r, i);
     }
     if (rc) {
         reg_close(r);
@@ -651,8 +682,16 @@ static int reg_split(fab_path_t *fp, const kvb_region_t *reg, uint64_t split, ui
 static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *key_len)
 {
     fab_path_t *fp = (fab_path_t *)pv;
-    if (reg->kind != KVB_MEM_CPU)
-        return KVB_ERR_UNSUPPORTED; /* device memory: FI_HMEM is not wired up yet (#15) */
+    if (reg->kind == KVB_MEM_CUDA && !fp->hmem) {
+        if (!atomic_exchange(&fp->hmem_told, true))
+            KVB_WARN("data path fabric: provider %s does not take GPU memory (it offers no "
+                     "FI_HMEM: a libfabric built without CUDA support, as Debian's is), so %s "
+                     "memory takes the cuda or tcp path",
+                     fp->prov, reg->location);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (reg->kind != KVB_MEM_CPU && reg->kind != KVB_MEM_CUDA)
+        return KVB_ERR_UNSUPPORTED;
     /* Rights at registration: a peer never gets a key granting more than the region does. */
     uint64_t access = FI_READ | FI_WRITE;
     if (reg->access & KVB_ACCESS_READ)
@@ -675,6 +714,13 @@ static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *
         if (split <= MR_MIN_SPLIT)
             break;
         split = split / 2 > MR_MIN_SPLIT ? split / 2 : MR_MIN_SPLIT;
+    }
+    if (rc && reg->kind == KVB_MEM_CUDA) { /* FI_HMEM offered, this memory refused */
+        KVB_WARN("fabric: cannot register %s memory (%llu bytes at 0x%llx) with %s: %s; it takes "
+                 "the cuda or tcp path",
+                 reg->location, (unsigned long long)reg->len, (unsigned long long)reg->addr,
+                 fp->prov, fi_strerror(-rc));
+        return KVB_ERR_UNSUPPORTED;
     }
     if (rc) {
         KVB_WARN("fabric: cannot register %llu bytes at 0x%llx with %s: %s",
@@ -705,6 +751,8 @@ static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *
     memcpy(key + KEY_HDR + 8 * r->n, fp->addr, fp->addr_len);
     *key_len = need;
     reg->path_state[KVB_PATH_FABRIC] = r;
+    if (reg->kind == KVB_MEM_CUDA && reg->device >= 0 && reg->device < 32)
+        atomic_fetch_or(&fp->hmem_devs, 1u << reg->device);
     return KVB_OK;
 }
 
@@ -819,9 +867,10 @@ static bool fab_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
     fab_path_t *fp = (fab_path_t *)pv;
     blob_t b;
     fi_addr_t fa;
+    /* The peer's key says it registered that memory with its provider (device memory too,
+     * where it offers FI_HMEM); ours, that our side of it is registered here. */
     return op->pin && op->pin->path_state[KVB_PATH_FABRIC] && op->rregion &&
-           op->rregion->kind == KVB_MEM_CPU && blob_of(fp, op->rregion, &b) &&
-           peer_addr(fp, p, &b, &fa);
+           blob_of(fp, op->rregion, &b) && peer_addr(fp, p, &b, &fa);
 }
 
 /* ---- transfers ------------------------------------------------------------------------------- */
@@ -925,6 +974,19 @@ static void done_add(done_list_t *d, kvb_op_t *op, fab_op_t *fo)
  * may send a notification, an unpin may release a region). */
 static void done_run(fab_path_t *fp, done_list_t *d)
 {
+    /* READs that the NIC wrote into our GPU memory: visible to its kernels before COMPLETED. */
+    unsigned flushed = 0;
+    for (kvb_op_t *op = d->head; op; op = op->next) {
+        int dev = op->pin ? op->pin->device : -1;
+        if (op->kind == KVB_OPK_READ && op->wire_id == 0 && op->pin &&
+            op->pin->kind == KVB_MEM_CUDA && dev >= 0 && dev < 32 && !(flushed & (1u << dev))) {
+            flushed |= 1u << dev;
+            if (kvb__cuda_flush_rdma_writes(dev) != KVB_OK)
+                for (kvb_op_t *o = op; o; o = o->next) /* the flush failed: so did its READs */
+                    if (o->kind == KVB_OPK_READ && o->pin && o->pin->device == dev)
+                        o->wire_id = (uint64_t)(int64_t)KVB_ERR_DEVICE;
+        }
+    }
     while (d->head) {
         kvb_op_t *op = d->head;
         d->head = op->next;
@@ -1245,6 +1307,17 @@ static void fab_destroy(kvb_provider_t *pv)
     path_free((fab_path_t *)pv); /* after fab_stop: no thread, no endpoint, no op */
 }
 
+/* Before a notification reaches the application: what peers' NICs wrote into our GPU memory is
+ * visible to its kernels (the peer's WRITEs had completed before it notified). */
+static void fab_settle(kvb_provider_t *pv)
+{
+    fab_path_t *fp = (fab_path_t *)pv;
+    unsigned devs = atomic_load(&fp->hmem_devs);
+    for (int d = 0; devs; d++, devs >>= 1)
+        if (devs & 1u)
+            kvb__cuda_flush_rdma_writes(d); /* a failure is logged; nothing more to do here */
+}
+
 const kvb_provider_ops_t kvb__fabric_provider = {
     .name = "fabric",
     .id = KVB_PATH_FABRIC,
@@ -1259,6 +1332,7 @@ const kvb_provider_ops_t kvb__fabric_provider = {
     .reaches = fab_reaches,
     .submit = fab_submit,
     .cancel = fab_cancel,
+    .settle = fab_settle,
 };
 
 #endif
