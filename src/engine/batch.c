@@ -141,27 +141,45 @@ static void send_notify(kvb_batch_t *b)
     p->engine->tp_ops->submit(p->engine->tp, p, &b->notify_op);
 }
 
+/* The engine's counters for ops that ended, gathered, then added once. */
+typedef struct {
+    uint64_t failed, completed, path_ops[KVB_PATHS], path_bytes[KVB_PATHS];
+} op_tally_t;
+
+static void tally_add(kvb_engine_t *e, const op_tally_t *t)
+{
+    if (t->failed)
+        atomic_fetch_add_explicit(&e->st_failed, t->failed, memory_order_relaxed);
+    if (t->completed)
+        atomic_fetch_add_explicit(&e->st_completed, t->completed, memory_order_relaxed);
+    for (unsigned i = 0; i < KVB_PATHS; i++)
+        if (t->path_ops[i]) {
+            atomic_fetch_add_explicit(&e->st_path_ops[i], t->path_ops[i], memory_order_relaxed);
+            atomic_fetch_add_explicit(&e->st_path_bytes[i], t->path_bytes[i], memory_order_relaxed);
+        }
+}
+
 /* Counts op's bytes or failure against its request. Caller holds b->mu. */
-static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t bytes)
+static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t bytes,
+                       op_tally_t *t)
 {
     kvb_req_t *r = &b->reqs[op->req];
-    kvb_engine_t *e = b->engine;
     if (r->state != KVB_REQ_PENDING)
         return;
     if (status < 0) {
         r->state = KVB_REQ_FAILED;
         r->error = status;
         b->open--;
-        atomic_fetch_add_explicit(&e->st_failed, 1, memory_order_relaxed);
+        t->failed++;
         return;
     }
     r->bytes += bytes;
-    atomic_fetch_add_explicit(&e->st_path_bytes[op->path], bytes, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->st_path_ops[op->path], 1, memory_order_relaxed);
+    t->path_bytes[op->path] += bytes;
+    t->path_ops[op->path]++;
     if (--r->ops_left == 0) {
         r->state = KVB_REQ_COMPLETED;
         b->open--;
-        atomic_fetch_add_explicit(&e->st_completed, 1, memory_order_relaxed);
+        t->completed++;
     }
 }
 
@@ -196,7 +214,9 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
             b->notify_error = status;
         }
     } else {
-        op_account(b, op, status, bytes);
+        op_tally_t t = {0};
+        op_account(b, op, status, bytes, &t);
+        tally_add(b->engine, &t);
         notify = notify_due(b);
     }
     if (batch_done(b))
@@ -217,18 +237,29 @@ void kvb__ops_done(kvb_op_t *ops, int status)
         kvb_batch_t *b = ops->batch;
         kvb_op_t *end = ops;
         unsigned n = 0;
+        op_tally_t t = {0};
         pthread_mutex_lock(&b->mu);
         for (; end && end->batch == b && end->req != KVB_OP_NOTIFY_REQ; end = end->next, n++)
-            op_account(b, end, status, status ? 0 : end->len);
+            op_account(b, end, status, status ? 0 : end->len, &t);
+        tally_add(b->engine, &t);
         bool notify = notify_due(b);
         if (batch_done(b))
             pthread_cond_broadcast(&b->cv);
         pthread_mutex_unlock(&b->mu);
-        for (kvb_op_t *op = ops; op != end; op = op->next)
-            if (op->pin) {
-                kvb__region_unpin(&b->engine->registry, op->pin);
-                op->pin = NULL;
+        /* Pins of one region come in runs: dropped per run. */
+        kvb_region_t *pin = NULL;
+        unsigned pins = 0;
+        for (kvb_op_t *op = ops; op != end; op = op->next) {
+            if (op->pin != pin && pins) {
+                kvb__region_unpin_n(&b->engine->registry, pin, pins);
+                pins = 0;
             }
+            pin = op->pin;
+            pins += pin != NULL;
+            op->pin = NULL;
+        }
+        if (pins)
+            kvb__region_unpin_n(&b->engine->registry, pin, pins);
         if (notify)
             send_notify(b);
         if (n == 0) { /* a notification's op ends on its own */

@@ -315,10 +315,15 @@ int kvb__registry_check(kvb_registry_t *r, uint64_t addr, uint64_t len, unsigned
 
 void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *reg)
 {
+    kvb__region_unpin_n(r, reg, 1);
+}
+
+void kvb__region_unpin_n(kvb_registry_t *r, kvb_region_t *reg, unsigned n)
+{
     /* Read before the decrement: once it is done, a remover may free the region. */
     bool removed = atomic_load(&reg->removed);
-    unsigned prev = atomic_fetch_sub(&reg->refs, 1);
-    if (prev == 1) {
+    unsigned prev = atomic_fetch_sub(&reg->refs, n);
+    if (prev == n) {
         if (r->release)
             r->release(r->release_ctx, reg);
         free(reg);

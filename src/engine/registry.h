@@ -108,6 +108,8 @@ int kvb__registry_remove(kvb_registry_t *r, uint64_t addr, int timeout_ms);
 int kvb__registry_check(kvb_registry_t *r, uint64_t addr, uint64_t len, unsigned access,
                         int missing, kvb_region_t **pin);
 void kvb__region_unpin(kvb_registry_t *r, kvb_region_t *region);
+/* Drops n pins of `region` at once. */
+void kvb__region_unpin_n(kvb_registry_t *r, kvb_region_t *region, unsigned n);
 /* Pins `region` once more for [addr, addr+len) with `access`, without the registry's lock: for the
  * next of many requests into the region the caller checked last and still holds pinned (which
  * keeps its removal from completing meanwhile). False where the range or the access does not fit

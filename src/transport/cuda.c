@@ -86,6 +86,8 @@ typedef struct {
     pthread_cond_t cv;
     cuda_group_t *head, **tail; /* copies in flight, oldest first */
     bool stop;
+    bool idle;        /* the worker sleeps on cv: a new group must wake it */
+    atomic_uint seq;  /* moves on when a group comes or a waiter lets one go, and at stop */
     unsigned driving; /* waiting threads watching events (cuda_progress) */
     cuda_dev_t *devs; /* per device, made at create */
     int ndev;
@@ -463,7 +465,9 @@ static void cuda_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
             now = g;
         }
     }
-    pthread_cond_signal(&cp->cv);
+    atomic_fetch_add(&cp->seq, 1);
+    if (cp->idle)
+        pthread_cond_signal(&cp->cv);
     pthread_mutex_unlock(&cp->mu);
     while (now) { /* stopping: the worker is gone or going, so wait here */
         cuda_group_t *g = now;
@@ -488,6 +492,19 @@ static void unlink_locked(cuda_path_t *cp, cuda_group_t *g)
     g->next = NULL;
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+/* How long the worker looks for new groups before it sleeps: batches submitted back to back then
+ * find it awake, and their submits wake no one (a futex wake costs the submitter microseconds). */
+#define LINGER_NS 100000
+
 /* Ends the copies nobody waits for: sleeps on the oldest group no waiting thread watches, then
  * ends every such group whose copies are done. */
 static void *worker(void *arg)
@@ -503,7 +520,19 @@ static void *worker(void *arg)
         if (!g) {
             if (cp->stop && !cp->head)
                 break;
+            unsigned seen = atomic_load(&cp->seq);
+            pthread_mutex_unlock(&cp->mu);
+            uint64_t until = kvb__now_ns() + LINGER_NS;
+            while (atomic_load_explicit(&cp->seq, memory_order_relaxed) == seen &&
+                   kvb__now_ns() < until)
+                for (int i = 0; i < 64; i++)
+                    cpu_relax();
+            pthread_mutex_lock(&cp->mu);
+            if (atomic_load(&cp->seq) != seen)
+                continue;
+            cp->idle = true;
             pthread_cond_wait(&cp->cv, &cp->mu);
+            cp->idle = false;
             continue;
         }
         /* Events are kept for reuse until the path goes, never destroyed before: waiting on one
@@ -579,8 +608,10 @@ static int cuda_progress(kvb_batch_t *b, uint64_t deadline)
         else
             mine[i]->driven = false; /* the deadline came first: the worker watches it again */
     }
-    if (left)
+    if (left) {
+        atomic_fetch_add(&cp->seq, 1);
         pthread_cond_broadcast(&cp->cv);
+    }
     pthread_mutex_unlock(&cp->mu);
     for (size_t i = 0; i < n; i++)
         if (ended[i])
@@ -638,6 +669,7 @@ static void cuda_stop(kvb_provider_t *pv)
     cuda_path_t *cp = (cuda_path_t *)pv;
     pthread_mutex_lock(&cp->mu);
     cp->stop = true;
+    atomic_fetch_add(&cp->seq, 1);
     pthread_cond_broadcast(&cp->cv);
     while (cp->driving > 0) /* waiting threads ending their groups: they finish first */
         pthread_cond_wait(&cp->cv, &cp->mu);
