@@ -62,6 +62,9 @@
 #define JOBS_MAX 128 /* same-host copies gathered before they run */
 #define TXQ_LOW  1024
 #define TICK_MS  250 /* how often a progress thread with connections checks their deadlines */
+/* Answers copied into local device memory are waited for once this many bytes of them are queued,
+ * or once no more answers are in flight (see conn_read). */
+#define DEV_FLUSH_BYTES (2ull << 20)
 
 typedef struct tcp_thread tcp_thread_t;
 typedef struct tcp_conn tcp_conn_t;
@@ -187,6 +190,7 @@ struct tcp_conn {
     } djobs[JOBS_MAX];
     size_t ndjobs;
     kvb_op_t *dops_head, *dops_tail; /* ROLE_INIT: ops whose copy into the device is queued */
+    uint64_t dops_bytes;             /* their bytes */
 };
 
 struct tcp_thread {
@@ -385,6 +389,7 @@ static void flush_dev_ops(tcp_conn_t *c)
     int rc = kvb__stage_wait(c->sq);
     kvb_op_t *op = c->dops_head;
     c->dops_head = c->dops_tail = NULL;
+    c->dops_bytes = 0;
     while (op) {
         kvb_op_t *next = op->next;
         op->next = NULL;
@@ -419,6 +424,7 @@ static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
     else
         c->dops_head = op;
     c->dops_tail = op;
+    c->dops_bytes += op->len;
 }
 
 static void fail_op_list(kvb_op_t *op, int err)
@@ -1614,7 +1620,16 @@ static void conn_read(tcp_conn_t *c)
     if (!c->close_req) {
         flush_jobs(c);
         flush_dev_jobs(c);
-        flush_dev_ops(c);
+        /* Copies into the device are waited for together, not after every read: each wait
+         * stalls this connection's reads. While more answers are on their way and few bytes
+         * wait, the next read's flush (or, should the peer stall, the next tick's) ends them. */
+        if (c->dops_head) {
+            pthread_mutex_lock(&c->mu);
+            bool more = c->inflight_head != NULL;
+            pthread_mutex_unlock(&c->mu);
+            if (!more || c->dops_bytes >= DEV_FLUSH_BYTES)
+                flush_dev_ops(c);
+        }
     }
 }
 
@@ -1717,6 +1732,7 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
             c->rx_more = true;
             th->need_scan = true;
         }
+        flush_dev_ops(c); /* answers that waited for more (see conn_read) wait no longer */
         pthread_mutex_unlock(&c->rx_mu);
         if (waiting && now > last && now - last > cfg->peer_timeout_ms * 1000000ull) {
             char why[96];
