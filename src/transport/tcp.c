@@ -65,6 +65,9 @@
 /* Answers copied into local device memory are waited for once this many bytes of them are queued,
  * or once no more answers are in flight (see conn_read). */
 #define DEV_FLUSH_BYTES (2ull << 20)
+/* WRITEs from local device memory go to the lanes as soon as this many bytes of them are copied
+ * out (see lanes_submit). */
+#define STAGE_OUT_CHUNK (1ull << 20)
 
 typedef struct tcp_thread tcp_thread_t;
 typedef struct tcp_conn tcp_conn_t;
@@ -189,6 +192,7 @@ struct tcp_conn {
         int status;
     } djobs[JOBS_MAX];
     size_t ndjobs;
+    uint64_t djob_bytes;             /* the bytes they copy */
     kvb_op_t *dops_head, *dops_tail; /* ROLE_INIT: ops whose copy into the device is queued */
     uint64_t dops_bytes;             /* their bytes */
 };
@@ -810,6 +814,7 @@ static void flush_dev_jobs(tcp_conn_t *c)
             conn_fail(c, KVB_ERR_NOMEM, "out of memory for an answer");
     }
     c->ndjobs = 0;
+    c->djob_bytes = 0;
 }
 
 /* Target side: a device copy is queued for request h (its buffer and pin now the job's). */
@@ -817,6 +822,7 @@ static void add_dev_job(tcp_conn_t *c, const kvb_frame_hdr_t *h, kvb_region_t *p
                         int status)
 {
     c->djobs[c->ndjobs++] = (struct dev_job){.hdr = *h, .pin = pin, .buf = buf, .status = status};
+    c->djob_bytes += h->len;
     if (c->ndjobs == JOBS_MAX)
         flush_dev_jobs(c);
 }
@@ -1619,7 +1625,10 @@ static void conn_read(tcp_conn_t *c)
     }
     if (!c->close_req) {
         flush_jobs(c);
-        flush_dev_jobs(c);
+        /* Device copies owed are waited for together too: not while a frame is still arriving
+         * (its bytes bring the next read, which flushes) and few bytes wait. */
+        if (c->rx_state != RX_PAYLOAD || c->djob_bytes >= DEV_FLUSH_BYTES)
+            flush_dev_jobs(c);
         /* Copies into the device are waited for together, not after every read: each wait
          * stalls this connection's reads. While more answers are on their way and few bytes
          * wait, the next read's flush (or, should the peer stall, the next tick's) ends them. */
@@ -2560,11 +2569,26 @@ static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
 /* A WRITE from local device memory gets a bounce buffer, its bytes copied out of the device now,
  * before its frame is queued. (A READ into device memory gets one when its answer arrives: one at
  * a time per connection, since answers arrive in order.) */
+/* Hands ops (a list ending at *tail) to the lanes once the copies out of the device queued for
+ * them are done (*queued bytes of them); empties the list. */
+static void hand_over(kvb_peer_t *p, kvb_stage_queue_t **q, kvb_op_t **head, kvb_op_t ***tail,
+                      uint64_t *queued)
+{
+    if (q && *queued && kvb__stage_wait(*q))
+        fail_op_list(*head, KVB_ERR_DEVICE);
+    else if (*head)
+        tcp_submit(p->engine->tp, p, *head);
+    *head = NULL;
+    *tail = head;
+    *queued = 0;
+}
+
 static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
 {
     (void)pv;
     kvb_op_t *head = NULL, **tail = &head, *failed = NULL;
     kvb_stage_queue_t **q = NULL;
+    uint64_t queued = 0;
     while (ops) {
         kvb_op_t *op = ops;
         ops = ops->next;
@@ -2580,18 +2604,17 @@ static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
                 failed = op;
                 continue;
             }
+            queued += op->len;
         }
         *tail = op;
         tail = &op->next;
+        /* Copies out of the device are waited for a chunk at a time, each chunk's frames handed
+         * to the lanes at once: the sockets send one chunk while the next is copied. */
+        if (queued >= STAGE_OUT_CHUNK)
+            hand_over(p, q, &head, &tail, &queued);
     }
-    /* Every copy out of the device was queued at once; wait for them together. */
-    if (q && kvb__stage_wait(*q)) {
-        fail_op_list(head, KVB_ERR_DEVICE);
-        head = NULL;
-    }
+    hand_over(p, q, &head, &tail, &queued);
     fail_op_list(failed, KVB_ERR_DEVICE);
-    if (head)
-        tcp_submit(p->engine->tp, p, head);
 }
 
 static int lanes_progress(kvb_batch_t *b, uint64_t deadline)
