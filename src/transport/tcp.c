@@ -66,7 +66,8 @@
  * or once no more answers are in flight (see conn_read). */
 #define DEV_FLUSH_BYTES (2ull << 20)
 /* WRITEs from local device memory go to the lanes as soon as this many bytes of them are copied
- * out (see lanes_submit). */
+ * out (see lanes_submit), and a target answers READs of its device memory in chunks of this many
+ * bytes (see read_frames). */
 #define STAGE_OUT_CHUNK (1ull << 20)
 
 typedef struct tcp_thread tcp_thread_t;
@@ -1573,6 +1574,11 @@ static void read_frames(tcp_conn_t *c)
                 conn_fail(c, rc, "epoll_ctl failed");
             return;
         }
+        /* A chunk's worth of device copies owed: conn_read waits for them and the loop sends
+         * their answers before the rest of the requests are read (a batch's first answers
+         * leave after one chunk's copies, not after all of them). */
+        if (c->djob_bytes >= STAGE_OUT_CHUNK)
+            break;
         if (c->rx_len - c->rx_pos >= KVB_WIRE_HDR_SIZE) {
             if (on_header(c))
                 return;
