@@ -8,6 +8,7 @@
  * where it exits 77 - skipped, with the reason on stdout - on a machine without a CUDA GPU. The
  * target is this program again, exec'd with "target" (CUDA does not survive fork). */
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
@@ -356,6 +357,87 @@ static void peer_killed(const char *protocol)
     cu()->MemFree((uintptr_t)dev);
 }
 
+static void *second_waiter(void *b)
+{
+    return (void *)(intptr_t)kvb_batch_wait(b, 20000);
+}
+
+/* The cuda path's copies end whoever watches them: a waiter whose deadline comes first (the
+ * worker takes them over), nobody (the requests polled with kvb_batch_status), two waiters on one
+ * batch; and a batch freed with its copies in flight, the engine destroyed right after. */
+static void cuda_completions(void)
+{
+    printf("-- cuda path: who ends the copies\n");
+    fflush(stdout);
+    target_t t;
+    target_start(&t);
+    kvb_engine_t *e = engine("cuda");
+    uint8_t *dev = dev_alloc(DEV_LEN);
+    CHECK(kvb_register(e, dev, DEV_LEN, "cuda:0", KVB_ACCESS_RW) == KVB_OK, "register");
+    kvb_segment_t seg;
+    if (kvb_segment_open(e, t.name, &seg))
+        die("open %s", t.name);
+    enum { N = 2048, MB = 1 << 20 };
+    kvb_request_t *r = calloc(N, sizeof *r); /* 2 GiB of copies: milliseconds */
+    for (int i = 0; i < N; i++)
+        r[i] = (kvb_request_t){KVB_OP_READ, dev + (uint64_t)(i % 64) * MB, seg,
+                               t.dev + (uint64_t)(i % 64) * MB, MB};
+    kvb_batch_t *b = NULL;
+    CHECK(kvb_batch_submit(e, r, N, NULL, &b) == KVB_OK, "submit");
+    int rc = b ? kvb_batch_wait(b, 1) : KVB_ERR_INVALID_ARG;
+    printf("   a waiter with 1 ms: %s\n",
+           rc == KVB_ERR_AGAIN ? "gave up first; the worker ends the copies" : kvb_strerror(rc));
+    CHECK(rc == KVB_OK || rc == KVB_ERR_AGAIN, "wait 1 ms: %s", kvb_strerror(rc));
+    CHECK(b && kvb_batch_wait(b, 20000) == KVB_OK, "the batch a waiter gave up on ended");
+    kvb_batch_free(b);
+    CHECK(dev_bad_byte(dev, DEV_LEN, 1, 0) < 0, "its bytes");
+
+    /* Nobody waits: eight batches of 8 MiB, polled. */
+    cu()->MemsetD8((uintptr_t)dev, 0, DEV_LEN);
+    kvb_batch_t *bs[8] = {NULL};
+    for (int k = 0; k < 8; k++) {
+        kvb_request_t q[8];
+        for (int i = 0; i < 8; i++)
+            q[i] = (kvb_request_t){KVB_OP_READ, dev + (uint64_t)(k * 8 + i) * MB, seg,
+                                   t.dev + (uint64_t)(k * 8 + i) * MB, MB};
+        CHECK(kvb_batch_submit(e, q, 8, NULL, &bs[k]) == KVB_OK, "submit %d", k);
+    }
+    bool all = false;
+    for (int spin = 0; spin < 200000 && !all; spin++) { /* up to about 20 s */
+        all = true;
+        for (int k = 0; k < 8 && all; k++)
+            for (size_t i = 0; bs[k] && i < 8 && all; i++) {
+                kvb_req_status_t st;
+                all = kvb_batch_status(bs[k], i, &st) == KVB_OK && st.state == KVB_REQ_COMPLETED;
+            }
+        if (!all)
+            usleep(100);
+    }
+    CHECK(all, "batches nobody waits for complete");
+    for (int k = 0; k < 8; k++)
+        kvb_batch_free(bs[k]);
+    CHECK(dev_bad_byte(dev, DEV_LEN, 1, 0) < 0, "their bytes");
+
+    /* Two waiters on one batch: one watches the copies, the other sleeps until they end. */
+    CHECK(kvb_batch_submit(e, r, N, NULL, &b) == KVB_OK, "submit");
+    pthread_t th;
+    void *other = NULL;
+    CHECK(pthread_create(&th, NULL, second_waiter, b) == 0, "thread");
+    rc = kvb_batch_wait(b, 20000);
+    pthread_join(th, &other);
+    CHECK(rc == KVB_OK && (intptr_t)other == KVB_OK, "two waiters: %s and %s", kvb_strerror(rc),
+          kvb_strerror((int)(intptr_t)other));
+    kvb_batch_free(b);
+
+    /* Freed in flight, then the engine goes: its copies end first (nothing hangs or crashes). */
+    CHECK(kvb_batch_submit(e, r, N, NULL, &b) == KVB_OK, "submit");
+    kvb_batch_free(b);
+    target_stop(&t, e, seg);
+    kvb_engine_destroy(e);
+    free(r);
+    cu()->MemFree((uintptr_t)dev);
+}
+
 static void registrations(void)
 {
     printf("-- registrations\n");
@@ -464,6 +546,7 @@ int main(int argc, char **argv)
     transfers("auto", "cuda");
     peer_killed("tcp");
     peer_killed("cuda");
+    cuda_completions();
     fabric_device_memory();
     printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
     return failures ? 1 : 0;
