@@ -234,6 +234,12 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
 void kvb__ops_done(kvb_op_t *ops, int status)
 {
     while (ops) {
+        if (ops->req == KVB_OP_NOTIFY_REQ) { /* a notification's op ends on its own */
+            kvb_op_t *next = ops->next;
+            kvb__op_done(ops, status, 0);
+            ops = next;
+            continue;
+        }
         kvb_batch_t *b = ops->batch;
         kvb_op_t *end = ops;
         unsigned n = 0;
@@ -262,12 +268,7 @@ void kvb__ops_done(kvb_op_t *ops, int status)
             kvb__region_unpin_n(&b->engine->registry, pin, pins);
         if (notify)
             send_notify(b);
-        if (n == 0) { /* a notification's op ends on its own */
-            end = ops->next;
-            kvb__op_done(ops, status, 0);
-        } else {
-            batch_release_n(b, n); /* `end` was read first: the ops live in the batch's memory */
-        }
+        batch_release_n(b, n); /* `end` was read first: the ops live in the batch's memory */
         ops = end;
     }
 }
@@ -302,7 +303,6 @@ void kvb__op_dst_unlock(kvb_op_t *op)
     kvb__batch_dst_unlock(op->batch);
 }
 
-/* Checks request i and pins its local region into *pin. */
 /* Checks request i and pins its local region; `prev` is the previous request's pin, which it
  * reuses without the registry's lock when the range lies in it (requests come in runs). */
 static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops,
