@@ -143,6 +143,7 @@ static void send_notify(kvb_batch_t *b)
 
 /* The engine's counters for ops that ended, gathered, then added once. */
 typedef struct {
+    unsigned paths; /* bit i: path_ops[i] and path_bytes[i] in use */
     uint64_t failed, completed, path_ops[KVB_PATHS], path_bytes[KVB_PATHS];
 } op_tally_t;
 
@@ -152,11 +153,11 @@ static void tally_add(kvb_engine_t *e, const op_tally_t *t)
         atomic_fetch_add_explicit(&e->st_failed, t->failed, memory_order_relaxed);
     if (t->completed)
         atomic_fetch_add_explicit(&e->st_completed, t->completed, memory_order_relaxed);
-    for (unsigned i = 0; i < KVB_PATHS; i++)
-        if (t->path_ops[i]) {
-            atomic_fetch_add_explicit(&e->st_path_ops[i], t->path_ops[i], memory_order_relaxed);
-            atomic_fetch_add_explicit(&e->st_path_bytes[i], t->path_bytes[i], memory_order_relaxed);
-        }
+    for (unsigned m = t->paths; m; m &= m - 1) {
+        unsigned i = (unsigned)__builtin_ctz(m);
+        atomic_fetch_add_explicit(&e->st_path_ops[i], t->path_ops[i], memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->st_path_bytes[i], t->path_bytes[i], memory_order_relaxed);
+    }
 }
 
 /* Counts op's bytes or failure against its request. Caller holds b->mu. */
@@ -174,6 +175,7 @@ static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t 
         return;
     }
     r->bytes += bytes;
+    t->paths |= 1u << op->path;
     t->path_bytes[op->path] += bytes;
     t->path_ops[op->path]++;
     if (--r->ops_left == 0) {
