@@ -60,7 +60,6 @@ typedef struct {
  * event recorded after the last. Whoever takes it off the path's list ends its ops. */
 typedef struct cuda_group {
     struct cuda_group *next;
-    kvb_batch_t *batch;
     kvb_op_t *ops, **tail; /* linked by op->next, ended together */
     kvb_peer_t *peer;      /* a reference, so the peer's maps outlive the copies */
     kvb_cu_event_t event;  /* recorded after the last copy; NULL until one started */
@@ -279,9 +278,8 @@ static void event_put_locked(cuda_path_t *cp, int d, kvb_cu_event_t ev)
     if (dv->nevents == dv->cap) {
         size_t ncap = dv->cap ? dv->cap * 2 : 8;
         kvb_cu_event_t *n = realloc(dv->events, ncap * sizeof *n);
-        if (!n) { /* rare: let it go (destroying needs d's context, which this thread may lack) */
+        if (!n) /* rare: let it go (destroying needs d's context, which this thread may lack) */
             return;
-        }
         dv->events = n;
         dv->cap = ncap;
     }
@@ -392,7 +390,7 @@ static void cuda_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
         if (st == KVB_OK && !g) {
             if ((g = calloc(1, sizeof *g))) {
                 atomic_fetch_add(&p->refs, 1);
-                *g = (cuda_group_t){.next = groups, .batch = b, .peer = p, .dev = m.dev};
+                *g = (cuda_group_t){.next = groups, .peer = p, .dev = m.dev};
                 g->tail = &g->ops;
                 groups = g;
             } else {
@@ -575,7 +573,7 @@ static int cuda_progress(kvb_batch_t *b, uint64_t deadline)
     size_t n = 0;
     pthread_mutex_lock(&cp->mu);
     for (cuda_group_t *g = cp->head; g && n < MAX; g = g->next)
-        if (g->batch == b && !g->driven) {
+        if (g->ops->batch == b && !g->driven) { /* a group has ops from its making on */
             g->driven = true;
             mine[n++] = g;
         }
