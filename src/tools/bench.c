@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/copy.h"
 #include "kvbridge/engine.h"
 #include "tools/cli.h"
 
@@ -460,7 +461,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
     if (!strcmp(o->path, "tcp"))
         printf("  TCP congestion control %s\n", o->congestion);
     if (o->ceiling_gbps > 0) {
-        uint64_t llc = kvb_llc_bytes();
+        uint64_t llc = kvb__llc_size();
         double ratio = gbps / o->ceiling_gbps;
         char cache[48] = "unknown";
         if (llc)

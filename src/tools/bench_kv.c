@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/copy.h"
 #include "kvbridge/kv.h"
 #include "tools/cli.h"
 
@@ -378,7 +379,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
     kvb_ceiling_t c;
     double ceiling = kv_ceiling(m, n, pool, protocol, reps, &c);
-    uint64_t llc = kvb_llc_bytes();
+    uint64_t llc = kvb__llc_size();
     char cache[32] = "unknown (sysfs has none)";
     if (llc)
         snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));

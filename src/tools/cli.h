@@ -46,8 +46,6 @@ int kvb_ceiling_net(const char *addr, const char *peer_netns);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
  * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
 uint8_t *kvb_cli_populated(uint64_t len);
-/* The size of the largest CPU cache of cpu0 (sysfs), 0 if unknown. */
-uint64_t kvb_llc_bytes(void);
 
 /* Device memory for bench --gpu (src/tools/bench_gpu.c), on CUDA device 0; each reports its own
  * errors on stderr. A ceiling is a stream of cuMemcpyAsync ("d2h", "h2d", "d2d"), `batch` blocks

@@ -53,7 +53,8 @@ typedef struct {
     uint64_t theirs;
     uint8_t *mine;
     uint64_t len;
-    int status; /* in: KVB_OK to run it (else it is skipped); out: the answer */
+    uint64_t mine_span; /* the length of our registered region `mine` lies in */
+    int status;         /* in: KVB_OK to run it (else it is skipped); out: the answer */
 } kvb_shm_job_t;
 
 /* A set of jobs under way: started by kvb__shm_start, ended by kvb__shm_finish. */

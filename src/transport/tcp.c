@@ -1120,6 +1120,7 @@ static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
                                   .theirs = e.local,
                                   .mine = (uint8_t *)(uintptr_t)e.remote,
                                   .len = e.len,
+                                  .mine_span = pin ? pin->len : 0,
                                   .status = st};
     js->hdr[i] = (kvb_frame_hdr_t){.type = run->type,
                                    .flags = KVB_FRAME_F_SHM,

@@ -462,6 +462,68 @@ Test(engine, copy_sets_with_failures_in_order_shm)
     runs_with_failures("shm");
 }
 
+/* Same-host copies into memory larger than KVB_SHM_STREAM_MIN take streaming stores
+ * (kvb__copy_stream: ordinary stores up to the first whole cache line and after the last, the
+ * lines between streamed). At every alignment and length, READs (into the initiator's kvb_alloc
+ * memory) and WRITEs (into the target's registered region) land exactly, and the bytes between
+ * the destinations are left alone. `min` "off" copies the same requests with ordinary stores. */
+static void streamed_copies(const char *min)
+{
+    cr_assert_eq(setenv("KVB_SHM_STREAM_MIN", min, 1), 0);
+    kvb_engine_t *a = make_proto(1, 1, "shm"), *b = make_proto(1, 1, "shm");
+    size_t size = 16 << 20;
+    uint8_t *mine, *theirs = malloc(size), *want = malloc(size);
+    cr_assert_eq(kvb_alloc(a, size, 0, (void **)&mine), KVB_OK);
+    cr_assert(theirs && want);
+    cr_assert_eq(kvb_register(a, mine, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    cr_assert_eq(kvb_register(b, theirs, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(a, kvb_engine_segment_name(b), &s), KVB_OK);
+    enum { N = 300 };
+    kvb_request_t r[N];
+    for (int op = 0; op < 2; op++) {
+        bool read = op == 0;
+        uint8_t *src = read ? theirs : mine, *dst = read ? mine : theirs;
+        test_pattern_fill(src, 0, size, 21 + (uint64_t)op);
+        memset(dst, 0xEE, size);
+        memset(want, 0xEE, size);
+        uint64_t rs = 5 + (uint64_t)op, at = 0;
+        for (int i = 0; i < N; i++) { /* 1 byte to 96 KiB, odd gaps: every alignment */
+            uint64_t len = i % 10 == 0 ? 1 + test_rand(&rs) % 200 : 1 + test_rand(&rs) % 98304;
+            at += test_rand(&rs) % 131;
+            uint64_t from = test_rand(&rs) % (size - len);
+            cr_assert_leq(at + len, size);
+            memcpy(want + at, src + from, len);
+            r[i] = read
+                       ? (kvb_request_t){KVB_OP_READ, mine + at, s, (uintptr_t)theirs + from, len}
+                       : (kvb_request_t){KVB_OP_WRITE, mine + from, s, (uintptr_t)theirs + at, len};
+            at += len;
+        }
+        move_ok(a, r, N, 20000);
+        size_t bad = 0;
+        while (bad < size && dst[bad] == want[bad])
+            bad++;
+        cr_assert_eq(bad, size, "%s: byte %zu differs", read ? "READ" : "WRITE", bad);
+    }
+    kvb_stats_t st;
+    cr_assert_eq(kvb_engine_stats(a, &st), KVB_OK);
+    cr_assert_gt(kvb_stats_bytes(&st, "shm"), 0, "the requests went by shm");
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(theirs);
+    free(want);
+}
+
+Test(engine, shm_streamed_copies_exact)
+{
+    streamed_copies("4096");
+}
+
+Test(engine, shm_ordinary_copies_exact)
+{
+    streamed_copies("off");
+}
+
 /* Same-host requests travel in runs, one frame naming many (KVB_FRAME_F_SHM | KVB_FRAME_F_RUN),
  * and the target pins the region the request before it pinned without a lookup where it can. Every
  * request is still checked on its own: a run of WRITEs that hops between a writable region, a
