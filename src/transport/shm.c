@@ -30,6 +30,10 @@
 #define MAX_MAPPINGS   4096
 #define SPLIT_MIN      (1u << 20) /* copies below this stay on the calling thread */
 #define SPLIT_PART_MIN (256u << 10)
+/* A set of fewer bytes is copied by the thread that finishes it, alone: waking a pool thread
+ * (a futex wake, and 7-8 us before it copies on the VMs measured) costs more than the half of
+ * such a set it would take (README, "Same-host copies"). */
+#define POOL_MIN (256u << 10)
 
 /* HELLO opens a link with the token of one authenticated connection, BIND adds another's. */
 enum {
@@ -398,6 +402,10 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
     }
     if (nsegs == 0)
         return;
+    if (total < POOL_MIN) { /* copied at the finish, so the set before is answered first */
+        set->nsegs = nsegs;
+        return;
+    }
     pthread_mutex_lock(&s->pool_mu);
     pool_put(s, segs, nsegs, total, &set->left);
     pthread_cond_broadcast(&s->pool_cv);
@@ -409,11 +417,16 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     kvb_shm_peer_t *p = set->peer;
     if (!p)
         return;
-    pthread_mutex_lock(&s->pool_mu);
-    while (atomic_load(&set->left) > 0)
-        if (!pool_take(s)) /* this thread copies too */
-            pthread_cond_wait(&s->done_cv, &s->pool_mu);
-    pthread_mutex_unlock(&s->pool_mu);
+    const copy_seg_t *segs = set->segs;
+    for (size_t i = 0; answered && i < set->nsegs; i++) /* a small set, not queued */
+        seg_copy(&segs[i]);
+    if (atomic_load(&set->left) > 0) {
+        pthread_mutex_lock(&s->pool_mu);
+        while (atomic_load(&set->left) > 0)
+            if (!pool_take(s)) /* this thread copies too */
+                pthread_cond_wait(&s->done_cv, &s->pool_mu);
+        pthread_mutex_unlock(&s->pool_mu);
+    }
     pthread_rwlock_unlock(&p->lock);
     free(set->segs);
     for (size_t i = 0; i < set->n; i++) {
@@ -425,6 +438,7 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     }
     set->peer = NULL;
     set->segs = NULL;
+    set->nsegs = 0;
 }
 
 void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)

@@ -63,6 +63,7 @@ typedef struct {
     kvb_shm_job_t *jobs;
     size_t n;
     void *segs;      /* the copies as queued, in parts */
+    size_t nsegs;    /* a small set's copies, left to kvb__shm_finish's thread (none queued) */
     atomic_int left; /* parts not yet copied */
 } kvb_shm_set_t;
 
