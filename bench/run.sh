@@ -132,7 +132,7 @@ goal_pair() { # name workload target kind(ratio|abs) ceiling-kind block -- kvbri
         echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi" >> "$OUT/goals.csv"
     else
         met=$(awk -v k="$km" -v t="$target" 'BEGIN {print (k >= t ? "yes" : "no")}')
-        echo "$name,$work,$km GB/s,,,>= $target GB/s,$met,$(printf '%s\n' "${ks[@]}" | sort -g | sed -n '1p;$p' | paste -sd-) GB/s" >> "$OUT/goals.csv"
+        echo "$name,$work,$km GB/s,,,>= $target GB/s,$met,$(printf '%s\n' "${ks[@]}" | sort -g | sed -n '1p;$p' | round | paste -sd-) GB/s" >> "$OUT/goals.csv"
     fi
 }
 goal_pair tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 ratio tcp 1M -- --protocol tcp --operation read --block-size 1M --batch-size 32
