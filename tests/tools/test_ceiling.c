@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The ceilings that `kvbridge bench` divides by must be ceilings: the TCP one within a factor of a
- * plain two-process socket stream measured here, the copy one not below a plain memcpy of buffers
- * of the same size. A broken ceiling (a copy-on-write buffer shared across fork(), a cache-sized
- * working set) fails here instead of in a results table. */
+ * plain two-process socket stream measured here, the copy one not below a plain two-thread copy
+ * of buffers of the same size, by memcpy or by streaming stores, whichever is faster here. A
+ * broken ceiling (a copy-on-write buffer shared across fork(), a cache-sized working set, a way
+ * of copying left out) fails here instead of in a results table. */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -17,6 +19,9 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 TestSuite(ceiling, .timeout = 120);
 
@@ -102,16 +107,53 @@ static double stream_over(uint64_t len, double secs)
     return g;
 }
 
-static double plain_memcpy(double secs)
+/* Streaming (non-temporal) stores, written here on their own rather than taken from the
+ * library: the blocks are page-aligned, so no head or tail. memcpy where there are none. */
+static void stream_copy(uint8_t *d, const uint8_t *s, size_t n)
+{
+#if defined(__x86_64__)
+    for (size_t i = 0; i < n; i += 16)
+        _mm_stream_si128((__m128i *)(d + i), _mm_load_si128((const __m128i *)(s + i)));
+    _mm_sfence();
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+typedef struct {
+    uint8_t *a, *b;
+    uint64_t first, end, bytes;
+    bool streaming;
+} copier_t;
+
+static void *copier(void *arg)
+{
+    copier_t *c = arg;
+    for (uint64_t i = c->first; kvb__now_ns() < c->end; i += 2) {
+        uint64_t off = (i % (BUF / BLOCK)) * BLOCK;
+        if (c->streaming)
+            stream_copy(c->b + off, c->a + off, BLOCK);
+        else
+            memcpy(c->b + off, c->a + off, BLOCK);
+        c->bytes += BLOCK;
+    }
+    return NULL;
+}
+
+/* Two threads, as the ceiling (and the copy path) has, taking every other block. */
+static double plain_copy(double secs, bool streaming)
 {
     uint8_t *a = buffer(), *b = buffer();
-    uint64_t bytes = 0, t0 = kvb__now_ns(), end = t0 + (uint64_t)(secs * 1e9);
-    for (uint64_t i = 0; kvb__now_ns() < end; i++) {
-        uint64_t off = (i % (BUF / BLOCK)) * BLOCK;
-        memcpy(b + off, a + off, BLOCK);
-        bytes += BLOCK;
+    uint64_t t0 = kvb__now_ns();
+    copier_t c[2];
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) {
+        c[i] = (copier_t){a, b, (uint64_t)i, t0 + (uint64_t)(secs * 1e9), 0, streaming};
+        cr_assert_eq(pthread_create(&t[i], NULL, copier, &c[i]), 0);
     }
-    double g = (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    double g = (double)(c[0].bytes + c[1].bytes) / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
     munmap(a, BUF);
     munmap(b, BUF);
     return g;
@@ -133,18 +175,26 @@ Test(ceiling, tcp_is_a_socket_stream)
               "TCP ceiling %.3f GB/s is not a socket stream's %.3f GB/s", ceil, plain);
 }
 
-Test(ceiling, copy_not_below_memcpy)
+/* A ceiling below 0.8 of the faster plain copy (two threads each, as the ceiling's) left a way
+ * of copying out: until 2026-11-24 it had no streaming stores, and measured 0.6 of a plain
+ * streaming copy between buffers larger than the cache here. */
+Test(ceiling, copy_not_below_a_plain_copy)
 {
-    double ceil = 0, plain = 0;
+    double ceil = 0, plain = 0, streamed = 0;
     for (int i = 0; i < 3; i++) {
         double c = bench_gbps("--baseline copy --block-size 1M --buffer-size 64M --duration 1");
-        double p = plain_memcpy(0.3);
+        double p = plain_copy(0.3, false), q = plain_copy(0.3, true);
         ceil = c > ceil ? c : ceil;
         plain = p > plain ? p : plain;
+        streamed = q > streamed ? q : streamed;
     }
-    cr_log_info("copy ceiling %.3f GB/s, plain memcpy %.3f GB/s", ceil, plain);
-    cr_expect(ceil >= plain * 0.8, "copy ceiling %.3f GB/s is below a plain memcpy's %.3f GB/s",
-              ceil, plain);
+    double best = plain > streamed ? plain : streamed;
+    cr_log_info("copy ceiling %.3f GB/s, plain memcpy %.3f GB/s, plain streaming copy %.3f GB/s",
+                ceil, plain, streamed);
+    cr_expect(ceil >= best * 0.8,
+              "copy ceiling %.3f GB/s is below a plain copy's %.3f GB/s (memcpy %.3f, streaming "
+              "stores %.3f)",
+              ceil, best, plain, streamed);
 }
 
 /* A working set larger than the caches, and than what the kernel has reached of the process
