@@ -34,7 +34,8 @@ static void exact(copy_fn *fn, const char *name)
                                   KVB_COPY_STREAM_MIN + 128,
                                   2 * KVB_COPY_STREAM_MIN + 77,
                                   MAX};
-    uint8_t *src = aligned_alloc(4096, MAX + 2 * PAD), *dst = aligned_alloc(4096, MAX + 2 * PAD);
+    size_t size = (MAX + 2 * PAD + 4095) & ~(size_t)4095; /* a multiple of the alignment (C11) */
+    uint8_t *src = aligned_alloc(4096, size), *dst = aligned_alloc(4096, size);
     cr_assert(src && dst);
     for (size_t i = 0; i < MAX + 2 * PAD; i++)
         src[i] = (uint8_t)(i * 131 + 7);
