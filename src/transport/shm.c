@@ -1082,16 +1082,16 @@ static int start_pool(kvb_shm_t *s, int n)
 static uint64_t stream_min(void)
 {
     const char *v = getenv("KVB_SHM_STREAM_MIN");
-    if (v && *v) {
-        char *end = NULL;
-        errno = 0;
-        unsigned long long n = strtoull(v, &end, 0);
-        if (strcmp(v, "off") == 0)
-            return 0;
-        if (errno == 0 && end != v && *end == '\0' && v[0] != '-')
-            return n ? n : 1;
-        KVB_WARN("KVB_SHM_STREAM_MIN=%s is neither a byte count nor \"off\"; ignored", v);
-    }
+    if (!v || !*v)
+        return kvb__llc_size();
+    if (strcmp(v, "off") == 0)
+        return 0; /* never */
+    char *end = NULL;
+    errno = 0;
+    unsigned long long n = strtoull(v, &end, 0);
+    if (errno == 0 && end != v && *end == '\0' && v[0] != '-')
+        return n ? n : 1; /* 0: into any memory (larger than 1 byte) */
+    KVB_WARN("KVB_SHM_STREAM_MIN=%s is neither a byte count nor \"off\"; ignored", v);
     return kvb__llc_size();
 }
 

@@ -69,15 +69,18 @@ typedef struct {
 
 /* Queues the jobs of one initiator as parts for the copy pool and returns at once, so the caller
  * can read the next requests while the pool copies (a second set may be started before the first
- * is finished). The jobs stay the caller's, untouched, until kvb__shm_finish. */
+ * is finished). A set of under 256 KiB is not queued: kvb__shm_finish's thread copies it. Copies
+ * into memory larger than the last-level cache use streaming stores. The jobs stay the caller's,
+ * untouched, until kvb__shm_finish. */
 void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,
                     kvb_shm_set_t *set);
-/* Copies queued parts on this thread too (the oldest first, which may be the next set's) until
- * the set's are done, then sets each job's status (KVB_ERR_SHM_COPY if its memory is not
- * reachable). */
+/* Copies a small set's copies, or queued parts on this thread too (the oldest first, which may
+ * be the next set's) until the set's are done, then sets each job's status (KVB_ERR_SHM_COPY if
+ * its memory is not reachable). */
 void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set);
 /* The same for a set no one will be answered for (its connection failed): waits for its queued
- * copies, makes no cross-memory ones. Does nothing for a set not started. */
+ * copies, makes no others (neither a small set's nor cross-memory ones). Does nothing for a set
+ * not started. */
 void kvb__shm_abandon(kvb_shm_t *s, kvb_shm_set_t *set);
 
 #endif
