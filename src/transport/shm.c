@@ -342,14 +342,15 @@ static uint8_t *resolve(kvb_shm_peer_t *p, uint64_t theirs, uint64_t len, uint64
 }
 
 /* Whether a copy into memory that lies in `span` bytes (a registered region, a peer's allocation)
- * should bypass the caches. A KV pool larger than the last-level cache is streamed through, not
- * reused from cache: ordinary stores would read each destination line from memory first, to own
- * it, and write it back later - streaming stores skip that read, 1.5-1.7x the bytes per second
- * on the machines measured (README, "Streaming stores"). Memory that fits in the cache may be
- * read again from it soon, and is copied into with ordinary stores. */
-static bool stream_into(const kvb_shm_t *s, uint64_t span, uint64_t len)
+ * should bypass the caches (kvb__copy_stream itself copies short ones with ordinary stores). A KV
+ * pool larger than the last-level cache is streamed through, not reused from cache: ordinary stores
+ * would read each destination line from memory first, to own it, and write it back later -
+ * streaming stores skip that read, 1.5-1.7x the bytes per second on the machines measured (README,
+ * "Streaming stores"). Memory that fits in the cache may be read again from it soon, and is copied
+ * into with ordinary stores. */
+static bool stream_into(const kvb_shm_t *s, uint64_t span)
 {
-    return s->stream_min && span > s->stream_min && len >= KVB_COPY_STREAM_MIN;
+    return s->stream_min && span > s->stream_min;
 }
 
 static int cma_copy(pid_t pid, bool to_peer, uint64_t theirs, uint8_t *mine, uint64_t len)
@@ -392,7 +393,7 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
         uint8_t *at = resolve(p, j->theirs, j->len, &span);
         uint8_t *dst = j->to_peer ? at : j->mine;
         const uint8_t *src = j->to_peer ? j->mine : at;
-        bool stream = stream_into(s, j->to_peer ? span : j->mine_span, j->len);
+        bool stream = stream_into(s, j->to_peer ? span : j->mine_span);
         if (!at)
             j->status = KVB_ERR_AGAIN; /* cross-memory attach, at the finish */
         else if (segs)
