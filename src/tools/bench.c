@@ -689,27 +689,36 @@ static void pin_to(int cpu)
     sched_setaffinity(0, sizeof set, &set);
 }
 
-/* A child that echoes `len`-byte messages on a loopback TCP socket; returns the client fd. */
-static int start_echo(uint64_t len, pid_t *pid)
+/* A child that echoes `len`-byte messages; returns the client fd. The socket is the kind the
+ * measured requests ride: a Unix socket (local) for same-host peers, whose lanes are Unix sockets,
+ * else loopback TCP. */
+static int start_echo(uint64_t len, bool local, pid_t *pid)
 {
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    int lfd = -1, sv[2] = {-1, -1}, one = 1;
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
-        getsockname(lfd, (struct sockaddr *)&sa, &sl))
+    if (local ? socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv)
+              : (lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+                    bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
+                    getsockname(lfd, (struct sockaddr *)&sa, &sl))
         return -1;
     fflush(stdout);
     *pid = fork();
     if (*pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         pin_to(1);
-        int fd = accept(lfd, NULL, NULL);
+        int fd = local ? sv[1] : accept(lfd, NULL, NULL);
         uint8_t *b = malloc(len);
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        if (!local)
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         while (b && recv(fd, b, len, MSG_WAITALL) == (ssize_t)len)
             if (send(fd, b, len, MSG_NOSIGNAL) != (ssize_t)len)
                 break;
         _exit(0);
+    }
+    if (local) {
+        close(sv[1]);
+        return sv[0];
     }
     close(lfd);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -748,7 +757,8 @@ static int run_latency(bench_opts_t *o)
     kvb_segment_transport(e, seg, &o->path);
     uint8_t *local = rc ? NULL : engine_buffer(e, o, o->block, false);
     pid_t echo = -1;
-    int fd = local ? start_echo(o->block, &echo) : -1;
+    bool unix_lanes = !strcmp(o->path, "shm"); /* a same-host peer's lanes are Unix sockets */
+    int fd = local ? start_echo(o->block, unix_lanes, &echo) : -1;
     enum { ROUNDS = 20, PER = 250 };
     double *kl = calloc(ROUNDS * PER, sizeof *kl), *rl = calloc(ROUNDS * PER, sizeof *rl);
     size_t nk = 0, nr = 0;
@@ -782,13 +792,15 @@ static int run_latency(bench_opts_t *o)
         double k50 = pct(kl, nk, 0.5), k99 = pct(kl, nk, 0.99);
         double r50 = pct(rl, nr, 0.5), r99 = pct(rl, nr, 0.99);
         printf("kvbridge bench --latency: %llu-byte READ round trip over %s: p50 %.1f us, p99 "
-               "%.1f us\n  raw socket ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f\n",
-               (unsigned long long)o->block, o->path, k50, k99, r50, r99, k50 / r50);
+               "%.1f us\n  raw %s ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f\n",
+               (unsigned long long)o->block, o->path, k50, k99,
+               unix_lanes ? "Unix-socket" : "TCP loopback", r50, r99, k50 / r50);
         if (o->json)
             printf("{\"latency_block\":%llu,\"protocol\":\"%s\",\"lat_p50_us\":%.2f,"
-                   "\"lat_p99_us\":%.2f,\"raw_p50_us\":%.2f,\"raw_p99_us\":%.2f,"
-                   "\"ratio_p50\":%.3f}\n",
-                   (unsigned long long)o->block, o->path, k50, k99, r50, r99, k50 / r50);
+                   "\"lat_p99_us\":%.2f,\"raw_socket\":\"%s\",\"raw_p50_us\":%.2f,"
+                   "\"raw_p99_us\":%.2f,\"ratio_p50\":%.3f}\n",
+                   (unsigned long long)o->block, o->path, k50, k99, unix_lanes ? "unix" : "tcp",
+                   r50, r99, k50 / r50);
     }
     if (fd >= 0)
         close(fd);
@@ -935,7 +947,8 @@ static void usage(FILE *f)
         "  --peer-netns NAME         --baseline tcp across namespaces: listen on --bind here,\n"
         "                            the sender in network namespace NAME (ip netns)\n"
         "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
-        "                            socket ping-pong, interleaved; p50/p99 of both\n"
+        "                            ping-pong on the socket kind the lanes use (Unix for\n"
+        "                            shm, else TCP), interleaved; p50/p99 of both\n"
         "  --kv MODEL --tokens N     KV-shaped pull of one prompt (llama3-8b, llama3-70b,\n"
         "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
 }

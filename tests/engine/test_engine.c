@@ -349,6 +349,81 @@ static void many_small_requests(const char *protocol)
     free(dst);
 }
 
+/* This host's connections in state ESTABLISHED with `port` at either end (/proc/net/tcp). */
+static int established_on(uint16_t port)
+{
+    int n = 0;
+    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    for (size_t i = 0; i < 2; i++) {
+        FILE *f = fopen(files[i], "r");
+        char line[512];
+        unsigned lp, rp, st;
+        while (f && fgets(line, sizeof line, f))
+            if (sscanf(line, " %*u: %*[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%x %x", &lp, &rp, &st) == 3 &&
+                st == 1 && (lp == port || rp == port))
+                n++;
+        if (f)
+            fclose(f);
+    }
+    return n;
+}
+
+/* Connected Unix sockets bound to the abstract name `name`: a listener's accepted ends
+ * (/proc/net/unix, state 03). */
+static int unix_connected(const char *name)
+{
+    int n = 0;
+    FILE *f = fopen("/proc/net/unix", "r");
+    char line[512], path[256];
+    unsigned st;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "%*s %*s %*s %*s %*s %x %*s %255s", &st, path) == 2 && st == 3 &&
+            path[0] == '@' && !strcmp(path + 1, name))
+            n++;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+/* A same-host peer's lanes are Unix sockets: lane 0 proves over TCP who the peer is, then every
+ * lane is a Unix socket and no TCP connection stays. An initiator limited to TCP keeps TCP lanes.
+ * Both move the same bytes. */
+Test(engine, same_host_lanes_are_unix_sockets)
+{
+    kvb_engine_t *b = make(1, 1), *a = make(2, 3), *t = make_proto(1, 3, "tcp");
+    size_t size = 1 << 20;
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, 5, &src, &dst);
+    uint64_t inc;
+    cr_assert_eq(kvb_segment_incarnation(a, s, &inc), KVB_OK);
+    char name[64];
+    snprintf(name, sizeof name, "kvbridge-%016llx-lanes", (unsigned long long)inc);
+    uint16_t port = kvb_engine_port(b);
+    int tcp = -1;
+    for (int i = 0; i < 200 && (tcp = established_on(port)) != 0; i++)
+        usleep(10000); /* lane 0's TCP connection closes just after the handshake */
+    cr_assert_eq(tcp, 0, "%d TCP connections stay with a same-host peer", tcp);
+    cr_assert_eq(unix_connected(name), 3);
+    kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, size};
+    move_ok(a, &r, 1, 10000);
+    cr_assert_eq(memcmp(dst, src, size), 0);
+
+    cr_assert_eq(kvb_register(t, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_segment_t ts;
+    cr_assert_eq(kvb_segment_open(t, kvb_engine_segment_name(b), &ts), KVB_OK);
+    cr_assert_eq(established_on(port), 2 * 3, "both ends of 3 TCP lanes");
+    cr_assert_eq(unix_connected(name), 3);
+    memset(dst, 0, size);
+    r.segment = ts;
+    move_ok(t, &r, 1, 10000);
+    cr_assert_eq(memcmp(dst, src, size), 0);
+    kvb_engine_destroy(t);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(src);
+    free(dst);
+}
+
 Test(engine, many_small_requests_over_many_lanes_tcp)
 {
     many_small_requests("tcp");

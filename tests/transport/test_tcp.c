@@ -854,6 +854,59 @@ static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
     return 0;
 }
 
+/* A raw connection to the engine's same-host lane socket: an abstract Unix stream socket named
+ * by its incarnation. */
+static int raw_connect_local(void)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    int len = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "kvbridge-%016llx-lanes",
+                       (unsigned long long)eng->hello.incarnation);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa,
+                         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)len)),
+                 0, "no same-host lane socket: %s", strerror(errno));
+    return fd;
+}
+
+/* Sends a HELLO naming process `pid` on `host` and expects the engine to hang up without a
+ * challenge. */
+static void local_hello_refused(uint32_t pid, const uint8_t host[KVB_HOST_ID_LEN])
+{
+    int fd = raw_connect_local();
+    kvb_hello_t me = {.incarnation = 7, .pid = pid};
+    memcpy(me.host_id, host, KVB_HOST_ID_LEN);
+    strcpy(me.name, "raw:1");
+    uint8_t out[KVB_WIRE_HDR_SIZE + KVB_WIRE_MAX_HELLO];
+    size_t n = kvb__wire_hello_encode(&me, out + KVB_WIRE_HDR_SIZE);
+    put_hdr(out, KVB_FRAME_HELLO, 0, 0, 0, n);
+    cr_assert_eq(send(fd, out, KVB_WIRE_HDR_SIZE + n, 0), (ssize_t)(KVB_WIRE_HDR_SIZE + n));
+    uint8_t types[8];
+    int32_t st;
+    frames_until_close(fd, types, sizeof types, &st);
+    cr_assert_eq(types[0], 0, "pid %u: got frame type %u, not a hang-up", pid, types[0]);
+    close(fd);
+}
+
+/* A same-host lane is the process the kernel says is at the other end: a hello naming another
+ * process, or another host, is refused before any challenge (so no same-host token is ever
+ * offered for a process that did not connect). This process itself is served, on the same socket,
+ * exactly as over TCP. */
+Test(hostile, same_host_lanes_take_only_the_process_connected)
+{
+    uint8_t here[KVB_HOST_ID_LEN], elsewhere[KVB_HOST_ID_LEN];
+    kvb__host_id(here);
+    memcpy(elsewhere, here, sizeof here);
+    elsewhere[0] ^= 1;
+    local_hello_refused((uint32_t)getpid() + 1, here);
+    local_hello_refused(1, here);
+    local_hello_refused((uint32_t)getpid(), elsewhere);
+    int fd = raw_connect_local();
+    raw_login_as(fd, SECRET, 0, NULL, NULL);
+    read_handshake_reply(fd);
+    close(fd);
+    engine_serves_with_secret();
+}
+
 /* A same-host request run (F_SHM | F_RUN) of n READs, ids id..id+n-1: request k asks for lens[k]
  * bytes (NULL: 64) of mem at 64k, to go to theirs + step * k. Returns its size. */
 static size_t shm_run(uint8_t *out, uint64_t id, size_t n, const uint64_t *lens, uint64_t theirs,
