@@ -5,48 +5,52 @@
 
 #include "common/auth.h"
 
+#include <endian.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* Unaligned little-endian loads and stores: memcpy compiles to one move (the byte loops these
+ * replace were not merged, and decoding same-host request entries byte by byte was a tenth of
+ * both sides' CPU in runs of small requests). */
 static void put_u16(uint8_t *p, uint16_t v)
 {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
+    v = htole16(v);
+    memcpy(p, &v, sizeof v);
 }
 
 static void put_u32(uint8_t *p, uint32_t v)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = htole32(v);
+    memcpy(p, &v, sizeof v);
 }
 
 static void put_u64(uint8_t *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = htole64(v);
+    memcpy(p, &v, sizeof v);
 }
 
 static uint16_t get_u16(const uint8_t *p)
 {
-    return (uint16_t)(p[0] | (p[1] << 8));
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return le16toh(v);
 }
 
 static uint32_t get_u32(const uint8_t *p)
 {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return le32toh(v);
 }
 
 static uint64_t get_u64(const uint8_t *p)
 {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return le64toh(v);
 }
 
 /* Layout: magic u32 | version u8 | type u8 | flags u16 | status i32 | reserved u32 | id u64 |
