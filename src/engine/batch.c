@@ -410,13 +410,16 @@ static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, kv
         kvb_op_t *op = &b->ops[(*next_op)++];
         if (off > 0)
             atomic_fetch_add(&pin->refs, 1);
-        *op = (kvb_op_t){.batch = b,
-                         .req = i,
-                         .kind = r->opcode == KVB_OP_READ ? KVB_OPK_READ : KVB_OPK_WRITE,
-                         .local = (uint8_t *)r->local + off,
-                         .remote = r->remote + off,
-                         .len = len,
-                         .pin = pin};
+        /* Field by field: the op is zeroed already (batch_mem_get), and a compound literal
+         * zeroed each 88-byte op again with its own `rep stos`, a third of submit's time in
+         * batches of small requests. */
+        op->batch = b;
+        op->req = i;
+        op->kind = r->opcode == KVB_OP_READ ? KVB_OPK_READ : KVB_OPK_WRITE;
+        op->local = (uint8_t *)r->local + off;
+        op->remote = r->remote + off;
+        op->len = len;
+        op->pin = pin;
         b->reqs[i].ops_left++;
         **tail = op;
         *tail = &op->next;
