@@ -93,6 +93,7 @@ const kvb_provider_ops_t kvb__fabric_provider = {
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/le.h"
 #include "transport/cuda_driver.h"
 
 /* libfabric is opened (dlopen) when a fabric path is first wanted, not linked: Debian's build
@@ -254,20 +255,6 @@ static uint32_t fnv32(const char *s)
     for (; *s; s++)
         h = (h ^ (uint8_t)*s) * 16777619u;
     return h;
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
 }
 
 /* A libfabric error (positive or negative FI_E*) as a kvbridge status. */
@@ -743,11 +730,10 @@ static int fab_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t *
     key[2] = (fp->mr_mode & FI_MR_VIRT_ADDR) ? KEY_VIRT : 0;
     key[3] = (uint8_t)r->n;
     key[4] = (uint8_t)fp->addr_len;
-    for (int i = 0; i < 4; i++)
-        key[8 + i] = (uint8_t)(fp->prov_hash >> (8 * i));
-    put64(key + 12, r->split);
+    kvb__put_le32(key + 8, fp->prov_hash);
+    kvb__put_le64(key + 12, r->split);
     for (size_t i = 0; i < r->n; i++)
-        put64(key + KEY_HDR + 8 * i, r->mr[i].key);
+        kvb__put_le64(key + KEY_HDR + 8 * i, r->mr[i].key);
     memcpy(key + KEY_HDR + 8 * r->n, fp->addr, fp->addr_len);
     *key_len = need;
     reg->path_state[KVB_PATH_FABRIC] = r;
@@ -784,12 +770,11 @@ static bool blob_of(const fab_path_t *fp, const kvb_region_desc_t *d, blob_t *b)
     const uint8_t *k = d ? kvb__region_key(d, KVB_PATH_FABRIC, &len) : NULL;
     if (!k || len < KEY_HDR || k[0] != KEY_MAGIC || k[1] != KEY_VERSION)
         return false;
-    uint32_t hash =
-        (uint32_t)k[8] | (uint32_t)k[9] << 8 | (uint32_t)k[10] << 16 | (uint32_t)k[11] << 24;
+    uint32_t hash = kvb__get_le32(k + 8);
     *b = (blob_t){.virt = k[2] & KEY_VIRT,
                   .nmr = k[3],
                   .addr_len = k[4],
-                  .split = get64(k + 12),
+                  .split = kvb__get_le64(k + 12),
                   .keys = k + KEY_HDR};
     b->addr = b->keys + 8 * b->nmr;
     return hash == fp->prov_hash && b->nmr > 0 && b->addr_len > 0 && b->addr_len <= ADDR_MAX &&
@@ -904,7 +889,7 @@ static fab_op_t *op_segments(fab_path_t *fp, kvb_op_t *op, const blob_t *b)
                 s->fo = fo;
                 s->local = op->local + off;
                 s->desc = lr->mr[li].desc;
-                s->key = get64(b->keys + 8 * ri);
+                s->key = kvb__get_le64(b->keys + 8 * ri);
                 s->raddr = b->virt ? op->remote + off : r - ri * b->split;
                 s->len = len;
                 s->read = op->kind == KVB_OPK_READ;
