@@ -518,13 +518,13 @@ static int msg_recv(int fd, shm_msg_t *m, int *got_fd)
     return KVB_OK;
 }
 
-static void sock_name(uint64_t incarnation, struct sockaddr_un *sa, socklen_t *len)
+void kvb__sock_name(uint64_t incarnation, const char *kind, struct sockaddr_un *sa, socklen_t *len)
 {
     memset(sa, 0, sizeof *sa);
     sa->sun_family = AF_UNIX;
     /* Abstract namespace: nothing on disk to clean up, gone when the engine's socket closes. */
-    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "kvbridge-%016llx",
-                     (unsigned long long)incarnation);
+    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "kvbridge-%016llx%s",
+                     (unsigned long long)incarnation, kind);
     *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
@@ -892,7 +892,7 @@ static int link_connect(const kvb_hello_t *target, int *out)
 {
     struct sockaddr_un sa;
     socklen_t sl;
-    sock_name(target->incarnation, &sa, &sl);
+    kvb__sock_name(target->incarnation, "", &sa, &sl);
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
         if (fd >= 0)
@@ -1047,7 +1047,7 @@ static int start_listener(kvb_shm_t *s)
 {
     struct sockaddr_un sa;
     socklen_t sl;
-    sock_name(s->engine->hello.incarnation, &sa, &sl);
+    kvb__sock_name(s->engine->hello.incarnation, "", &sa, &sl);
     s->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     s->stop_fd = eventfd(0, EFD_CLOEXEC);
     if (s->listen_fd < 0 || s->stop_fd < 0 || bind(s->listen_fd, (struct sockaddr *)&sa, sl) ||

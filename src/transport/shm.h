@@ -8,7 +8,9 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/un.h>
 
 #include "common/auth.h"
 #include "engine/internal.h"
@@ -18,6 +20,11 @@ typedef struct kvb_shm_peer kvb_shm_peer_t;
 
 /* The engine-facing part (create, destroy, kvb_alloc memory) is declared in engine/internal.h. */
 bool kvb__shm_listening(const kvb_shm_t *s);
+
+/* The abstract Unix socket an engine of `incarnation` listens on: its same-host link's (kind "")
+ * or its same-host lanes' ("-lanes", in the TCP transport). Anyone on the host may take such a
+ * name first: whoever connects checks who holds it (SO_PEERCRED). */
+void kvb__sock_name(uint64_t incarnation, const char *kind, struct sockaddr_un *sa, socklen_t *len);
 
 /* Initiator side: links to a same-host target named by its (authenticated) hello, presenting the
  * one-time tokens its lanes received in their HELLO_ACKs: tokens[0] opens the link, the others

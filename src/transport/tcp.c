@@ -10,7 +10,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -219,7 +218,7 @@ struct tcp_thread {
 struct kvb_transport {
     kvb_engine_t *engine;
     int listen_fd;
-    int local_fd;   /* same-host lanes' Unix listener (lane_sock_name), or -1 */
+    int local_fd;   /* same-host lanes' Unix listener (LANE_SOCK), or -1 */
     int reserve_fd; /* kept open to be given up when accept() hits EMFILE */
     /* Accepted connections by id, for answers on the connection a notification came in on. */
     pthread_mutex_t targets_mu;
@@ -2042,17 +2041,10 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
     return KVB_OK;
 }
 
-/* Where an engine takes its same-host lanes: an abstract Unix socket named by its incarnation
- * (nothing on disk; gone with the socket). A name anyone on the host could have taken first: an
- * initiator checks who holds it (dial_local), and the lane is authenticated like any other. */
-static void lane_sock_name(uint64_t incarnation, struct sockaddr_un *sa, socklen_t *len)
-{
-    memset(sa, 0, sizeof *sa);
-    sa->sun_family = AF_UNIX;
-    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "kvbridge-%016llx-lanes",
-                     (unsigned long long)incarnation);
-    *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
-}
+/* Where an engine takes its same-host lanes: an abstract Unix stream socket, "kvbridge-<its
+ * incarnation>-lanes" (kvb__sock_name). Its name anyone on the host could have taken first: an
+ * initiator checks who holds it (dial_local), and each lane authenticates like any other. */
+#define LANE_SOCK "-lanes"
 
 /* Same-host lanes: a Unix stream socket, where the engine has a same-host path. Not fatal: a
  * same-host initiator that cannot reach it keeps its TCP lanes. */
@@ -2063,7 +2055,7 @@ static void listen_local(kvb_transport_t *tp)
         return;
     struct sockaddr_un sa;
     socklen_t sl;
-    lane_sock_name(e->hello.incarnation, &sa, &sl);
+    kvb__sock_name(e->hello.incarnation, LANE_SOCK, &sa, &sl);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &local_tag};
     if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sl) || listen(fd, 512) ||
@@ -2311,14 +2303,14 @@ static int authenticate(kvb_engine_t *e, int fd, uint32_t lane, uint64_t deadlin
     return rc;
 }
 
-/* Connects to a same-host target's lane socket (lane_sock_name), if the process holding it is
+/* Connects to a same-host target's lane socket (LANE_SOCK), if the process holding it is
  * the one that authenticated on our TCP lane. KVB_ERR_CONNECT where there is none to reach (not
  * on our host after all, another network namespace, an engine without a same-host path). */
 static int dial_local(const kvb_peer_t *p, int *out)
 {
     struct sockaddr_un sa;
     socklen_t sl;
-    lane_sock_name(p->hello.incarnation, &sa, &sl);
+    kvb__sock_name(p->hello.incarnation, LANE_SOCK, &sa, &sl);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
         /* A Unix connect does not go on in the background: EAGAIN is a full backlog. */
