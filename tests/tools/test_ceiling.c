@@ -177,24 +177,30 @@ Test(ceiling, tcp_is_a_socket_stream)
 
 /* A ceiling below 0.8 of the faster plain copy (two threads each, as the ceiling's) left a way
  * of copying out: until 2026-11-24 it had no streaming stores, and measured 0.6 of a plain
- * streaming copy between buffers larger than the cache here. */
+ * streaming copy between buffers larger than the cache here. Compared round by round (a round
+ * takes 2 s, so both sides see the same machine) and judged by the best round: a broken ceiling
+ * is low in every round, a moment of noise is not. */
 Test(ceiling, copy_not_below_a_plain_copy)
 {
-    double ceil = 0, plain = 0, streamed = 0;
+    double ratio = 0, ceil = 0, plain = 0, streamed = 0;
     for (int i = 0; i < 3; i++) {
         double c = bench_gbps("--baseline copy --block-size 1M --buffer-size 64M --duration 1");
         double p = plain_copy(0.3, false), q = plain_copy(0.3, true);
-        ceil = c > ceil ? c : ceil;
-        plain = p > plain ? p : plain;
-        streamed = q > streamed ? q : streamed;
+        double r = c / (p > q ? p : q);
+        cr_log_info("round %d: copy ceiling %.3f GB/s, plain memcpy %.3f GB/s, plain streaming "
+                    "copy %.3f GB/s",
+                    i, c, p, q);
+        if (r > ratio) {
+            ratio = r;
+            ceil = c;
+            plain = p;
+            streamed = q;
+        }
     }
-    double best = plain > streamed ? plain : streamed;
-    cr_log_info("copy ceiling %.3f GB/s, plain memcpy %.3f GB/s, plain streaming copy %.3f GB/s",
-                ceil, plain, streamed);
-    cr_expect(ceil >= best * 0.8,
-              "copy ceiling %.3f GB/s is below a plain copy's %.3f GB/s (memcpy %.3f, streaming "
-              "stores %.3f)",
-              ceil, best, plain, streamed);
+    cr_expect(ratio >= 0.8,
+              "copy ceiling %.3f GB/s is below a plain copy's (memcpy %.3f, streaming stores "
+              "%.3f GB/s) in every round",
+              ceil, plain, streamed);
 }
 
 /* A working set larger than the caches, and than what the kernel has reached of the process
