@@ -885,26 +885,26 @@ static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline)
     return rc;
 }
 
-/* Connects to the target's Unix socket and checks, with the kernel's word for it, that the
- * process behind it is the one we authenticated over TCP and runs as our user: a local process
- * that bound the (public) socket name first gets nothing from us. */
-static int link_connect(const kvb_hello_t *target, int *out)
+int kvb__sock_connect(const kvb_hello_t *target, const char *kind, int type, bool same_user,
+                      int *out)
 {
     struct sockaddr_un sa;
     socklen_t sl;
-    kvb__sock_name(target->incarnation, "", &sa, &sl);
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    kvb__sock_name(target->incarnation, kind, &sa, &sl);
+    int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
+        /* Not on our host after all, or another network namespace; non-blocking, a full backlog
+         * (a Unix connect does not go on in the background). */
         if (fd >= 0)
             close(fd);
-        return KVB_ERR_CONNECT; /* not on our host after all, or another network namespace */
+        return KVB_ERR_CONNECT;
     }
-    struct ucred cr;
+    struct ucred cr = {0};
     socklen_t cl = sizeof cr;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || cr.uid != geteuid() ||
-        (uint32_t)cr.pid != target->pid) {
-        KVB_WARN("same-host socket of pid %u is held by pid %d uid %u; not linking", target->pid,
-                 (int)cr.pid, (unsigned)cr.uid);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 ||
+        (same_user && cr.uid != geteuid()) || (uint32_t)cr.pid != target->pid) {
+        KVB_WARN("same-host socket %s of pid %u is held by pid %d uid %u; not using it",
+                 sa.sun_path + 1, target->pid, (int)cr.pid, (unsigned)cr.uid);
         close(fd);
         return KVB_ERR_AUTH;
     }
@@ -927,7 +927,7 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
         return KVB_ERR_UNSUPPORTED;
     if (ntokens == 0 || !memcmp(tokens[0], none, sizeof none))
         return KVB_ERR_UNSUPPORTED; /* the target offered no same-host path */
-    int fd, rc = link_connect(target, &fd);
+    int fd, rc = kvb__sock_connect(target, "", SOCK_SEQPACKET, true, &fd);
     if (rc)
         return rc;
     kvb_shm_link_t *l = calloc(1, sizeof *l);

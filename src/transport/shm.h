@@ -25,6 +25,13 @@ bool kvb__shm_listening(const kvb_shm_t *s);
  * or its same-host lanes' ("-lanes", in the TCP transport). Anyone on the host may take such a
  * name first: whoever connects checks who holds it (SO_PEERCRED). */
 void kvb__sock_name(uint64_t incarnation, const char *kind, struct sockaddr_un *sa, socklen_t *len);
+/* Connects to `target`'s socket of that kind (SOCK_SEQPACKET or SOCK_STREAM, with any flags) and
+ * checks, with the kernel's word for it, that the process behind it is the one that authenticated
+ * over TCP (and, same_user, runs as our user): a local process that bound the name first gets
+ * nothing from us. KVB_ERR_CONNECT where there is no such socket to reach (not on our host after
+ * all, another network namespace, a full backlog), KVB_ERR_AUTH (logged) where another holds it. */
+int kvb__sock_connect(const kvb_hello_t *target, const char *kind, int type, bool same_user,
+                      int *out);
 
 /* Initiator side: links to a same-host target named by its (authenticated) hello, presenting the
  * one-time tokens its lanes received in their HELLO_ACKs: tokens[0] opens the link, the others

@@ -2043,7 +2043,7 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
 
 /* Where an engine takes its same-host lanes: an abstract Unix stream socket, "kvbridge-<its
  * incarnation>-lanes" (kvb__sock_name). Its name anyone on the host could have taken first: an
- * initiator checks who holds it (dial_local), and each lane authenticates like any other. */
+ * initiator checks who holds it (kvb__sock_connect), and each lane authenticates like any other. */
 #define LANE_SOCK "-lanes"
 
 /* Same-host lanes: a Unix stream socket, where the engine has a same-host path. Not fatal: a
@@ -2303,34 +2303,6 @@ static int authenticate(kvb_engine_t *e, int fd, uint32_t lane, uint64_t deadlin
     return rc;
 }
 
-/* Connects to a same-host target's lane socket (LANE_SOCK), if the process holding it is
- * the one that authenticated on our TCP lane. KVB_ERR_CONNECT where there is none to reach (not
- * on our host after all, another network namespace, an engine without a same-host path). */
-static int dial_local(const kvb_peer_t *p, int *out)
-{
-    struct sockaddr_un sa;
-    socklen_t sl;
-    kvb__sock_name(p->hello.incarnation, LANE_SOCK, &sa, &sl);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
-        /* A Unix connect does not go on in the background: EAGAIN is a full backlog. */
-        if (fd >= 0)
-            close(fd);
-        return KVB_ERR_CONNECT;
-    }
-    struct ucred cr;
-    socklen_t cl = sizeof cr;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 ||
-        (uint32_t)cr.pid != p->hello.pid) {
-        KVB_WARN("segment %s: its same-host lane socket is held by pid %d, not %u; lanes stay TCP",
-                 p->name, (int)cr.pid, p->hello.pid);
-        close(fd);
-        return KVB_ERR_AUTH;
-    }
-    *out = fd;
-    return KVB_OK;
-}
-
 /* Connects one lane - over TCP, or (local) over the same-host lane socket - and runs the
  * handshake on it: mutual authentication, then HELLO_ACK (the region list and this lane's
  * same-host token) and, on lane 0, the attributes. The first lane 0 records the peer's identity,
@@ -2338,7 +2310,10 @@ static int dial_local(const kvb_peer_t *p, int *out)
 static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, bool local,
                      uint64_t deadline, int *out)
 {
-    int fd, rc = local ? dial_local(p, &fd) : dial(p, deadline, &fd);
+    /* Local: the socket must be held by the process lane 0 authenticated (its pid). */
+    int fd, rc = local ? kvb__sock_connect(&p->hello, LANE_SOCK, SOCK_STREAM | SOCK_NONBLOCK, false,
+                                           &fd)
+                       : dial(p, deadline, &fd);
     if (rc)
         return rc;
     bool first = lane == 0 && !local;
