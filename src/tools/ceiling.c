@@ -18,8 +18,8 @@
  *
  * Copy: the best of glibc memcpy, `rep movsb` and streaming stores between two buffers of the
  * benchmark's size, allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks
- * in source address order spread over as many threads as the copy path uses; one pass not
- * counted, then the best of a few runs. */
+ * spread over as many threads as the copy path uses; one pass not counted, then the best of a few
+ * runs. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -535,54 +535,14 @@ static double copy_once(const uint8_t *a, uint8_t *b, const set_t *ws, int threa
     return (double)bytes / ((double)(kvb__now_ns() - t0) / 1e9) / 1e9;
 }
 
-typedef struct {
-    uint64_t src, dst;
-} pair_t;
-
-static int cmp_pair_src(const void *x, const void *y)
-{
-    const pair_t *a = x, *b = y;
-    return a->src < b->src ? -1 : a->src > b->src;
-}
-
-/* The set's blocks in the order of their source addresses, in *sorted (src and dst arrays in one
- * allocation, *mem, for the caller to free). A plain copy of a scattered set reads its sources in
- * address order - the KV plans sort their copies so (plan.c) - and on this project's VMs that
- * moved the blocks of a shuffled KV pull 2-3 GB/s faster than the order they were drawn in: a
- * ceiling over the drawn order came out below the pull it divided. */
-static int by_source(const set_t *ws, set_t *sorted, uint64_t **mem)
-{
-    pair_t *p = malloc(ws->n * sizeof *p);
-    uint64_t *o = malloc(2 * ws->n * sizeof *o);
-    if (!p || !o) {
-        free(p);
-        free(o);
-        return -1;
-    }
-    for (size_t i = 0; i < ws->n; i++)
-        p[i] = (pair_t){ws->src[i], ws->dst[i]};
-    qsort(p, ws->n, sizeof *p, cmp_pair_src);
-    for (size_t i = 0; i < ws->n; i++)
-        o[i] = p[i].src, o[ws->n + i] = p[i].dst;
-    free(p);
-    *sorted = *ws;
-    sorted->src = o;
-    sorted->dst = o + ws->n;
-    *mem = o;
-    return 0;
-}
-
 /* The best of memcpy, `rep movsb` and streaming (non-temporal) stores, each given a third of
  * every run, the three interleaved so that they see the same moments. Streaming stores are what
  * the copy path uses into memory larger than the last-level cache (shm.c), and on the machines
  * measured the fastest way to copy between such buffers: a ceiling without them was 1.5-1.7x too
- * low there. The blocks go in source address order (by_source). */
-static int copy_best(const set_t *drawn, int threads, double secs, int runs, kvb_ceiling_t *out)
+ * low there. */
+static int copy_best(const set_t *ws, int threads, double secs, int runs, kvb_ceiling_t *out)
 {
-    set_t sorted;
-    uint64_t *order = NULL;
-    const set_t *ws = by_source(drawn, &sorted, &order) ? NULL : &sorted;
-    uint8_t *a = ws ? shared_buffer(ws->buffer) : NULL, *b = ws ? shared_buffer(ws->buffer) : NULL;
+    uint8_t *a = shared_buffer(ws->buffer), *b = shared_buffer(ws->buffer);
     int rc = a && b ? 0 : -1;
     /* One pass not counted, as for TCP: every block copied once before the clock runs. */
     for (size_t i = 0; rc == 0 && i < ws->n; i++)
@@ -594,20 +554,19 @@ static int copy_best(const set_t *drawn, int threads, double secs, int runs, kvb
             best[w] = v > best[w] ? v : best[w];
         }
     if (a)
-        munmap(a, drawn->buffer);
+        munmap(a, ws->buffer);
     if (b)
-        munmap(b, drawn->buffer);
-    free(order);
+        munmap(b, ws->buffer);
     if (rc)
         fprintf(stderr, "bench: ceiling: cannot allocate 2 x %llu bytes\n",
-                (unsigned long long)drawn->buffer);
+                (unsigned long long)ws->buffer);
     out->gbps = 0;
     for (int w = 0; w < COPY_WAYS; w++)
         out->gbps = best[w] > out->gbps ? best[w] : out->gbps;
     snprintf(out->method, sizeof out->method,
-             "best copy of memfd pages, %d thread%s, %llu B blocks in source order: %s %.2f, %s "
-             "%.2f, %s %.2f GB/s, best of %d",
-             threads, threads == 1 ? "" : "s", (unsigned long long)drawn->block, copy_way_name[0],
+             "best copy of memfd pages, %d thread%s, %llu B blocks: %s %.2f, %s %.2f, %s %.2f "
+             "GB/s, best of %d",
+             threads, threads == 1 ? "" : "s", (unsigned long long)ws->block, copy_way_name[0],
              best[0], copy_way_name[1], best[1], copy_way_name[2], best[2], runs);
     return rc;
 }
