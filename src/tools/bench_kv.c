@@ -414,9 +414,10 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     if (llc)
         snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));
     printf("bench --kv: pool of %llu blocks per slot (%dx the prompt), %llu MiB per side; "
-           "last-level cache %s\n  ceiling: %s\n",
+           "last-level cache %s\n  ceiling: %s%s\n",
            (unsigned long long)pool, POOL_FACTOR, (unsigned long long)(ws >> 20), cache,
-           ceiling > 0 ? c.method : "not measured");
+           ceiling > 0 ? c.method : "not measured",
+           ceiling > 0 ? "; each pull's blocks in source order, as its plan orders them" : "");
     int name_pipe[2], life[2];
     if (pipe(name_pipe) || pipe(life))
         return 1;
