@@ -352,9 +352,9 @@ static bool by_source(uint64_t *src, uint64_t *dst, size_t n)
  * the engine's lanes for TCP, the best copy with the copy path's threads otherwise. Each rep's
  * blocks go in source address order, slot by slot: the KV plans sort a pull's copies so (plan.c),
  * as any plain copy of a scattered set would, and in the order they were drawn the copy ceiling
- * came out below the pull it divided (15.8 and 18.7 GB/s against 17.9 and 19.4, README,
- * "Ceilings"). Only within a rep: two reps draw some of the same blocks, and sorted together
- * their second copy would read the first's from cache. -1 if it could not be measured. */
+ * came out below the pull it divided (15.8 and 18.7 GB/s against 17.9 and 19.4; README,
+ * "Performance", KV ceilings). Only within a rep: two reps draw some of the same blocks, and sorted
+ * together their second copy would read the first's from cache. -1 if it could not be measured. */
 #define CEILING_REPS 5
 
 static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const char *protocol,

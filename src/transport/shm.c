@@ -1072,7 +1072,7 @@ static int start_pool(kvb_shm_t *s, int n)
     /* Adaptive: a thread that finds the pool lock taken spins a moment before it sleeps. The lock
      * is held for a queue step only, but the copying threads meet at it at every set's start and
      * end - and a sleeping waiter on a VM's halted vCPU took 60-75 us to wake and run, 0.15 of a
-     * 64 KiB x 128 set's copy time (README, "Same-host copies"). */
+     * 64 KiB x 128 set's copy time (README, "A host with slow wakes"). */
     pthread_mutexattr_t ma;
     pthread_mutexattr_init(&ma);
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
