@@ -183,7 +183,7 @@ veth_goals() {
     # Each flow's packets onto one CPU's queue (RPS over every CPU), as a NIC's receive queues keep
     # a flow in order. Without it a veth end queues a packet on the CPU that sends it - the
     # sending thread's, or the one where the peer's ACKs are processed - and one flow sent from
-    # two CPUs arrives out of order: 2026-11-24 (20:30), a 2 s WRITE of 1 MiB blocks retransmitted
+    # two CPUs arrives out of order: 2026-11-24 (about 20:20), a 2 s WRITE of 1 MiB blocks retransmitted
     # 2500-11000 segments (84600 of them reported spurious by DSACK), at 1.3-1.7 GB/s; with RPS
     # 0-1 segments, at 3.3-4.5 (README, "TCP over veth: reordering").
     local cpus mask
