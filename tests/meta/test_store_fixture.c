@@ -363,6 +363,9 @@ Test(store_fixture, stop_escalates_to_sigkill, .timeout = 60)
     cr_assert_eq(test_store_start(&s, TEST_STORE_REDIS), 0);
     pid_t pid = s.pid;
     cr_assert_eq(kill(pid, SIGSTOP), 0);
+    int st; /* kill() returns before the server has stopped: one that had not could obey SIGTERM */
+    cr_assert_eq(waitpid(pid, &st, WUNTRACED), pid);
+    cr_assert(WIFSTOPPED(st));
     int64_t t0 = now_ms();
     test_store_stop(&s);
     int64_t took = now_ms() - t0;
