@@ -218,16 +218,23 @@ uint16_t test_peer_port(const test_peer_t *p)
     return p->port;
 }
 
+int test_child_signal(pid_t pid, int sig)
+{
+    int st;
+    if (kill(pid, sig) != 0)
+        return -1;
+    if (sig == SIGSTOP)
+        return waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st) ? 0 : -1;
+    if (sig == SIGCONT)
+        return waitpid(pid, &st, WCONTINUED) == pid && WIFCONTINUED(st) ? 0 : -1;
+    return 0;
+}
+
 void test_peer_signal(test_peer_t *p, int sig)
 {
     if (p->pid <= 0)
         return;
-    kill(p->pid, sig);
-    int st;
-    if (sig == SIGSTOP) /* kill() returns before the child has stopped: wait until it has */
-        waitpid(p->pid, &st, WUNTRACED);
-    else if (sig == SIGCONT)
-        waitpid(p->pid, &st, WCONTINUED);
+    test_child_signal(p->pid, sig);
     if (sig == SIGKILL) {
         waitpid(p->pid, NULL, 0);
         p->pid = 0;

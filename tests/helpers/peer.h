@@ -40,6 +40,10 @@ int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const tes
 void test_peer_stop(test_peer_t *p);
 /* Sends `sig`; with SIGKILL also reaps the child. */
 void test_peer_signal(test_peer_t *p, int sig);
+/* Sends `sig` to child `pid` and, for SIGSTOP and SIGCONT, waits until it has stopped or
+ * continued: kill() returns before the child has, and a child not yet stopped may still serve a
+ * request or obey a signal sent next. 0, or -1 if the child did not report it. */
+int test_child_signal(pid_t pid, int sig);
 uint16_t test_peer_port(const test_peer_t *p);
 
 /* Byte i of a buffer that holds the pattern starting at offset `off` of an infinite stream. */

@@ -485,18 +485,14 @@ static void deadline(void)
     kvb_request_t r[8];
     for (int i = 0; i < 8; i++)
         r[i] = req(KVB_OP_READ, (uint64_t)i << 20, peer.rw + ((uint64_t)i << 20), 1u << 20);
-    cr_assert_eq(kill(peer.pid, SIGSTOP), 0);
-    /* kill() returns before the peer has stopped: a peer thread woken by the requests could still
-     * serve them (this test once saw its READs complete in 40 ms). Wait until it has stopped. */
-    int st;
-    cr_assert_eq(waitpid(peer.pid, &st, WUNTRACED), peer.pid);
-    cr_assert(WIFSTOPPED(st));
+    /* Stopped, not only signalled: a peer thread woken by the requests first could still serve
+     * them (this test once saw its READs complete in 40 ms). */
+    cr_assert_eq(test_child_signal(peer.pid, SIGSTOP), 0);
     kvb_batch_opts_t o = {.timeout_ms = 300};
     uint64_t t0 = kvb__now_ns();
     int rc = run(r, 8, &o);
     double ms = (double)(kvb__now_ns() - t0) / 1e6;
-    cr_assert_eq(kill(peer.pid, SIGCONT), 0);
-    cr_assert_eq(waitpid(peer.pid, &st, WCONTINUED), peer.pid);
+    cr_assert_eq(test_child_signal(peer.pid, SIGCONT), 0);
     /* shm: the initiator may copy by itself (cross-memory attach) and finish in time. */
     cr_assert(rc == KVB_ERR_TIMEOUT || (rc == KVB_OK && !strcmp(provider, "shm")), "got %s",
               kvb_strerror(rc));
