@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/auth.h"
 #include "engine/export.h"
@@ -337,5 +338,12 @@ bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, 
 
 /* Fills buf with the 16-byte id of this host (boot id; hostname hash as a fallback). */
 void kvb__host_id(uint8_t out[KVB_HOST_ID_LEN]);
+
+/* Whether a hello names e's host. Only a claim: a same-host path still checks who the kernel says
+ * is at the other end (SO_PEERCRED, the link tokens). */
+static inline bool kvb__same_host(const kvb_engine_t *e, const kvb_hello_t *h)
+{
+    return memcmp(h->host_id, e->hello.host_id, KVB_HOST_ID_LEN) == 0;
+}
 
 #endif

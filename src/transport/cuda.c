@@ -142,7 +142,7 @@ static int cuda_attach(kvb_provider_t *pv, kvb_peer_t *p, uint64_t deadline)
 {
     (void)deadline;
     cuda_path_t *cp = (cuda_path_t *)pv;
-    if (memcmp(p->hello.host_id, cp->engine->hello.host_id, KVB_HOST_ID_LEN))
+    if (!kvb__same_host(cp->engine, &p->hello))
         return KVB_ERR_UNSUPPORTED; /* IPC is for the same host */
     cuda_peer_t *cpp = calloc(1, sizeof *cpp);
     if (!cpp)

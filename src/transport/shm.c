@@ -929,7 +929,7 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
                        uint64_t deadline, kvb_shm_link_t **out)
 {
     static const uint8_t none[KVB_LINK_TOKEN_LEN];
-    if (memcmp(target->host_id, s->engine->hello.host_id, KVB_HOST_ID_LEN) != 0)
+    if (!kvb__same_host(s->engine, target))
         return KVB_ERR_UNSUPPORTED;
     if (ntokens == 0 || !memcmp(tokens[0], none, sizeof none))
         return KVB_ERR_UNSUPPORTED; /* the target offered no same-host path */

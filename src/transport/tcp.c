@@ -965,8 +965,7 @@ static int send_challenge(tcp_conn_t *c, const uint8_t *body, size_t len)
         return rc;
     /* A same-host lane is the process the kernel says it is, on this host: a hello that names
      * another would have its same-host token checked against the wrong process. */
-    if (c->local && (c->their.pid != c->cred_pid ||
-                     memcmp(c->their.host_id, e->hello.host_id, KVB_HOST_ID_LEN))) {
+    if (c->local && (c->their.pid != c->cred_pid || !kvb__same_host(e, &c->their))) {
         c->refused = "its hello names another process than the one connected";
         return KVB_ERR_AUTH;
     }
@@ -1019,7 +1018,7 @@ static int send_hello_ack(tcp_conn_t *c)
     me.lane = their->lane;
     /* A same-host initiator gets a one-time token that binds its link to this connection. */
     int rc = KVB_OK;
-    if (!memcmp(their->host_id, e->hello.host_id, KVB_HOST_ID_LEN))
+    if (kvb__same_host(e, their))
         rc = kvb__shm_offer(e->shm, their->pid, me.nonce, &c->offer);
     if (rc || (rc = kvb__registry_list(&e->registry, &regions, &n)))
         return rc;
@@ -2379,8 +2378,7 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, bool loc
 static bool wants_local(const kvb_transport_t *tp, const kvb_peer_t *p)
 {
     const kvb_engine_t *e = tp->engine;
-    return (e->paths & (1u << KVB_PATH_SHM)) &&
-           memcmp(p->hello.host_id, e->hello.host_id, KVB_HOST_ID_LEN) == 0;
+    return (e->paths & (1u << KVB_PATH_SHM)) && kvb__same_host(e, &p->hello);
 }
 
 static void tcp_peer_free(kvb_peer_t *p)
