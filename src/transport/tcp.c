@@ -1754,7 +1754,9 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
             continue;
         }
         /* An initiator waits for answers; a target waits for its peer to read what it queued
-         * (a peer that never reads would otherwise hold its answers forever). */
+         * (a peer that never reads would otherwise hold its answers forever) and to finish a
+         * frame it began (a WRITE's region stays pinned, a device WRITE's bounce buffer held,
+         * until its last byte is in: a peer stopped mid-payload would hold them forever). */
         pthread_mutex_lock(&c->mu);
         bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : c->txq_head != NULL;
         pthread_mutex_unlock(&c->mu);
@@ -1762,6 +1764,9 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
         /* Mid-payload with a wake threshold: read what there is once a tick anyway, so a kernel
          * that does not wake for the last bytes (LOWAT_MIN) costs a tick, never a hang. */
         pthread_mutex_lock(&c->rx_mu);
+        bool mid_frame = c->rx_state == RX_PAYLOAD || c->rx_len > c->rx_pos;
+        if (c->role == ROLE_TARGET && mid_frame)
+            waiting = true;
         if (c->rx_lowat != 1) {
             c->rx_more = true;
             th->need_scan = true;
@@ -1772,6 +1777,7 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
             char why[96];
             snprintf(why, sizeof why,
                      c->role == ROLE_INIT ? "no answer for %u ms with requests in flight"
+                     : mid_frame          ? "peer sent nothing for %u ms in the middle of a frame"
                                           : "peer read nothing for %u ms",
                      cfg->peer_timeout_ms);
             KVB_WARN("connection %s %s: %s", c->role == ROLE_INIT ? "to" : "from",

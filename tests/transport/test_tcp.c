@@ -1119,3 +1119,48 @@ Test(hostile, a_peer_that_never_reads_is_dropped)
     close(fd);
     engine_serves_with_secret();
 }
+
+/* A peer that stops in the middle of a WRITE's payload (a stopped process, a frozen host whose
+ * kernel still answers keepalives) held the region pinned for as long as it stayed connected:
+ * kvb_unregister said BUSY at its deadline, again and again. The target drops it after the peer
+ * timeout, as it drops one that never reads. */
+Test(hostile, a_peer_stopped_mid_frame_is_dropped)
+{
+    kvb_engine_destroy(eng);
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.secret = SECRET;
+    c.secret_len = strlen(SECRET);
+    c.peer_timeout_ms = 1000;
+    c.timeout_ms = 6000; /* kvb_unregister's deadline: BUSY after it while the pin is held */
+    cr_assert_eq(kvb_engine_create(&c, &eng), KVB_OK);
+    /* The unregister must come after the engine read the WRITE's header: the engine says nothing
+     * until the payload ends, so the test waits, and tries again (waiting longer) if the header
+     * came second after all - the WRITE is then refused at once with a WRITE_ACK. Either way the
+     * stalled connection must go. */
+    bool pinned = false;
+    for (int attempt = 1; attempt <= 5 && !pinned; attempt++) {
+        cr_assert_eq(kvb_register(eng, mem, sizeof mem, NULL, KVB_ACCESS_RW), KVB_OK);
+        int fd = raw_connect(kvb_engine_port(eng));
+        raw_login_as(fd, SECRET, 0, NULL, NULL);
+        static uint8_t f[KVB_WIRE_HDR_SIZE + sizeof mem / 2]; /* the header, half the payload */
+        put_hdr(f, KVB_FRAME_WRITE_REQ, 0, 1, (uintptr_t)mem, sizeof mem);
+        memset(f + KVB_WIRE_HDR_SIZE, 0x3c, sizeof f - KVB_WIRE_HDR_SIZE);
+        cr_assert_eq(send(fd, f, sizeof f, MSG_NOSIGNAL), (ssize_t)sizeof f);
+        usleep(100000 * attempt);
+        uint64_t t0 = kvb__now_ns();
+        int rc = kvb_unregister(eng, mem);
+        double waited = (kvb__now_ns() - t0) / 1e9;
+        cr_assert_eq(rc, KVB_OK, "unregister: %s after %.1f s", kvb_strerror(rc), waited);
+        uint8_t types[8];
+        int32_t st;
+        frames_until_close(fd, types, sizeof types, &st); /* fails if the engine keeps it */
+        close(fd);
+        pinned = !memchr(types, KVB_FRAME_WRITE_ACK, strlen((char *)types));
+        if (pinned)
+            cr_assert_lt(waited, 4.0, "the region stayed pinned %.1f s", waited);
+    }
+    cr_assert(pinned, "the engine never read the WRITE's header before the unregister");
+    cr_assert_eq(kvb_register(eng, mem, sizeof mem, NULL, KVB_ACCESS_RW), KVB_OK);
+    engine_serves_with_secret();
+}
