@@ -321,9 +321,9 @@ static void fake_up(int mode, kvb_pd_kv_mode_t kv, uint32_t timeout_ms)
 }
 
 /* The fake twice in the prefill set: as 127.0.0.1 and as localhost (two instances to the proxy). */
-static void fake_up_two_prefills(int mode)
+static void fake_up_two_prefills(int mode, kvb_pd_kv_mode_t kv)
 {
-    fake_up(mode, KVB_PD_KV_PULL, 5000);
+    fake_up(mode, kv, 5000);
     kvb_pd_proxy_stop(px);
     char other[64];
     snprintf(other, sizeof other, "http://localhost:%s", strrchr(fake.url, ':') + 1);
@@ -331,7 +331,7 @@ static void fake_up_two_prefills(int mode)
                              .n_prefill = 2,
                              .decode = (const char *const[]){fake.url},
                              .n_decode = 1,
-                             .kv_mode = KVB_PD_KV_PULL,
+                             .kv_mode = kv,
                              .timeout_ms = 5000};
     char why[256];
     cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
@@ -427,7 +427,7 @@ Test(proxy, stalled_stream_ends_by_deadline, .fini = fake_fini)
 Test(proxy, busy_prefill_tries_another, .fini = fake_fini)
 {
     atomic_store(&fake.prefills, 0);
-    fake_up_two_prefills(FAKE_BUSY_ONCE);
+    fake_up_two_prefills(FAKE_BUSY_ONCE, KVB_PD_KV_PULL);
     kvb_pd_completion_t c;
     complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
     cr_expect(c.ok, "status %ld: %s", c.status, c.error);
@@ -435,11 +435,28 @@ Test(proxy, busy_prefill_tries_another, .fini = fake_fini)
     kvb_pd_completion_free(&c);
 }
 
+/* The same in push mode, where the busy prefill's decode reservation is given back first: that
+ * call's own answer (200) used to hide the 503 it followed, so no other prefill was tried. */
+Test(proxy, busy_prefill_tries_another_push, .fini = fake_fini)
+{
+    atomic_store(&fake.prefills, 0);
+    atomic_store(&fake.reserves, 0);
+    atomic_store(&fake.aborts, 0);
+    fake_up_two_prefills(FAKE_BUSY_ONCE, KVB_PD_KV_PUSH);
+    kvb_pd_completion_t c;
+    complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
+    cr_expect(c.ok, "status %ld: %s", c.status, c.error);
+    cr_expect_eq(atomic_load(&fake.prefills), 2, "the second prefill answered");
+    cr_expect_eq(atomic_load(&fake.reserves), 2, "a reservation for each try");
+    cr_expect_eq(atomic_load(&fake.aborts), 1, "the first try's reservation is released");
+    kvb_pd_completion_free(&c);
+}
+
 /* Every instance busy: the client gets the 503 with its reason and Retry-After, each tried once. */
 Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
 {
     atomic_store(&fake.prefills, 0);
-    fake_up_two_prefills(FAKE_BUSY);
+    fake_up_two_prefills(FAKE_BUSY, KVB_PD_KV_PULL);
     answer_t a;
     post_raw(kvb_pd_proxy_port(px), "/v1/completions", "{\"prompt\": \"abc\"}", &a);
     cr_expect_eq(a.status, 503, "%s", a.body);

@@ -458,9 +458,15 @@ void kvb__pxy_abort(kvb__pxy_job_t *job)
     job->reserved = false;
     json_t *b = json_pack("{s:s}", "request_id", job->rid);
     kvb__pxy_err_t err;
+    /* Whether another instance is tried (other_instance) depends on the call that failed, not
+     * on this one: keep what that call left. */
+    long busy_status = job->busy_status;
+    bool busy_prefill = job->busy_prefill;
     json_t *ans =
         b ? call(job, job->d, "/pd/abort", b, kvb__deadline_ms(ABORT_TIMEOUT_MS), &err) : NULL;
     json_decref(ans);
+    job->busy_status = busy_status;
+    job->busy_prefill = busy_prefill;
 }
 
 void kvb__pxy_job_clear(kvb__pxy_job_t *job)
