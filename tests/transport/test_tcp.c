@@ -1083,9 +1083,8 @@ Test(hostile, shm_request_runs_by_hand)
     cr_assert_eq(rc, KVB_OK, "a pin outlived its connection: %s", kvb_strerror(rc));
 }
 
-/* A peer that authenticates, floods requests and never reads: held off, then dropped after the
- * peer timeout (its queued answers freed), while honest peers keep being served. */
-Test(hostile, a_peer_that_never_reads_is_dropped)
+/* The suite's engine again, with a peer timeout of 1 s and `timeout_ms` (0: the default). */
+static void engine_with_peer_timeout(uint32_t timeout_ms)
 {
     kvb_engine_destroy(eng);
     kvb_config_t c;
@@ -1093,7 +1092,16 @@ Test(hostile, a_peer_that_never_reads_is_dropped)
     c.secret = SECRET;
     c.secret_len = strlen(SECRET);
     c.peer_timeout_ms = 1000;
+    if (timeout_ms)
+        c.timeout_ms = timeout_ms;
     cr_assert_eq(kvb_engine_create(&c, &eng), KVB_OK);
+}
+
+/* A peer that authenticates, floods requests and never reads: held off, then dropped after the
+ * peer timeout (its queued answers freed), while honest peers keep being served. */
+Test(hostile, a_peer_that_never_reads_is_dropped)
+{
+    engine_with_peer_timeout(0);
     cr_assert_eq(kvb_register(eng, mem, sizeof mem, NULL, KVB_ACCESS_RW), KVB_OK);
     int fd = raw_connect(kvb_engine_port(eng));
     raw_login_as(fd, SECRET, 0, NULL, NULL);
@@ -1126,14 +1134,7 @@ Test(hostile, a_peer_that_never_reads_is_dropped)
  * timeout, as it drops one that never reads. */
 Test(hostile, a_peer_stopped_mid_frame_is_dropped)
 {
-    kvb_engine_destroy(eng);
-    kvb_config_t c;
-    kvb_config_init(&c);
-    c.secret = SECRET;
-    c.secret_len = strlen(SECRET);
-    c.peer_timeout_ms = 1000;
-    c.timeout_ms = 6000; /* kvb_unregister's deadline: BUSY after it while the pin is held */
-    cr_assert_eq(kvb_engine_create(&c, &eng), KVB_OK);
+    engine_with_peer_timeout(6000); /* kvb_unregister's deadline: BUSY after it while pinned */
     /* The unregister must come after the engine read the WRITE's header: the engine says nothing
      * until the payload ends, so the test waits, and tries again (waiting longer) if the header
      * came second after all - the WRITE is then refused at once with a WRITE_ACK. Either way the
