@@ -451,7 +451,7 @@ int kvb__pd_ticket_make(const kvb__pd_auth_t *a, const kvb__pd_grant_t *g, uint6
 }
 
 int kvb__pd_ticket_check(const kvb__pd_auth_t *a, const kvb__pd_grant_t *g, const char *ticket,
-                         const char **reason)
+                         uint64_t *expires_ms, const char **reason)
 {
     *reason = "missing_ticket";
     if (!ticket)
@@ -472,6 +472,8 @@ int kvb__pd_ticket_check(const kvb__pd_auth_t *a, const kvb__pd_grant_t *g, cons
     *reason = "ticket_expired";
     if (kvb__pd_unix_ms() > expires)
         return KVB_ERR_AUTH;
+    if (expires_ms)
+        *expires_ms = expires;
     *reason = NULL;
     return KVB_OK;
 }

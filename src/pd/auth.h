@@ -65,11 +65,12 @@ typedef struct {
 /* Writes "v1.<expires_ms>.<hex HMAC of the grant>" into out[KVB_PD_TICKET_MAX]. */
 int kvb__pd_ticket_make(const kvb__pd_auth_t *a, const kvb__pd_grant_t *g, uint64_t expires_ms,
                         char out[KVB_PD_TICKET_MAX]);
-/* KVB_OK when `ticket` (NULL: absent) vouches for exactly `g` and has not expired; else
- * KVB_ERR_AUTH with *reason "missing_ticket", "foreign_blocks" (it vouches for other blocks,
- * segments or another request) or "ticket_expired". */
+/* KVB_OK when `ticket` (NULL: absent) vouches for exactly `g` and has not expired, with its
+ * expiry (Unix ms) in *expires_ms (when not NULL); else KVB_ERR_AUTH with *reason
+ * "missing_ticket", "foreign_blocks" (it vouches for other blocks, segments or another request)
+ * or "ticket_expired". */
 int kvb__pd_ticket_check(const kvb__pd_auth_t *a, const kvb__pd_grant_t *g, const char *ticket,
-                         const char **reason);
+                         uint64_t *expires_ms, const char **reason);
 
 /* KVB_OK when `authorization` (the header's value; NULL: absent) is "Bearer <key>" for a loaded
  * key, or no keys are loaded; else KVB_ERR_AUTH. Compared in constant time per key. */

@@ -71,7 +71,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                          .nsegs = 1,
                          .blocks = blocks,
                          .nblocks = 3};
-    if (kvb__pd_ticket_check(auth, &g, ticket, &reason) == KVB_OK)
+    if (kvb__pd_ticket_check(auth, &g, ticket, NULL, &reason) == KVB_OK)
         __builtin_trap(); /* a ticket without the secret */
     if (kvb__pd_auth_api_key(auth, authz) == KVB_OK) {
         /* Only "Bearer" (any case), spaces, then exactly the key. */

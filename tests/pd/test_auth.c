@@ -258,7 +258,7 @@ static kvb__pd_grant_t grant(void)
 static const char *ticket_verdict(kvb__pd_auth_t *a, const kvb__pd_grant_t *g, const char *t)
 {
     const char *reason = "unset";
-    int rc = kvb__pd_ticket_check(a, g, t, &reason);
+    int rc = kvb__pd_ticket_check(a, g, t, NULL, &reason);
     return rc == KVB_OK ? "ok" : reason;
 }
 
@@ -267,8 +267,12 @@ Test(pd_auth, tickets_vouch_for_exactly_one_grant)
     kvb__pd_auth_t *a = make(NULL);
     kvb__pd_grant_t g = grant();
     char t[KVB_PD_TICKET_MAX];
-    cr_assert_eq(kvb__pd_ticket_make(a, &g, kvb__pd_unix_ms() + 10000, t), KVB_OK);
+    uint64_t expires = kvb__pd_unix_ms() + 10000, said = 0;
+    cr_assert_eq(kvb__pd_ticket_make(a, &g, expires, t), KVB_OK);
     cr_assert_str_eq(ticket_verdict(a, &g, t), "ok");
+    const char *reason;
+    cr_assert_eq(kvb__pd_ticket_check(a, &g, t, &said, &reason), KVB_OK);
+    cr_assert_eq(said, expires, "the expiry it vouches for"); /* what a decode's reads must beat */
     cr_assert_str_eq(ticket_verdict(a, &g, NULL), "missing_ticket");
 
     kvb__pd_grant_t o = g;

@@ -785,6 +785,37 @@ Test(server, foreign_block_ids_pull)
     free(b1), free(b2), free(pss), free(dss);
 }
 
+/* A decode that waits for its blocks longer than the prefill's lease must not read the leased
+ * blocks after all: the prefill freed them when the lease ended and may have handed them on. A
+ * reservation that takes every decode block for 4 s holds the request back past the 3 s lease. */
+Test(server, lease_ended_while_waiting_is_not_read)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec), *info = get_json(dec, "/pd/info");
+    char *pss = dump(ps), *dss = dump(ds);
+    json_t *r = prefill_lease(pre, "w1", dss); /* a 3 s lease (start) */
+    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
+    cr_assert_gt(tpb, 0);
+    json_t *hog = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
+                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 4000}",
+                            pss, BLOCKS * tpb - 1); /* BOS, 'x', then every other position */
+    cr_assert_eq(free_blocks(dec), 0);
+    char *blocks = dump(json_object_get(r, "blocks")), body[2048];
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"w1\", \"prompt\": \"Hello world\", \"t0\": %lld, "
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
+             "\"prefill_ticket\": \"%s\", \"timeout_ms\": 9000}",
+             (long long)json_integer_value(json_object_get(r, "t0")), blocks, pss, MAX_TOKENS,
+             ticket_of(r));
+    expect_refused(dec, "/pd/decode", body, 503, "lease_expired");
+    expect_free(dec, BLOCKS);
+    expect_free(pre, BLOCKS);
+    free(blocks), free(pss), free(dss);
+    json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
+}
+
 Test(server, foreign_block_ids_push)
 {
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);

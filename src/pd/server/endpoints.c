@@ -13,6 +13,11 @@
 #include "common/log.h"
 #include "pd/server/internal.h"
 
+/* A decode's reads of a leased prompt end this long before the lease does (its ticket's expiry
+ * in the prefill's clock): room for the two hosts' clocks to differ and for the prefill's reaper
+ * to run early. */
+#define LEASE_MARGIN_MS 500
+
 /* One /pd request as it is handled: what was parsed, what is held, and how it failed. */
 typedef struct {
     kvb_pd_server_t *srv;
@@ -29,6 +34,7 @@ typedef struct {
     uint64_t nb;           /* blocks of the prompt */
     kvb_kv_link_t **links; /* [tp * nsegs] */
     kvb__srv_ent_t *ent;   /* ACTIVE while the handler owns it; NULL once handed on */
+    uint64_t grant_ends; /* the other instance's lease or reservation ends (its ticket, Unix ms) */
     uint64_t t_start;
     unsigned status; /* 0, or the failure's HTTP status */
     char why[1024];
@@ -191,7 +197,7 @@ static int check_ticket(pdreq_t *q, json_t *b, const char *key, const char *kind
     const char *reason;
     if (v && !t)
         return req_fail(q, 400, "\"%s\" must be a string", key);
-    if (!kvb__pd_ticket_check(q->srv->auth, &g, t, &reason))
+    if (!kvb__pd_ticket_check(q->srv->auth, &g, t, &q->grant_ends, &reason))
         return 0;
     return req_deny(q, 403, reason,
                     "\"%s\" does not vouch for these blocks and segments of %s %s (%s)", key, kind,
@@ -303,13 +309,13 @@ static void drop_if_lost(pdreq_t *q, int rc)
 
 /* ---- transfers ---------------------------------------------------------------------------- */
 
-/* Begins a transfer over every routed link (local rank r, remote rank m) into xs[r * n + m]. */
+/* Begins a transfer over every routed link (local rank r, remote rank m) into xs[r * n + m],
+ * each batch bounded by `ms`. */
 static int xfers_begin(pdreq_t *q, kvb_opcode_t op, const uint64_t *src, const uint64_t *dst,
-                       kvb_kv_xfer_t **xs)
+                       kvb_kv_xfer_t **xs, int ms)
 {
     char why[KVB_KV_REASON_MAX];
     size_t n = q->nsegs;
-    int ms = (int)q->p.timeout_ms;
     for (size_t i = 0; i < q->srv->tp * n; i++) {
         if (!kvb_kv_link_has_route(q->links[i]))
             continue;
@@ -507,7 +513,8 @@ static json_t *prefill_push(pdreq_t *q)
     uint64_t t0 = kvb__now_ns();
     push_hook_t h = {.q = q, .xs = xs};
     kvb_pd_hook_t hook = {.on_layer_done = on_layer, .user = &h};
-    int failed = xfers_begin(q, KVB_OP_WRITE, q->ent->seq.blocks, q->rblocks, xs);
+    int failed =
+        xfers_begin(q, KVB_OP_WRITE, q->ent->seq.blocks, q->rblocks, xs, (int)q->p.timeout_ms);
     if (!failed)
         failed = run_prompt(q, &hook);
     if (!failed && h.rc)
@@ -641,8 +648,29 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
         free(xs);
         return req_answer(q, conn, NULL);
     }
+    /* The prefill frees the blocks when its lease ends, read or not, and may hand them to another
+     * request: every read must be over before that, or it could take that request's KV. A
+     * request that waited for admission past the lease is refused; the reads' deadline ends
+     * LEASE_MARGIN_MS before the lease does (and the request's own deadline, if that is sooner). */
+    int64_t now_ms = (int64_t)kvb__pd_unix_ms();
+    int64_t lease_left = (int64_t)q->grant_ends - now_ms - LEASE_MARGIN_MS;
+    int64_t req_left =
+        ((int64_t)q->t_start + (int64_t)q->p.timeout_ms * 1000000 - (int64_t)kvb__now_ns()) /
+        1000000;
+    if (lease_left <= 0) {
+        int64_t ends = (int64_t)q->grant_ends - now_ms;
+        req_deny(q, 503, "lease_expired",
+                 "the prefill's lease of %s's KV %s %lld ms%s, too soon to read it (the request "
+                 "waited %.0f ms for its blocks)",
+                 q->id, ends < 0 ? "ended" : "ends in", (long long)(ends < 0 ? -ends : ends),
+                 ends < 0 ? " ago" : "", (double)(kvb__now_ns() - q->t_start) / 1e6);
+        q->ref.retry_after_s = 1;
+        free(xs);
+        return req_answer(q, conn, NULL);
+    }
+    int ms = (int)(req_left < lease_left ? (req_left > 1 ? req_left : 1) : lease_left);
     uint64_t t0 = kvb__now_ns();
-    int failed = xfers_begin(q, KVB_OP_READ, q->rblocks, q->ent->seq.blocks, xs);
+    int failed = xfers_begin(q, KVB_OP_READ, q->rblocks, q->ent->seq.blocks, xs, ms);
     for (size_t i = 0; !failed && i < srv->tp * q->nsegs; i++) {
         int rc = xs[i] ? kvb_kv_xfer_all(xs[i]) : KVB_OK;
         if (rc)
