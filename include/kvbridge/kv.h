@@ -309,12 +309,16 @@ KVB_API int kvb_kv_link_has_route(const kvb_kv_link_t *link);
  * prefill's block ids, dst_blocks the decode's; dst_blocks[i] receives src_blocks[i]. The lists
  * are planned once, here (KVB_ERR_INVALID_ARG with a reason for a bad list); nothing moves until
  * kvb_kv_xfer_layer() or kvb_kv_xfer_all(). KVB_ERR_NOT_FOUND if the link has no route.
- * `timeout_ms` bounds every batch of the transfer. */
+ * `timeout_ms` bounds the whole transfer, from this call: a layer started later gets what is left
+ * of it (none left: that layer fails with KVB_ERR_TIMEOUT), so no data moves after it however
+ * long the layers take to compute - a grant of the blocks (a lease, a reservation) ending later
+ * is never overrun. The closing notice (kvb_kv_xfer_finish) has timeout_ms of its own. */
 KVB_API int kvb_kv_xfer_begin(kvb_kv_link_t *link, const char *req_id, kvb_opcode_t op,
                               const uint64_t *src_blocks, const uint64_t *dst_blocks, size_t n,
                               int timeout_ms, kvb_kv_xfer_t **out, char *reason, size_t reason_cap);
 /* Layer `layer` is ready: its blocks start moving now, while the caller computes the next one.
- * Each layer at most once. Never blocks on the network. */
+ * Each layer at most once. Never blocks on the network. A layer that cannot start (its error is
+ * returned) makes kvb_kv_xfer_finish fail too, so the other side is told. */
 KVB_API int kvb_kv_xfer_layer(kvb_kv_xfer_t *xfer, uint32_t layer);
 /* Every layer not yet started. */
 KVB_API int kvb_kv_xfer_all(kvb_kv_xfer_t *xfer);

@@ -369,7 +369,8 @@ class Link:
               timeout: float = 30.0) -> "Transfer":
         """Plans a transfer of `req_id`: READ from the decode side (pull), WRITE from the
         prefill side (push); dst_blocks[i] (decode) receives src_blocks[i] (prefill). Nothing
-        moves until Transfer.layer() or Transfer.all()."""
+        moves until Transfer.layer() or Transfer.all(). `timeout` bounds the whole transfer,
+        from now: a layer started after it fails with a timeout, and so does finish()."""
         if len(src_blocks) != len(dst_blocks):
             raise make_error(-1, "src_blocks and dst_blocks differ in length")
         src, dst = _u64(src_blocks), _u64(dst_blocks)

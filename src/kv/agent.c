@@ -74,11 +74,13 @@ struct kvb_kv_xfer {
     kvb_kv_link_t *link;
     char id[KVB_AGG_ID_MAX + 1];
     int timeout_ms;
+    uint64_t deadline_ns; /* begin + timeout_ms: every layer's batch ends by then */
     uint32_t nlayers;
     kvb_request_t **reqs; /* per layer */
     size_t *nreqs;
     bool *started;
     kvb_batch_t **batches; /* per layer, NULL until started */
+    int failed;            /* the first layer that could not start: its error */
     bool finished;
 };
 
@@ -388,6 +390,7 @@ int kvb_kv_xfer_begin(kvb_kv_link_t *l, const char *req_id, kvb_opcode_t op, con
     x->link = l;
     x->nlayers = L;
     x->timeout_ms = timeout_ms;
+    x->deadline_ns = kvb__deadline_ms((uint32_t)timeout_ms);
     strcpy(x->id, req_id);
     x->reqs = calloc(L, sizeof *x->reqs);
     x->nreqs = calloc(L, sizeof *x->nreqs);
@@ -412,9 +415,18 @@ int kvb_kv_xfer_layer(kvb_kv_xfer_t *x, uint32_t layer)
     x->started[layer] = true;
     if (x->nreqs[layer] == 0)
         return KVB_OK;
-    kvb_batch_opts_t o = {.timeout_ms = (uint32_t)x->timeout_ms};
-    return kvb_batch_submit(x->link->agent->engine, x->reqs[layer], x->nreqs[layer], &o,
-                            &x->batches[layer]);
+    /* The time left of the transfer's, not a fresh timeout: a layer started late (a long
+     * prompt's last) must still end when the caller's grant of the blocks does. */
+    uint64_t now = kvb__now_ns();
+    int rc = KVB_ERR_TIMEOUT;
+    if (now < x->deadline_ns) {
+        kvb_batch_opts_t o = {.timeout_ms = (uint32_t)((x->deadline_ns - now + 999999) / 1000000)};
+        rc = kvb_batch_submit(x->link->agent->engine, x->reqs[layer], x->nreqs[layer], &o,
+                              &x->batches[layer]);
+    }
+    if (rc && !x->failed)
+        x->failed = rc; /* finish reports it: the other side must not hear "done" */
+    return rc;
 }
 
 int kvb_kv_xfer_all(kvb_kv_xfer_t *x)
@@ -436,7 +448,7 @@ int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
     if (!x || x->finished)
         return KVB_ERR_INVALID_ARG;
     x->finished = true;
-    int rc = KVB_OK;
+    int rc = x->failed;
     for (uint32_t layer = 0; layer < x->nlayers; layer++) {
         if (!x->started[layer] && rc == KVB_OK)
             rc = KVB_ERR_INVALID_ARG; /* a layer never started: the receiver must not see "done" */

@@ -427,6 +427,48 @@ Test(kv_peer, mismatched_layout_is_refused_at_link_time)
     rank_fini(&d);
 }
 
+/* A transfer's timeout bounds the whole transfer, from its begin: a layer started after it has
+ * passed does not move (it used to get a fresh timeout of its own, overrunning whatever grant of
+ * the blocks the timeout stood for), and the transfer fails on both sides (a layer that could
+ * not start used to leave kvb_kv_xfer_finish reporting success to the other side). */
+Test(kv_peer, a_layer_started_past_the_timeout_fails_the_transfer)
+{
+    child_t c;
+    child_start(&c, false);
+    rank_t d;
+    kvb_kv_link_t *links[1][2];
+    rank_init(&d, false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
+    link_all(&d, 1, &c, links);
+    char reply[256];
+    child_cmd(&c, "expect late-1", reply, sizeof reply);
+    for (int p = 0; p < 2; p++) {
+        kvb_kv_xfer_t *x;
+        char why[KVB_KV_REASON_MAX];
+        cr_assert_eq(kvb_kv_xfer_begin(links[0][p], "late-1", KVB_OP_READ, SRC, DST, NB, 300, &x,
+                                       why, sizeof why),
+                     KVB_OK, "%s", why);
+        cr_assert_eq(kvb_kv_xfer_layer(x, 0), KVB_OK);
+        usleep(400000);
+        int rc = kvb_kv_xfer_layer(x, 1);
+        cr_assert_eq(rc, KVB_ERR_TIMEOUT, "layer 1, 400 ms into a 300 ms transfer: %s",
+                     kvb_status_name(rc));
+        cr_assert_eq(kvb_kv_xfer_all(x), KVB_ERR_TIMEOUT);
+        rc = kvb_kv_xfer_finish(x);
+        cr_assert_eq(rc, KVB_ERR_TIMEOUT, "finish: %s", kvb_status_name(rc));
+        kvb_kv_xfer_free(x);
+    }
+    /* Both prefill ranks heard that the reads failed, so neither frees its blocks as read. */
+    child_cmd(&c, "wait late-1", reply, sizeof reply);
+    int rc0, rc1;
+    cr_assert_eq(sscanf(reply, "waited %d %d", &rc0, &rc1), 2);
+    cr_assert(rc0 != KVB_OK && rc0 != KVB_ERR_NOT_FOUND, "rank 0: %s", kvb_status_name(rc0));
+    cr_assert(rc1 != KVB_OK && rc1 != KVB_ERR_NOT_FOUND, "rank 1: %s", kvb_status_name(rc1));
+    child_stop(&c);
+    for (int p = 0; p < 2; p++)
+        kvb_kv_link_close(links[0][p]);
+    rank_fini(&d);
+}
+
 Test(kv_peer, killed_sender_fails_its_request_only)
 {
     child_t a, b;
