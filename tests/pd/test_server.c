@@ -816,6 +816,42 @@ Test(server, lease_ended_while_waiting_is_not_read)
     json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
 }
 
+/* The same for push: a prefill that waits for its blocks longer than the decode's reservation
+ * must not write into the reserved blocks after all (the decode freed them when the reservation
+ * ended). A pull lease of every prefill block for 3 s holds it back past a 2 s reservation. */
+Test(server, reservation_ended_while_waiting_is_not_written)
+{
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec), *info = get_json(pre, "/pd/info");
+    char *pss = dump(ps), *dss = dump(ds);
+    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
+    cr_assert_gt(tpb, 0);
+    char *hog_prompt = malloc((size_t)(BLOCKS * tpb));
+    memset(hog_prompt, 'a', (size_t)(BLOCKS * tpb - 1)); /* with BOS: every prefill block */
+    hog_prompt[BLOCKS * tpb - 1] = '\0';
+    json_t *hog = post_json(pre, "/pd/prefill", 200,
+                            "{\"request_id\": \"hog\", \"prompt\": \"%s\", \"kv_mode\": "
+                            "\"pull\", \"decode_segments\": %s}",
+                            hog_prompt, dss);
+    cr_assert_eq(free_blocks(pre), 0);
+    json_t *res = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"w2\", \"prompt\": \"Hello world\", "
+                            "\"prefill_segments\": %s, \"timeout_ms\": 2000}",
+                            pss);
+    char *blocks = dump(json_object_get(res, "blocks")), body[2048];
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"w2\", \"prompt\": \"Hello world\", \"kv_mode\": \"push\", "
+             "\"decode_segments\": %s, \"decode_blocks\": %s, \"decode_ticket\": \"%s\", "
+             "\"timeout_ms\": 9000}",
+             dss, blocks, ticket_of(res));
+    expect_refused(pre, "/pd/prefill", body, 503, "reservation_expired");
+    expect_free(dec, BLOCKS);
+    expect_free(pre, BLOCKS);
+    free(blocks), free(pss), free(dss), free(hog_prompt);
+    json_decref(hog), json_decref(res), json_decref(info), json_decref(ps), json_decref(ds);
+}
+
 Test(server, foreign_block_ids_push)
 {
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);

@@ -13,10 +13,10 @@
 #include "common/log.h"
 #include "pd/server/internal.h"
 
-/* A decode's reads of a leased prompt end this long before the lease does (its ticket's expiry
- * in the prefill's clock): room for the two hosts' clocks to differ and for the prefill's reaper
- * to run early. */
-#define LEASE_MARGIN_MS 500
+/* A request's KV transfer ends this long before the other instance's grant of the blocks does
+ * (a pull lease, a push reservation: the ticket's expiry, in the other host's clock): room for
+ * the two hosts' clocks to differ and for the other instance's reaper to run early. */
+#define GRANT_MARGIN_MS 500
 
 /* One /pd request as it is handled: what was parsed, what is held, and how it failed. */
 typedef struct {
@@ -309,6 +309,32 @@ static void drop_if_lost(pdreq_t *q, int rc)
 
 /* ---- transfers ---------------------------------------------------------------------------- */
 
+/* How long the request may still move KV, in ms: until its own deadline or GRANT_MARGIN_MS
+ * before the other instance's grant of its blocks ends (the ticket's expiry), whichever is
+ * sooner. The other instance frees the blocks when its grant ends, moved or not, and may hand them
+ * to another request: a read after it could take that request's KV, a write overwrite it. 0, the
+ * request failed with 503 `reason`, when it waited for its own blocks until the grant was (nearly)
+ * over. */
+static int grant_left_ms(pdreq_t *q, const char *grant, const char *reason)
+{
+    int64_t now_ms = (int64_t)kvb__pd_unix_ms();
+    int64_t ends = (int64_t)q->grant_ends - now_ms;
+    int64_t left = ends - GRANT_MARGIN_MS;
+    int64_t req_left =
+        ((int64_t)q->t_start + (int64_t)q->p.timeout_ms * 1000000 - (int64_t)kvb__now_ns()) /
+        1000000;
+    if (left <= 0) {
+        req_deny(q, 503, reason,
+                 "the %s of %s's blocks %s %lld ms%s, too soon to move its KV (the request waited "
+                 "%.0f ms for its own blocks)",
+                 grant, q->id, ends < 0 ? "ended" : "ends in", (long long)(ends < 0 ? -ends : ends),
+                 ends < 0 ? " ago" : "", (double)(kvb__now_ns() - q->t_start) / 1e6);
+        q->ref.retry_after_s = 1;
+        return 0;
+    }
+    return (int)(req_left < left ? (req_left > 1 ? req_left : 1) : left);
+}
+
 /* Begins a transfer over every routed link (local rank r, remote rank m) into xs[r * n + m],
  * each batch bounded by `ms`. */
 static int xfers_begin(pdreq_t *q, kvb_opcode_t op, const uint64_t *src, const uint64_t *dst,
@@ -510,11 +536,15 @@ static json_t *prefill_push(pdreq_t *q)
         free(xs);
         return NULL;
     }
+    int ms = grant_left_ms(q, "decode's reservation", "reservation_expired");
+    if (!ms) {
+        free(xs);
+        return NULL;
+    }
     uint64_t t0 = kvb__now_ns();
     push_hook_t h = {.q = q, .xs = xs};
     kvb_pd_hook_t hook = {.on_layer_done = on_layer, .user = &h};
-    int failed =
-        xfers_begin(q, KVB_OP_WRITE, q->ent->seq.blocks, q->rblocks, xs, (int)q->p.timeout_ms);
+    int failed = xfers_begin(q, KVB_OP_WRITE, q->ent->seq.blocks, q->rblocks, xs, ms);
     if (!failed)
         failed = run_prompt(q, &hook);
     if (!failed && h.rc)
@@ -648,27 +678,11 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
         free(xs);
         return req_answer(q, conn, NULL);
     }
-    /* The prefill frees the blocks when its lease ends, read or not, and may hand them to another
-     * request: every read must be over before that, or it could take that request's KV. A
-     * request that waited for admission past the lease is refused; the reads' deadline ends
-     * LEASE_MARGIN_MS before the lease does (and the request's own deadline, if that is sooner). */
-    int64_t now_ms = (int64_t)kvb__pd_unix_ms();
-    int64_t lease_left = (int64_t)q->grant_ends - now_ms - LEASE_MARGIN_MS;
-    int64_t req_left =
-        ((int64_t)q->t_start + (int64_t)q->p.timeout_ms * 1000000 - (int64_t)kvb__now_ns()) /
-        1000000;
-    if (lease_left <= 0) {
-        int64_t ends = (int64_t)q->grant_ends - now_ms;
-        req_deny(q, 503, "lease_expired",
-                 "the prefill's lease of %s's KV %s %lld ms%s, too soon to read it (the request "
-                 "waited %.0f ms for its blocks)",
-                 q->id, ends < 0 ? "ended" : "ends in", (long long)(ends < 0 ? -ends : ends),
-                 ends < 0 ? " ago" : "", (double)(kvb__now_ns() - q->t_start) / 1e6);
-        q->ref.retry_after_s = 1;
+    int ms = grant_left_ms(q, "prefill's lease", "lease_expired");
+    if (!ms) {
         free(xs);
         return req_answer(q, conn, NULL);
     }
-    int ms = (int)(req_left < lease_left ? (req_left > 1 ? req_left : 1) : lease_left);
     uint64_t t0 = kvb__now_ns();
     int failed = xfers_begin(q, KVB_OP_READ, q->rblocks, q->ent->seq.blocks, xs, ms);
     for (size_t i = 0; !failed && i < srv->tp * q->nsegs; i++) {
