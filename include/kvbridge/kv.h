@@ -327,6 +327,11 @@ KVB_API int kvb_kv_xfer_all(kvb_kv_xfer_t *xfer);
 KVB_API int kvb_kv_xfer_finish(kvb_kv_xfer_t *xfer);
 /* Frees the transfer (cancelling what is still pending). NULL is ignored. */
 KVB_API void kvb_kv_xfer_free(kvb_kv_xfer_t *xfer);
+/* Tells the other side of `link` that request `req_id` will not be transferred over it at all
+ * (the decode refused it before reading, say): its kvb_kv_wait returns KVB_ERR_CANCELED now, so a
+ * prefill frees a leased prompt at once instead of at its lease's end. Waits up to `timeout_ms`
+ * for the notice to go. KVB_ERR_NOT_FOUND if the link has no route. */
+KVB_API int kvb_kv_give_up(kvb_kv_link_t *link, const char *req_id, int timeout_ms);
 
 /* Announces that request `req_id` will be reported by every rank among `links` that has a route
  * to this one, within `timeout_ms`. Call before those ranks can finish. Returns KVB_OK,

@@ -389,6 +389,12 @@ class Link:
             x.all()
             x.finish()
 
+    def give_up(self, req_id: str, timeout: float = 5.0) -> None:
+        """Tells the other side that `req_id` will not be transferred over this link at all: its
+        wait() raises CanceledError now (a prefill frees a leased prompt at once)."""
+        check(self._lib.kvb_kv_give_up(self._handle(), _b(req_id), _ms(timeout)),
+              f"kvb_kv_give_up({req_id!r})")
+
     def push(self, req_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
              timeout: float = 30.0) -> None:
         """Prefill side: writes the request's blocks to the decode rank (all layers), then

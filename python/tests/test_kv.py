@@ -11,7 +11,7 @@ from helpers import BLOCK_BYTES, BLOCKS, LAYERS, block, kv_cache, pattern
 
 PREFILL = """
 import kvbridge
-from kvbridge import kv
+from kvbridge import errors, kv
 eng = kvbridge.Engine()
 layout, arrays = kv_cache(1)
 agent = kv.Agent(eng, layout, kv.Role.PREFILL)
@@ -110,6 +110,16 @@ def test_pull_push_layerwise(spawn):
         p.run("x.finish(); x.close()")
         assert agent.wait("r3", 10)
         _check(arrays, 1, [5, 6], [1, 2])
+        # a request the decode gives up on before reading: the prefill hears at once
+        p.run("agent.expect('r5', [plink], 10)")
+        link.give_up("r5")
+        assert p.run("""
+try:
+    agent.wait('r5', 10)
+    result = 'done'
+except errors.CanceledError:
+    result = 'canceled'
+""") == "canceled"
         with pytest.raises(errors.InvalidArgError):
             link.begin("r4", Op.READ, [1, 2], [3])
         with pytest.raises(errors.InvalidArgError):

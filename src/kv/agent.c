@@ -443,6 +443,17 @@ int kvb_kv_xfer_all(kvb_kv_xfer_t *x)
     return KVB_OK;
 }
 
+/* Tells the other side of `l` how request `id` ended there (its kvb_kv_wait returns `rc`). */
+static int notice(kvb_kv_link_t *l, const char *id, int rc, int timeout_ms)
+{
+    char msg[32 + KVB_AGG_ID_MAX];
+    int len = snprintf(msg, sizeof msg, NOTICE_TAG "%d %s", rc, id);
+    int nrc = kvb_notify_send(l->agent->engine, l->seg, msg, (size_t)len, timeout_ms);
+    if (nrc)
+        KVB_WARN("request %s: cannot notify %s: %s", id, l->peer_name, kvb_strerror(nrc));
+    return nrc;
+}
+
 int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
 {
     if (!x || x->finished)
@@ -459,13 +470,17 @@ int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
         }
     }
     /* Every byte is in place (or the transfer failed): say so to the other side. */
-    char msg[32 + KVB_AGG_ID_MAX];
-    int len = snprintf(msg, sizeof msg, NOTICE_TAG "%d %s", rc, x->id);
-    kvb_kv_link_t *l = x->link;
-    int nrc = kvb_notify_send(l->agent->engine, l->seg, msg, (size_t)len, x->timeout_ms);
-    if (nrc)
-        KVB_WARN("request %s: cannot notify %s: %s", x->id, l->peer_name, kvb_strerror(nrc));
+    int nrc = notice(x->link, x->id, rc, x->timeout_ms);
     return rc ? rc : nrc;
+}
+
+int kvb_kv_give_up(kvb_kv_link_t *l, const char *req_id, int timeout_ms)
+{
+    if (!l || !id_ok(req_id) || timeout_ms <= 0)
+        return KVB_ERR_INVALID_ARG;
+    if (!l->has_route)
+        return KVB_ERR_NOT_FOUND;
+    return notice(l, req_id, KVB_ERR_CANCELED, timeout_ms);
 }
 
 void kvb_kv_xfer_free(kvb_kv_xfer_t *x)

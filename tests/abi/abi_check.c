@@ -78,6 +78,7 @@
     X(kvb_kv_xfer_all)                                                                             \
     X(kvb_kv_xfer_finish)                                                                          \
     X(kvb_kv_xfer_free)                                                                            \
+    X(kvb_kv_give_up)                                                                              \
     X(kvb_kv_expect)                                                                               \
     X(kvb_kv_wait)                                                                                 \
     X(kvb_kv_agent_notify_recv)
@@ -462,6 +463,9 @@ static void check_kv_agents(kvb_engine_t *pe, kvb_engine_t *de, side_t *prefill,
     CHECK_OK(CALL(kvb_kv_xfer_finish, x));
     CALL(kvb_kv_xfer_free, x);
     CHECK_OK(CALL(kvb_kv_wait, pa, "abi-req-1", 10000));
+    CHECK_OK(kvb_kv_expect(pa, "abi-req-2", &pl, 1, 10000));
+    CHECK_OK(CALL(kvb_kv_give_up, dl, "abi-req-2", 10000));
+    CHECK(kvb_kv_wait(pa, "abi-req-2", 10000) == KVB_ERR_CANCELED);
     for (int i = 0; i < SLOTS; i++) {
         const uint8_t *src = (const uint8_t *)(uintptr_t)prefill->slots[i].base;
         const uint8_t *dst = (const uint8_t *)(uintptr_t)decode->slots[i].base;

@@ -39,6 +39,7 @@ static inst_t insts[MAX_INST];
 static int ninst;
 static const char *api_key_file; /* the next start()'s --api-key-file */
 static uint32_t idle_timeout_s;  /* the next start()'s --idle-timeout-s */
+static uint32_t lease_ms = 3000; /* the next start()'s --lease-ms */
 static kvb__pd_auth_t *signer;   /* signs /pd/ calls when set (instances with a secret) */
 static const char *extra_header; /* one more header line for every call, when set */
 static const char *log_file;     /* the next start()'s stderr, when set */
@@ -85,7 +86,7 @@ static inst_t *start(kvb_pd_role_t role, const char *model, uint64_t seed, uint3
                               .seed = seed,
                               .tp = tp,
                               .blocks = BLOCKS,
-                              .lease_ms = 3000,
+                              .lease_ms = lease_ms,
                               .api_key_file = api_key_file,
                               .idle_timeout_s = idle_timeout_s};
     int p[2];
@@ -812,6 +813,37 @@ Test(server, lease_ended_while_waiting_is_not_read)
     expect_refused(dec, "/pd/decode", body, 503, "lease_expired");
     expect_free(dec, BLOCKS);
     expect_free(pre, BLOCKS);
+    free(blocks), free(pss), free(dss);
+    json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
+}
+
+/* A decode that turns a pull request away before reading (here: no blocks free before the
+ * request's deadline) tells the prefill, which frees the leased prompt at once rather than at the
+ * end of its lease (20 s here) - a refusing decode would otherwise drain the prefill's pool too. */
+Test(server, refused_decode_gives_the_lease_back)
+{
+    lease_ms = 20000;
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    lease_ms = 3000;
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec), *info = get_json(dec, "/pd/info");
+    char *pss = dump(ps), *dss = dump(ds);
+    json_t *r = prefill_lease(pre, "g1", dss);
+    cr_assert_eq(free_blocks(pre), BLOCKS - 1);
+    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
+    json_t *hog = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
+                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 5000}",
+                            pss, BLOCKS * tpb - 1);
+    char *blocks = dump(json_object_get(r, "blocks")), body[2048];
+    snprintf(body, sizeof body,
+             "{\"request_id\": \"g1\", \"prompt\": \"Hello world\", \"t0\": %lld, "
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
+             "\"prefill_ticket\": \"%s\", \"timeout_ms\": 500}",
+             (long long)json_integer_value(json_object_get(r, "t0")), blocks, pss, MAX_TOKENS,
+             ticket_of(r));
+    expect_refused(dec, "/pd/decode", body, 503, "deadline");
+    expect_free(pre, BLOCKS); /* within 3 s: long before the lease would end */
     free(blocks), free(pss), free(dss);
     json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
 }

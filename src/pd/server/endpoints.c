@@ -17,6 +17,8 @@
  * (a pull lease, a push reservation: the ticket's expiry, in the other host's clock): room for
  * the two hosts' clocks to differ and for the other instance's reaper to run early. */
 #define GRANT_MARGIN_MS 500
+/* How long a decode waits for each "nothing will be read" notice to go (give_up_reads). */
+#define GIVE_UP_MS 1000
 
 /* One /pd request as it is handled: what was parsed, what is held, and how it failed. */
 typedef struct {
@@ -663,6 +665,16 @@ static uint64_t local_bytes(kvb_pd_server_t *srv, uint64_t nb)
     return s;
 }
 
+/* Tells every prefill rank the request reads from over a link without a transfer in xs (NULL:
+ * every link) that it will read nothing: each frees its leased blocks now, not when the lease
+ * ends - a decode that turns requests away would otherwise hold the prefill's pool for them. */
+static void give_up_reads(pdreq_t *q, kvb_kv_xfer_t *const *xs)
+{
+    for (size_t i = 0; q->links && i < q->srv->tp * q->nsegs; i++)
+        if (q->links[i] && (!xs || !xs[i]) && kvb_kv_link_has_route(q->links[i]))
+            kvb_kv_give_up(q->links[i], q->id, GIVE_UP_MS);
+}
+
 static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
 {
     kvb_pd_server_t *srv = q->srv;
@@ -672,14 +684,12 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
         return req_answer(q, conn, NULL);
     }
     kvb_kv_xfer_t **xs = calloc(srv->tp * q->nsegs, sizeof *xs);
-    if (!xs || admit(q, q->ntoks + q->p.max_tokens - 1)) {
-        if (!xs)
-            req_fail(q, 500, "out of memory");
-        free(xs);
-        return req_answer(q, conn, NULL);
-    }
-    int ms = grant_left_ms(q, "prefill's lease", "lease_expired");
-    if (!ms) {
+    int ms = 0;
+    if (!xs)
+        req_fail(q, 500, "out of memory");
+    if (!xs || admit(q, q->ntoks + q->p.max_tokens - 1) ||
+        !(ms = grant_left_ms(q, "prefill's lease", "lease_expired"))) {
+        give_up_reads(q, xs);
         free(xs);
         return req_answer(q, conn, NULL);
     }
@@ -691,6 +701,8 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
             failed = req_fail(q, 502, "KV pull from %s cannot start: %s", q->segs[i % q->nsegs],
                               kvb_strerror(rc));
     }
+    if (failed)
+        give_up_reads(q, xs); /* the links a transfer never began on (begun ones notify) */
     failed = xfers_finish(q, xs, failed);
     free(xs);
     if (failed)
