@@ -848,6 +848,36 @@ Test(server, refused_decode_gives_the_lease_back)
     json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
 }
 
+/* A reservation that had to wait for its blocks lasts until the request's deadline, counted from
+ * when the request came: it used to last one more whole timeout from when the blocks were free,
+ * held for a proxy that may long have given up. */
+Test(server, reservation_ends_at_the_request_deadline)
+{
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
+    json_t *ps = segments(pre), *info = get_json(dec, "/pd/info");
+    char *pss = dump(ps);
+    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
+    json_t *hog = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
+                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 1500}",
+                            pss, BLOCKS * tpb - 1);
+    uint64_t sent = kvb__pd_unix_ms();
+    json_t *res = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"late\", \"prompt\": \"Hello world\", "
+                            "\"prefill_segments\": %s, \"timeout_ms\": 4000}",
+                            pss); /* admitted once the hog's reservation ends, about 1.5 s on */
+    uint64_t answered = kvb__pd_unix_ms();
+    cr_assert_geq(answered - sent, 1000, "it did not wait for its blocks");
+    const char *t = ticket_of(res);
+    cr_assert(!strncmp(t, "v1.", 3), "%s", t);
+    uint64_t expires = strtoull(t + 3, NULL, 10);
+    cr_assert_leq(expires, sent + 4000 + 250, "the reservation ends %lld ms after the deadline",
+                  (long long)(expires - sent - 4000));
+    free(pss);
+    json_decref(res), json_decref(hog), json_decref(info), json_decref(ps);
+}
+
 /* The same for push: a prefill that waits for its blocks longer than the decode's reservation
  * must not write into the reserved blocks after all (the decode freed them when the reservation
  * ended). A pull lease of every prefill block for 3 s holds it back past a 2 s reservation. */

@@ -590,7 +590,11 @@ static json_t *reserve(pdreq_t *q)
      * requests that wait for this one's. */
     if (admit(q, q->ntoks + q->p.max_tokens - 1))
         return NULL;
-    uint32_t ms = q->p.timeout_ms;
+    /* The reservation lasts until the request's deadline, counted from when it came, not from
+     * when its blocks were free: a proxy that gave up waiting for this answer would otherwise
+     * leave the blocks held for one more whole timeout. */
+    uint64_t now = kvb__now_ns(), end = q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
+    uint32_t ms = now < end ? (uint32_t)((end - now + 999999) / 1000000) : 1;
     uint64_t mask = expect_all(q, ms, true);
     json_t *ok = q->status ? NULL
                            : with_ticket(q,
