@@ -174,7 +174,17 @@ Test(proxy, silent_upstream_hits_deadline)
 /* ---- A scripted fake instance (role both) for the relay's behavior ----------------------------
  */
 
-enum { FAKE_OK, FAKE_BREAK, FAKE_ERROR_EVENT, FAKE_STALL, FAKE_REFUSE, FAKE_BUSY, FAKE_BUSY_ONCE };
+enum {
+    FAKE_OK,
+    FAKE_BREAK,
+    FAKE_ERROR_EVENT,
+    FAKE_STALL,
+    FAKE_REFUSE,
+    FAKE_BUSY,
+    FAKE_BUSY_ONCE,
+    FAKE_NO_RESERVATION, /* /pd/decode: 404, the reservation is gone */
+    FAKE_FOREIGN,        /* /pd/prefill: 400 unknown_segment */
+};
 
 static struct {
     struct MHD_Daemon *mhd;
@@ -265,6 +275,11 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
             return pd_json_reply(c, 503,
                                  "{\"error\":{\"message\":\"admission queue full\","
                                  "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
+        if (fake.mode == FAKE_FOREIGN)
+            return pd_json_reply(c, 400,
+                                 "{\"error\":{\"message\":\"segment 127.0.0.1:1 is no member "
+                                 "of this cluster\",\"type\":\"invalid_request_error\","
+                                 "\"reason\":\"unknown_segment\"}}");
         if (fake.mode == FAKE_REFUSE)
             return pd_json_reply(c, 409,
                                  "{\"error\":{\"message\":\"link refused: model ids differ\","
@@ -273,6 +288,10 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
                              "{\"t0\":65,\"prompt_tokens\":3,\"blocks\":[1],\"kv_bytes\":4096,"
                              "\"kv_transfer_ms\":0.25,\"prefill_segments\":[\"127.0.0.1:1\"]}");
     }
+    if (!strcmp(url, "/pd/decode") && fake.mode == FAKE_NO_RESERVATION)
+        return pd_json_reply(c, 404,
+                             "{\"error\":{\"message\":\"no reservation for request r\","
+                             "\"type\":\"not_found_error\"}}");
     if (!strcmp(url, "/pd/decode"))
         return fake_decode(c, body);
     if (!strcmp(url, "/health"))
@@ -500,6 +519,23 @@ Test(proxy, refusal_reason_reaches_client, .fini = fake_fini)
     cr_expect_eq(st, 409, "%ld %s", st, msg);
     cr_expect(strstr(msg, "link refused: model ids differ"), "%s", msg);
     cr_expect_eq(atomic_load(&fake.aborts), 1);
+}
+
+/* 4xx that judge what the proxy sent, not the client's request, are a bad gateway to the client
+ * (it would not retry a 4xx it did not cause): a reservation the decode no longer has (404), an
+ * instance paired from outside the cluster (400 unknown_segment). The message still says why. */
+Test(proxy, upstream_4xx_of_the_proxys_own_making_are_502, .fini = fake_fini)
+{
+    fake_up(FAKE_NO_RESERVATION, KVB_PD_KV_PUSH, 5000);
+    char msg[512];
+    long st = post("{\"prompt\": \"abc\"}", msg, sizeof msg);
+    cr_expect_eq(st, 502, "%ld %s", st, msg);
+    cr_expect(strstr(msg, "HTTP 404") && strstr(msg, "no reservation"), "%s", msg);
+    fake_fini();
+    fake_up(FAKE_FOREIGN, KVB_PD_KV_PULL, 5000);
+    st = post("{\"prompt\": \"abc\"}", msg, sizeof msg);
+    cr_expect_eq(st, 502, "%ld %s", st, msg);
+    cr_expect(strstr(msg, "no member of this cluster"), "%s", msg);
 }
 
 /* ---- End to end through real instances --------------------------------------------------------

@@ -136,8 +136,11 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
         const char *reason = json_string_value(json_object_get(e, "reason"));
         /* 4xx carry the instance's verdict (a refused pair is 409 with the guard's reason):
          * pass them through; 503/504 too; any other failure of theirs is a bad gateway - and so
-         * is a 401 or 403, which judge the proxy's credentials or grants, not the client's. */
-        bool ours = rs->status == 401 || rs->status == 403;
+         * are those that judge what the proxy sent, not what the client did: 401 and 403 (its
+         * credentials, its grants), 404 (a path or a reservation the instance does not have)
+         * and 400 `unknown_segment` (an instance it paired that is not in the cluster). */
+        bool ours = rs->status == 401 || rs->status == 403 || rs->status == 404 ||
+                    (rs->status == 400 && reason && !strcmp(reason, "unknown_segment"));
         unsigned st = !ours && (rs->status < 500 || rs->status == 503 || rs->status == 504)
                           ? (unsigned)rs->status
                           : 502u;
