@@ -127,6 +127,27 @@ Test(proxy, bad_requests_are_400)
     free(big);
 }
 
+/* A body announced over the limit is refused from its headers, before a byte of it is sent (the
+ * proxy used to read - and drop - all of it before answering). */
+Test(proxy, announced_oversize_body_refused_unread)
+{
+    up_nowhere(2000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons(kvb_pd_proxy_port(px)),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    const char *hdr = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      "application/json\r\nContent-Length: 1000000000\r\n\r\n";
+    cr_assert_eq(send(fd, hdr, strlen(hdr), MSG_NOSIGNAL), (ssize_t)strlen(hdr));
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 3000), 1, "no answer without the body");
+    char buf[512] = "";
+    cr_assert_gt(recv(fd, buf, sizeof buf - 1, 0), 0);
+    cr_expect(!strncmp(buf, "HTTP/1.1 413", 12), "%s", buf);
+    close(fd);
+}
+
 Test(proxy, unreachable_upstream_fails_fast)
 {
     up_nowhere(5000);

@@ -13,10 +13,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/checked.h"
 #include "common/clock.h"
 #include "common/log.h"
 #include "kvbridge/status.h"
+#include "pd/http.h"
 #include "pd/proxy/internal.h"
 
 #define HEALTH_TIMEOUT_MS 1000u
@@ -218,37 +218,8 @@ static enum MHD_Result metrics(kvb_pd_proxy_t *px, struct MHD_Connection *c)
 
 /* ---- Routing --------------------------------------------------------------------------------- */
 
-typedef struct {
-    char *buf;
-    size_t len, cap;
-    bool too_large;
-} body_t;
-
-static void body_append(body_t *b, const char *data, size_t n)
-{
-    size_t need;
-    if (b->too_large || kvb__add_size(b->len, n, &need) || need > KVB_PD_PROXY_BODY_MAX) {
-        b->too_large = true;
-        return;
-    }
-    if (need > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < need)
-            cap *= 2;
-        char *nb = realloc(b->buf, cap);
-        if (!nb) {
-            b->too_large = true;
-            return;
-        }
-        b->buf = nb;
-        b->cap = cap;
-    }
-    memcpy(b->buf + b->len, data, n);
-    b->len += n;
-}
-
 static enum MHD_Result route(kvb_pd_proxy_t *px, struct MHD_Connection *c, const char *url,
-                             const char *method, body_t *b)
+                             const char *method, kvb__http_body_t *b)
 {
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/v1/completions")) {
@@ -265,7 +236,9 @@ static enum MHD_Result route(kvb_pd_proxy_t *px, struct MHD_Connection *c, const
             return respond_simple(c, 405, "invalid_request_error", "use POST");
         if (b->too_large)
             return respond_simple(c, 413, "invalid_request_error", "request body too large");
-        return completions(px, c, b->buf, b->len);
+        if (b->nomem)
+            return respond_simple(c, 500, "internal_error", "out of memory reading the body");
+        return completions(px, c, b->data ? b->data : "", b->len);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/metrics")) {
         if (!get)
@@ -280,16 +253,22 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                                   size_t *data_len, void **con_cls)
 {
     (void)version;
-    if (!*con_cls) {
-        body_t *b = calloc(1, sizeof *b);
+    if (!*con_cls) { /* headers only: refuse an announced oversize body before it is sent */
+        kvb__http_body_t *b = calloc(1, sizeof *b);
         if (!b)
             return MHD_NO;
         *con_cls = b;
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoull(cl, NULL, 10) > KVB_PD_PROXY_BODY_MAX) {
+            b->too_large = true;
+            return respond_simple(c, 413, "invalid_request_error", "request body too large");
+        }
         return MHD_YES;
     }
-    body_t *b = *con_cls;
+    kvb__http_body_t *b = *con_cls;
     if (*data_len) {
-        body_append(b, data, *data_len);
+        kvb__http_body_feed(b, data, *data_len, KVB_PD_PROXY_BODY_MAX);
         *data_len = 0;
         return MHD_YES;
     }
@@ -300,9 +279,9 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode why)
 {
     (void)cls, (void)c, (void)why;
-    body_t *b = *con_cls;
+    kvb__http_body_t *b = *con_cls;
     if (b) {
-        free(b->buf);
+        kvb__http_body_free(b);
         free(b);
     }
     *con_cls = NULL;
