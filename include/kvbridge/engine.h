@@ -64,7 +64,9 @@ typedef struct {
     size_t secret_len; /* 16..4096 bytes */
     int insecure;      /* non-zero: allow a non-loopback bind without a secret (warns once) */
     uint32_t peer_timeout_ms; /* a peer that neither sends nor acknowledges anything for this
-                               * long while requests are in flight is lost; default 5000 */
+                               * long while requests are in flight is lost; so is one that
+                               * reads none of our answers, or stopped in the middle of a
+                               * frame, for this long; default 5000 */
     uint32_t max_connections; /* connections this engine accepts at once; default 4096 */
     uint64_t shm_map_max;     /* bytes of one same-host peer's memory this engine maps at most;
                                * default 64 GiB */

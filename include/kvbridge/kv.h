@@ -310,9 +310,11 @@ KVB_API int kvb_kv_link_has_route(const kvb_kv_link_t *link);
  * are planned once, here (KVB_ERR_INVALID_ARG with a reason for a bad list); nothing moves until
  * kvb_kv_xfer_layer() or kvb_kv_xfer_all(). KVB_ERR_NOT_FOUND if the link has no route.
  * `timeout_ms` bounds the whole transfer, from this call: a layer started later gets what is left
- * of it (none left: that layer fails with KVB_ERR_TIMEOUT), so no data moves after it however
- * long the layers take to compute - a grant of the blocks (a lease, a reservation) ending later
- * is never overrun. The closing notice (kvb_kv_xfer_finish) has timeout_ms of its own. */
+ * of it (none left: that layer fails with KVB_ERR_TIMEOUT and moves nothing), and every batch
+ * ends by then however long the layers take to compute. Bytes a layer already handed to the
+ * network may still land after it, so end the transfer some time before a grant of the blocks
+ * (a lease, a reservation) does. The closing notice (kvb_kv_xfer_finish) has timeout_ms of its
+ * own. */
 KVB_API int kvb_kv_xfer_begin(kvb_kv_link_t *link, const char *req_id, kvb_opcode_t op,
                               const uint64_t *src_blocks, const uint64_t *dst_blocks, size_t n,
                               int timeout_ms, kvb_kv_xfer_t **out, char *reason, size_t reason_cap);

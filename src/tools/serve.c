@@ -27,7 +27,8 @@ static void usage(FILE *f)
             "  --bind ADDR     address of HTTP and the engines (default 127.0.0.1)\n"
             "  --kv-mode M     pull (default) or push\n"
             "  --blocks N      KV blocks of 16 tokens per rank (default %u)\n"
-            "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u)\n"
+            "  --lease-ms N    how long a prefill keeps blocks for the decode (default %u,\n"
+            "                  at least %u)\n"
             "  --max-queue N   requests that may wait for KV blocks at once, first come first\n"
             "                  served, each until its deadline (default %u); one more, or one\n"
             "                  whose deadline passes, gets 503 with Retry-After and a reason\n"
@@ -55,8 +56,8 @@ static void usage(FILE *f)
             "  --insecure      allow a non-loopback --bind without a secret (warns)\n\n"
             "Prints \"serving ROLE on http://ADDR:PORT (tp N, kv-mode M)\" when ready.\n"
             "exit status: 0 stopped by a signal, 1 cannot start, 2 bad command line\n",
-            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS, KVB_PD_SERVER_MAX_QUEUE,
-            KVB_PD_SERVER_MAX_CONNS, KVB_PD_SERVER_IDLE_S);
+            KVB_PD_SERVER_BLOCKS, KVB_PD_SERVER_LEASE_MS, KVB_PD_SERVER_LEASE_MIN_MS,
+            KVB_PD_SERVER_MAX_QUEUE, KVB_PD_SERVER_MAX_CONNS, KVB_PD_SERVER_IDLE_S);
 }
 
 static int bad(const char *what, const char *arg)
@@ -93,7 +94,7 @@ static int parse_opt(kvb_pd_server_opts_t *o, const char *opt, const char *val, 
         if (kvb_cli_parse_uint(val, UINT32_MAX, &o->blocks) || !o->blocks)
             return bad("bad --blocks", val);
     } else if (!strcmp(opt, "--lease-ms")) {
-        if (kvb_cli_parse_uint(val, 3600000, &v) || !v)
+        if (kvb_cli_parse_uint(val, 3600000, &v) || v < KVB_PD_SERVER_LEASE_MIN_MS)
             return bad("bad --lease-ms", val);
         o->lease_ms = (uint32_t)v;
     } else if (!strcmp(opt, "--max-queue")) {

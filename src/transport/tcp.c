@@ -1758,13 +1758,16 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
          * frame it began (a WRITE's region stays pinned, a device WRITE's bounce buffer held,
          * until its last byte is in: a peer stopped mid-payload would hold them forever). */
         pthread_mutex_lock(&c->mu);
-        bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : c->txq_head != NULL;
+        bool unread = c->txq_head != NULL;
+        bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : unread;
         pthread_mutex_unlock(&c->mu);
         uint64_t last = atomic_load_explicit(&c->last_io, memory_order_relaxed);
         /* Mid-payload with a wake threshold: read what there is once a tick anyway, so a kernel
          * that does not wake for the last bytes (LOWAT_MIN) costs a tick, never a hang. */
         pthread_mutex_lock(&c->rx_mu);
-        bool mid_frame = c->rx_state == RX_PAYLOAD || c->rx_len > c->rx_pos;
+        /* A payload or a header begun (whole headers left unread are our hold-off, not this). */
+        bool mid_frame = c->rx_state == RX_PAYLOAD ||
+                         (c->rx_len > c->rx_pos && c->rx_len - c->rx_pos < KVB_WIRE_HDR_SIZE);
         if (c->role == ROLE_TARGET && mid_frame)
             waiting = true;
         if (c->rx_lowat != 1) {
@@ -1777,8 +1780,8 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
             char why[96];
             snprintf(why, sizeof why,
                      c->role == ROLE_INIT ? "no answer for %u ms with requests in flight"
-                     : mid_frame          ? "peer sent nothing for %u ms in the middle of a frame"
-                                          : "peer read nothing for %u ms",
+                     : unread             ? "peer read nothing for %u ms"
+                                          : "peer sent nothing for %u ms in the middle of a frame",
                      cfg->peer_timeout_ms);
             KVB_WARN("connection %s %s: %s", c->role == ROLE_INIT ? "to" : "from",
                      c->role == ROLE_INIT ? (c->peer ? c->peer->name : "?") : c->from, why);

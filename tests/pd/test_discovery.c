@@ -668,5 +668,9 @@ Test(discovery, bad_command_lines)
     so.metadata = "etcd://";
     cr_expect_eq(kvb_pd_server_create(&so, &srv, why, sizeof why), KVB_ERR_INVALID_ARG);
     cr_expect(strstr(why, "bad metadata URI"), "%s", why);
+    so.metadata = NULL;
+    so.lease_ms = KVB_PD_SERVER_LEASE_MIN_MS - 1; /* reads end 500 ms before a lease does */
+    cr_expect_eq(kvb_pd_server_create(&so, &srv, why, sizeof why), KVB_ERR_INVALID_ARG);
+    cr_expect(strstr(why, "lease_ms must be at least"), "%s", why);
     cr_expect_null(srv);
 }

@@ -17,7 +17,8 @@
  * (a pull lease, a push reservation: the ticket's expiry, in the other host's clock): room for
  * the two hosts' clocks to differ and for the other instance's reaper to run early. */
 #define GRANT_MARGIN_MS 500
-/* How long a decode waits for each "nothing will be read" notice to go (give_up_reads). */
+_Static_assert(KVB_PD_SERVER_LEASE_MIN_MS > GRANT_MARGIN_MS, "a lease leaves time to read");
+/* How long a decode waits for its "nothing will be read" notices to go (give_up_reads). */
 #define GIVE_UP_MS 1000
 
 /* One /pd request as it is handled: what was parsed, what is held, and how it failed. */
@@ -325,6 +326,11 @@ static int grant_left_ms(pdreq_t *q, const char *grant, const char *reason)
     int64_t req_left =
         ((int64_t)q->t_start + (int64_t)q->p.timeout_ms * 1000000 - (int64_t)kvb__now_ns()) /
         1000000;
+    if (left <= 0 && req_left <= GRANT_MARGIN_MS) { /* the request's own time is up as well */
+        req_fail(q, 504, "request %s has %lld ms left of its deadline: too little to move its KV",
+                 q->id, (long long)(req_left > 0 ? req_left : 0));
+        return 0;
+    }
     if (left <= 0) {
         req_deny(q, 503, reason,
                  "the %s of %s's blocks %s %lld ms%s, too soon to move its KV (the request waited "
@@ -674,9 +680,14 @@ static uint64_t local_bytes(kvb_pd_server_t *srv, uint64_t nb)
  * ends - a decode that turns requests away would otherwise hold the prefill's pool for them. */
 static void give_up_reads(pdreq_t *q, kvb_kv_xfer_t *const *xs)
 {
-    for (size_t i = 0; q->links && i < q->srv->tp * q->nsegs; i++)
+    uint64_t until = kvb__deadline_ms(GIVE_UP_MS); /* for all of them: the answer waits */
+    for (size_t i = 0; q->links && i < q->srv->tp * q->nsegs; i++) {
+        uint64_t now = kvb__now_ns();
+        if (now >= until)
+            break; /* those not told free the blocks when the lease ends */
         if (q->links[i] && (!xs || !xs[i]) && kvb_kv_link_has_route(q->links[i]))
-            kvb_kv_give_up(q->links[i], q->id, GIVE_UP_MS);
+            kvb_kv_give_up(q->links[i], q->id, (int)((until - now + 999999) / 1000000));
+    }
 }
 
 static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
@@ -685,6 +696,7 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
     if (q->nrblocks != q->nb) {
         req_fail(q, 400, "\"prefill_blocks\" has %zu ids; the prompt needs %llu", q->nrblocks,
                  (unsigned long long)q->nb);
+        give_up_reads(q, NULL);
         return req_answer(q, conn, NULL);
     }
     kvb_kv_xfer_t **xs = calloc(srv->tp * q->nsegs, sizeof *xs);

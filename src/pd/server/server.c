@@ -340,6 +340,11 @@ static int check_opts(const kvb_pd_server_opts_t *o, char *reason, size_t cap)
                          KVB_PD_SERVER_TP_MAX);
     if (o->blocks > UINT32_MAX)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "too many blocks");
+    if (o->lease_ms && o->lease_ms < KVB_PD_SERVER_LEASE_MIN_MS)
+        return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG,
+                         "lease_ms must be at least %u (a decode's reads end 500 ms before the "
+                         "lease does)",
+                         KVB_PD_SERVER_LEASE_MIN_MS);
     if (o->bind && strlen(o->bind) >= 64)
         return kvb__fail(reason, cap, KVB_ERR_INVALID_ARG, "bind address too long");
     if (strlen(o->model) >= 4096)

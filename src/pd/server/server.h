@@ -13,16 +13,17 @@
 typedef enum { KVB_PD_ROLE_PREFILL = 1, KVB_PD_ROLE_DECODE, KVB_PD_ROLE_BOTH } kvb_pd_role_t;
 typedef enum { KVB_PD_KV_PULL = 1, KVB_PD_KV_PUSH } kvb_pd_kv_mode_t;
 
-#define KVB_PD_SERVER_TP_MAX     64u
-#define KVB_PD_SERVER_BLOCKS     512u       /* default blocks per rank cache */
-#define KVB_PD_SERVER_LEASE_MS   30000u     /* default pull lease */
-#define KVB_PD_SERVER_BODY_MAX   (1u << 20) /* request bodies over this get 413 */
-#define KVB_PD_SERVER_TIMEOUT_MS 30000u     /* default deadline of a request */
-#define KVB_PD_SERVER_MAX_TOKENS 4096u
-#define KVB_PD_SERVER_META_MS    3000u /* deadline of each metadata store call */
-#define KVB_PD_SERVER_MAX_QUEUE  256u  /* default bound of the admission queue */
-#define KVB_PD_SERVER_MAX_CONNS  1024u /* default bound of HTTP connections (a thread each) */
-#define KVB_PD_SERVER_IDLE_S     120u  /* an HTTP connection silent this long is closed */
+#define KVB_PD_SERVER_TP_MAX       64u
+#define KVB_PD_SERVER_BLOCKS       512u       /* default blocks per rank cache */
+#define KVB_PD_SERVER_LEASE_MS     30000u     /* default pull lease */
+#define KVB_PD_SERVER_LEASE_MIN_MS 1000u      /* shortest: a decode's reads end 500 ms before it */
+#define KVB_PD_SERVER_BODY_MAX     (1u << 20) /* request bodies over this get 413 */
+#define KVB_PD_SERVER_TIMEOUT_MS   30000u     /* default deadline of a request */
+#define KVB_PD_SERVER_MAX_TOKENS   4096u
+#define KVB_PD_SERVER_META_MS      3000u /* deadline of each metadata store call */
+#define KVB_PD_SERVER_MAX_QUEUE    256u  /* default bound of the admission queue */
+#define KVB_PD_SERVER_MAX_CONNS    1024u /* default bound of HTTP connections (a thread each) */
+#define KVB_PD_SERVER_IDLE_S       120u  /* an HTTP connection silent this long is closed */
 
 /* What `kvbridge serve` takes; zero-initialise, then fill. */
 typedef struct {
