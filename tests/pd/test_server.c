@@ -787,6 +787,36 @@ Test(server, foreign_block_ids_pull)
     free(b1), free(b2), free(pss), free(dss);
 }
 
+/* Reserves every block of decode `dec` for `timeout_ms` (request "hog"): what needs a block there
+ * next waits in its admission queue until the reservation expires. */
+static json_t *reserve_every_block(const inst_t *dec, const char *pss, int timeout_ms)
+{
+    json_t *info = get_json(dec, "/pd/info");
+    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
+    json_decref(info);
+    cr_assert_gt(tpb, 0);
+    json_t *hog = post_json(dec, "/pd/reserve", 200,
+                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
+                            "%s, \"max_tokens\": %ld, \"timeout_ms\": %d}",
+                            pss, BLOCKS * tpb - 1, timeout_ms); /* BOS, 'x', every other position */
+    cr_assert_eq(free_blocks(dec), 0);
+    return hog;
+}
+
+/* The /pd/decode body (pull) of request `id` for prefill answer `r`, with its ticket. */
+static void pull_decode_body(char *body, size_t cap, const char *id, json_t *r, const char *pss,
+                             int timeout_ms)
+{
+    char *blocks = dump(json_object_get(r, "blocks"));
+    snprintf(body, cap,
+             "{\"request_id\": \"%s\", \"prompt\": \"Hello world\", \"t0\": %lld, "
+             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
+             "\"prefill_ticket\": \"%s\", \"timeout_ms\": %d}",
+             id, (long long)json_integer_value(json_object_get(r, "t0")), blocks, pss, MAX_TOKENS,
+             ticket_of(r), timeout_ms);
+    free(blocks);
+}
+
 /* A decode that waits for its blocks longer than the prefill's lease must not read the leased
  * blocks after all: the prefill freed them when the lease ended and may have handed them on. A
  * reservation that takes every decode block for 4 s holds the request back past the 3 s lease. */
@@ -794,28 +824,16 @@ Test(server, lease_ended_while_waiting_is_not_read)
 {
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
     inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
-    json_t *ps = segments(pre), *ds = segments(dec), *info = get_json(dec, "/pd/info");
-    char *pss = dump(ps), *dss = dump(ds);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds), body[2048];
     json_t *r = prefill_lease(pre, "w1", dss); /* a 3 s lease (start) */
-    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
-    cr_assert_gt(tpb, 0);
-    json_t *hog = post_json(dec, "/pd/reserve", 200,
-                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
-                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 4000}",
-                            pss, BLOCKS * tpb - 1); /* BOS, 'x', then every other position */
-    cr_assert_eq(free_blocks(dec), 0);
-    char *blocks = dump(json_object_get(r, "blocks")), body[2048];
-    snprintf(body, sizeof body,
-             "{\"request_id\": \"w1\", \"prompt\": \"Hello world\", \"t0\": %lld, "
-             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
-             "\"prefill_ticket\": \"%s\", \"timeout_ms\": 9000}",
-             (long long)json_integer_value(json_object_get(r, "t0")), blocks, pss, MAX_TOKENS,
-             ticket_of(r));
+    json_t *hog = reserve_every_block(dec, pss, 4000);
+    pull_decode_body(body, sizeof body, "w1", r, pss, 9000);
     expect_refused(dec, "/pd/decode", body, 503, "lease_expired");
     expect_free(dec, BLOCKS);
     expect_free(pre, BLOCKS);
-    free(blocks), free(pss), free(dss);
-    json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
+    free(pss), free(dss);
+    json_decref(hog), json_decref(r), json_decref(ps), json_decref(ds);
 }
 
 /* A decode that turns a pull request away before reading (here: no blocks free before the
@@ -827,26 +845,16 @@ Test(server, refused_decode_gives_the_lease_back)
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
     lease_ms = 3000;
     inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
-    json_t *ps = segments(pre), *ds = segments(dec), *info = get_json(dec, "/pd/info");
-    char *pss = dump(ps), *dss = dump(ds);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds), body[2048];
     json_t *r = prefill_lease(pre, "g1", dss);
     cr_assert_eq(free_blocks(pre), BLOCKS - 1);
-    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
-    json_t *hog = post_json(dec, "/pd/reserve", 200,
-                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
-                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 5000}",
-                            pss, BLOCKS * tpb - 1);
-    char *blocks = dump(json_object_get(r, "blocks")), body[2048];
-    snprintf(body, sizeof body,
-             "{\"request_id\": \"g1\", \"prompt\": \"Hello world\", \"t0\": %lld, "
-             "\"prefill_blocks\": %s, \"prefill_segments\": %s, \"max_tokens\": %d, "
-             "\"prefill_ticket\": \"%s\", \"timeout_ms\": 500}",
-             (long long)json_integer_value(json_object_get(r, "t0")), blocks, pss, MAX_TOKENS,
-             ticket_of(r));
+    json_t *hog = reserve_every_block(dec, pss, 5000);
+    pull_decode_body(body, sizeof body, "g1", r, pss, 500);
     expect_refused(dec, "/pd/decode", body, 503, "deadline");
     expect_free(pre, BLOCKS); /* within 3 s: long before the lease would end */
-    free(blocks), free(pss), free(dss);
-    json_decref(hog), json_decref(r), json_decref(info), json_decref(ps), json_decref(ds);
+    free(pss), free(dss);
+    json_decref(hog), json_decref(r), json_decref(ps), json_decref(ds);
 }
 
 /* A reservation that had to wait for its blocks lasts until the request's deadline, counted from
@@ -856,13 +864,9 @@ Test(server, reservation_ends_at_the_request_deadline)
 {
     inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
     inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PUSH, NULL);
-    json_t *ps = segments(pre), *info = get_json(dec, "/pd/info");
+    json_t *ps = segments(pre);
     char *pss = dump(ps);
-    long tpb = (long)json_integer_value(json_object_get(info, "tokens_per_block"));
-    json_t *hog = post_json(dec, "/pd/reserve", 200,
-                            "{\"request_id\": \"hog\", \"prompt\": \"x\", \"prefill_segments\": "
-                            "%s, \"max_tokens\": %ld, \"timeout_ms\": 3000}",
-                            pss, BLOCKS * tpb - 1);
+    json_t *hog = reserve_every_block(dec, pss, 3000);
     uint64_t sent = kvb__pd_unix_ms();
     json_t *res = post_json(dec, "/pd/reserve", 200,
                             "{\"request_id\": \"late\", \"prompt\": \"Hello world\", "
@@ -878,7 +882,7 @@ Test(server, reservation_ends_at_the_request_deadline)
     cr_assert_leq(expires, sent + 6000 + 1000, "the reservation ends %lld ms after the deadline",
                   (long long)(expires - sent - 6000));
     free(pss);
-    json_decref(res), json_decref(hog), json_decref(info), json_decref(ps);
+    json_decref(res), json_decref(hog), json_decref(ps);
 }
 
 /* The same for push: a prefill that waits for its blocks longer than the decode's reservation
