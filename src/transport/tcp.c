@@ -911,6 +911,8 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return KVB_OK;
     }
     bool shm = h->flags & KVB_FRAME_F_SHM;
+    if (shm && h->type != KVB_FRAME_READ_REQ && h->type != KVB_FRAME_WRITE_REQ)
+        return KVB_ERR_PROTOCOL; /* a same-host answer run: initiators get those, not targets */
     unsigned access = h->type == KVB_FRAME_READ_REQ ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
     if (!shm)
         flush_jobs(c); /* this frame's answer must follow the copies owed before it */

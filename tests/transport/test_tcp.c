@@ -208,6 +208,18 @@ Test(tcp, hostile_headers_are_refused)
     expect_closed_after(f, sizeof f, true);
     put_hdr(f, KVB_FRAME_READ_RESP, 0, 1, 0, 0); /* a response sent to a target */
     expect_closed_after(f, sizeof f, true);
+    /* ... and same-host answer runs sent to a target (they used to pass unnoticed) */
+    static const uint8_t answers[] = {KVB_FRAME_READ_RESP, KVB_FRAME_WRITE_ACK};
+    for (size_t i = 0; i < sizeof answers; i++) {
+        kvb_frame_hdr_t h = {.type = answers[i],
+                             .flags = KVB_FRAME_F_SHM | KVB_FRAME_F_RUN,
+                             .id = 1,
+                             .addr = 1,
+                             .len = 8};
+        kvb__wire_encode_hdr(&h, f);
+        cr_assert_eq(kvb__wire_decode_hdr(f, &h, NULL, 0), KVB_OK, "the wire allows it");
+        expect_closed_after(f, sizeof f, true);
+    }
     put_hdr(f, KVB_FRAME_HELLO, 0, 0, 0, 10); /* a second hello */
     expect_closed_after(f, sizeof f, true);
     f[5] = 77; /* unknown type */
