@@ -6,6 +6,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+kvb__http_body_t *kvb__http_body_start(struct MHD_Connection *conn, size_t limit)
+{
+    kvb__http_body_t *b = calloc(1, sizeof *b);
+    const char *cl =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (b && cl && strtoull(cl, NULL, 10) > limit)
+        b->too_large = true;
+    return b;
+}
+
 void kvb__http_body_feed(kvb__http_body_t *b, const char *data, size_t n, size_t limit)
 {
     if (b->too_large || b->nomem)

@@ -17,6 +17,9 @@ typedef struct {
     bool nomem;
 } kvb__http_body_t;
 
+/* A new body for a request whose headers just came (NULL: no memory), marked too large at once
+ * when its Content-Length announces more than `limit` bytes: refused before it is sent. */
+kvb__http_body_t *kvb__http_body_start(struct MHD_Connection *conn, size_t limit);
 /* Appends data[0..n) unless that takes the body over `limit` bytes (then marks it too large). */
 void kvb__http_body_feed(kvb__http_body_t *b, const char *data, size_t n, size_t limit);
 void kvb__http_body_free(kvb__http_body_t *b);

@@ -254,16 +254,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 {
     (void)version;
     if (!*con_cls) { /* headers only: refuse an announced oversize body before it is sent */
-        kvb__http_body_t *b = calloc(1, sizeof *b);
+        kvb__http_body_t *b = kvb__http_body_start(c, KVB_PD_PROXY_BODY_MAX);
         if (!b)
             return MHD_NO;
         *con_cls = b;
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > KVB_PD_PROXY_BODY_MAX) {
-            b->too_large = true;
+        if (b->too_large)
             return respond_simple(c, 413, "invalid_request_error", "request body too large");
-        }
         return MHD_YES;
     }
     kvb__http_body_t *b = *con_cls;

@@ -265,13 +265,18 @@ static int prepare(pdreq_t *q, bool link)
     return 0;
 }
 
+/* The request's deadline (monotonic ns): its timeout, counted from when it came. */
+static uint64_t req_deadline(const pdreq_t *q)
+{
+    return q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
+}
+
 /* Takes blocks for `tokens` positions into the entry, waiting in the admission queue until the
  * request's deadline while they are not free. */
 static int admit(pdreq_t *q, uint64_t tokens)
 {
     kvb_pd_server_t *srv = q->srv;
-    uint64_t deadline = q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
-    if (!kvb__srv_admit(srv, &q->ent->seq, tokens, deadline, &q->ref))
+    if (!kvb__srv_admit(srv, &q->ent->seq, tokens, req_deadline(q), &q->ref))
         return 0;
     q->refused = true;
     return req_fail(q, q->ref.status, "%s", q->ref.msg);
@@ -323,12 +328,10 @@ static int grant_left_ms(pdreq_t *q, const char *grant, const char *reason)
     int64_t now_ms = (int64_t)kvb__pd_unix_ms();
     int64_t ends = (int64_t)q->grant_ends - now_ms;
     int64_t left = ends - GRANT_MARGIN_MS;
-    int64_t req_left =
-        ((int64_t)q->t_start + (int64_t)q->p.timeout_ms * 1000000 - (int64_t)kvb__now_ns()) /
-        1000000;
+    int64_t req_left = kvb__ms_left(req_deadline(q));
     if (left <= 0 && req_left <= GRANT_MARGIN_MS) { /* the request's own time is up as well */
         req_fail(q, 504, "request %s has %lld ms left of its deadline: too little to move its KV",
-                 q->id, (long long)(req_left > 0 ? req_left : 0));
+                 q->id, (long long)req_left);
         return 0;
     }
     if (left <= 0) {
@@ -599,8 +602,8 @@ static json_t *reserve(pdreq_t *q)
     /* The reservation lasts until the request's deadline, counted from when it came, not from
      * when its blocks were free: a proxy that gave up waiting for this answer would otherwise
      * leave the blocks held for one more whole timeout. */
-    uint64_t now = kvb__now_ns(), end = q->t_start + (uint64_t)q->p.timeout_ms * 1000000ull;
-    uint32_t ms = now < end ? (uint32_t)((end - now + 999999) / 1000000) : 1;
+    int left = kvb__ms_left(req_deadline(q));
+    uint32_t ms = left > 0 ? (uint32_t)left : 1;
     uint64_t mask = expect_all(q, ms, true);
     json_t *ok = q->status ? NULL
                            : with_ticket(q,

@@ -258,16 +258,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     kvb__http_body_t *b = *con_cls;
     (void)version;
     if (!b) { /* headers only: refuse an announced oversize body before it is sent */
-        if (!(b = calloc(1, sizeof *b)))
+        if (!(b = kvb__http_body_start(conn, KVB_PD_SERVER_BODY_MAX)))
             return MHD_NO;
         *con_cls = b;
-        const char *cl =
-            MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > KVB_PD_SERVER_BODY_MAX) {
-            b->too_large = true;
+        if (b->too_large)
             return kvb__srv_http_fail(srv, conn, 413, "request body over %u bytes",
                                       KVB_PD_SERVER_BODY_MAX);
-        }
         return MHD_YES;
     }
     if (*upload_data_size) {
