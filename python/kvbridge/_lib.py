@@ -176,6 +176,7 @@ _PROTOS = {
     "kvb_batch_status": (c_int, [P, c_size_t, POINTER(ReqStatus)]),
     "kvb_batch_wait": (c_int, [P, c_int]),
     "kvb_batch_cancel": (c_int, [P]),
+    "kvb_batch_settle": (c_int, [P, c_int]),
     "kvb_batch_free": (None, [P]),
     "kvb_notify_send": (c_int, [P, kvb_segment_t, c_void_p, c_size_t, c_int]),
     "kvb_notify_recv": (c_int, [P, POINTER(Notification), c_int]),

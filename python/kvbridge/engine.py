@@ -591,6 +591,19 @@ class Batch:
         (over shared memory a copy under way may still land: unregister waits for it)."""
         check(self._lib.kvb_batch_cancel(self._handle()), "kvb_batch_cancel")
 
+    def settle(self, timeout: float = 0.0) -> bool:
+        """Waits up to `timeout` seconds (0: polls) until no request of the batch can still
+        place data in local memory (kvb_batch_settle). True once settled. A request that timed
+        out or was cancelled may still have a same-host peer's copy (or a NIC's) land in its
+        buffer until the peer answers: settle before handing such buffers to other work."""
+        if timeout < 0:
+            raise ValueError("timeout must be >= 0")
+        rc = self._lib.kvb_batch_settle(self._handle(), _ms(timeout))
+        if rc == -6:  # ERR_AGAIN
+            return False
+        check(rc, "kvb_batch_settle")
+        return True
+
     def close(self) -> None:
         """Cancels what is pending and frees the batch (kvb_batch_free). Idempotent."""
         with self._lock:

@@ -168,7 +168,7 @@ static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t 
     if (r->state != KVB_REQ_PENDING)
         return;
     if (status < 0) {
-        r->state = KVB_REQ_FAILED;
+        r->state = status == KVB_ERR_TIMEOUT ? KVB_REQ_TIMEOUT : KVB_REQ_FAILED;
         r->error = status;
         b->open--;
         t->failed++;
@@ -220,8 +220,9 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
         op_account(b, op, status, bytes, &t);
         tally_add(b->engine, &t);
         notify = notify_due(b);
+        b->held--;
     }
-    if (batch_done(b))
+    if (batch_done(b) || b->held == 0)
         pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
     if (op->pin)
@@ -251,7 +252,8 @@ void kvb__ops_done(kvb_op_t *ops, int status)
             op_account(b, end, status, status ? 0 : end->len, &t);
         tally_add(b->engine, &t);
         bool notify = notify_due(b);
-        if (batch_done(b))
+        b->held -= n;
+        if (batch_done(b) || b->held == 0)
             pthread_cond_broadcast(&b->cv);
         pthread_mutex_unlock(&b->mu);
         /* Pins of one region come in runs: dropped per run. */
@@ -389,6 +391,7 @@ static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch
     b->n = n;
     b->nops = (size_t)nops;
     b->open = n;
+    b->held = (size_t)nops;
     atomic_init(&b->refs, 1 + (unsigned)nops);
     *out = b;
     return KVB_OK;
@@ -638,6 +641,29 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
              * looking again, since answers may have landed while we held no lock. */
             if (drc != KVB_ERR_BUSY || batch_done(b))
                 continue;
+        }
+        struct timespec ts = kvb__timespec_of(until);
+        int err = pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+        if (err && err != ETIMEDOUT) {
+            rc = KVB_ERR_SYSTEM;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int kvb_batch_settle(kvb_batch_t *b, int timeout_ms)
+{
+    if (!b || timeout_ms < 0)
+        return KVB_ERR_INVALID_ARG;
+    uint64_t until = kvb__deadline_ms(timeout_ms);
+    int rc = KVB_OK;
+    pthread_mutex_lock(&b->mu);
+    while (b->held > 0) {
+        if (kvb__now_ns() >= until) {
+            rc = KVB_ERR_AGAIN;
+            break;
         }
         struct timespec ts = kvb__timespec_of(until);
         int err = pthread_cond_timedwait(&b->cv, &b->mu, &ts);

@@ -72,6 +72,7 @@ struct kvb_batch {
     size_t nops;
     size_t mem_cap; /* the block's size */
     size_t open;    /* requests not yet ended */
+    size_t held;    /* ops their path has not let go of yet (kvb__op_done): kvb_batch_settle */
     bool freed;     /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;

@@ -143,12 +143,15 @@ void kvb__wire_shm_entry_encode(const kvb_shm_entry_t *e, uint8_t out[KVB_WIRE_S
     kvb__put_le64(out, e->remote);
     kvb__put_le64(out + 8, e->len);
     kvb__put_le64(out + 16, e->local);
+    kvb__put_le64(out + 24, e->deadline);
 }
 
 int kvb__wire_shm_entry_decode(const uint8_t in[KVB_WIRE_SHM_ENTRY], kvb_shm_entry_t *out)
 {
-    *out = (kvb_shm_entry_t){
-        .remote = kvb__get_le64(in), .len = kvb__get_le64(in + 8), .local = kvb__get_le64(in + 16)};
+    *out = (kvb_shm_entry_t){.remote = kvb__get_le64(in),
+                             .len = kvb__get_le64(in + 8),
+                             .local = kvb__get_le64(in + 16),
+                             .deadline = kvb__get_le64(in + 24)};
     return out->len > KVB_WIRE_MAX_DATA ? KVB_ERR_PROTOCOL : KVB_OK;
 }
 

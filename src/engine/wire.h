@@ -13,8 +13,9 @@
 
 #define KVB_WIRE_MAGIC 0x3142564Bu /* "KVB1" read as little-endian */
 /* 2: mutual authentication; 3: same-host answer runs; 4: answer runs over TCP; 5: same-host
- * request runs. Other versions are refused at the first frame. */
-#define KVB_WIRE_VERSION  5
+ * request runs; 6: same-host requests carry their deadline. Other versions are refused at the
+ * first frame. */
+#define KVB_WIRE_VERSION  6
 #define KVB_WIRE_HDR_SIZE 40
 
 /* Limits on what a peer may announce; anything larger is a protocol error. */
@@ -64,12 +65,16 @@ typedef enum {
 #define KVB_WIRE_MAX_RUN 4096u
 
 /* One request of a same-host request run: u64 remote address | u64 length | u64 the initiator's
- * address, where the target's copy takes the bytes from (WRITE) or puts them (READ). A KV pull
- * asks for tens of thousands of small blocks; a 40-byte header and its decoding for each one cost
- * the initiator's submits and the target's reading thread more than the request itself. */
-#define KVB_WIRE_SHM_ENTRY 24u
+ * address, where the target's copy takes the bytes from (WRITE) or puts them (READ) | u64 the
+ * request's deadline, CLOCK_MONOTONIC ns (one clock: both ends are on this host). A KV pull asks
+ * for tens of thousands of small blocks; a 40-byte header and its decoding for each one cost the
+ * initiator's submits and the target's reading thread more than the request itself. The target
+ * starts no copy past the deadline (it answers KVB_ERR_TIMEOUT): the initiator may reuse its
+ * memory once a request has timed out, and a target that was stalled - stopped, swapped out -
+ * must not copy into it when it resumes. */
+#define KVB_WIRE_SHM_ENTRY 32u
 typedef struct {
-    uint64_t remote, len, local;
+    uint64_t remote, len, local, deadline;
 } kvb_shm_entry_t;
 
 void kvb__wire_shm_entry_encode(const kvb_shm_entry_t *e, uint8_t out[KVB_WIRE_SHM_ENTRY]);

@@ -391,8 +391,11 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
     /* Shared until the set is finished: an unshare waits until these copies are done with its
      * mapping. */
     pthread_rwlock_rdlock(&p->lock);
+    uint64_t now = kvb__now_ns();
     for (size_t i = 0; i < n; i++) {
         kvb_shm_job_t *j = &jobs[i];
+        if (j->status == KVB_OK && now >= j->deadline)
+            j->status = KVB_ERR_TIMEOUT; /* the initiator's memory may be in other use by now */
         if (j->status != KVB_OK)
             continue;
         uint64_t span = 0;
@@ -438,10 +441,15 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     free(set->segs);
     for (size_t i = 0; i < set->n; i++) {
         kvb_shm_job_t *j = &set->jobs[i];
-        if (j->status == KVB_ERR_AGAIN)
-            j->status = !answered   ? KVB_ERR_PEER_LOST
-                        : p->cma_ok ? cma_copy(p->pid, j->to_peer, j->theirs, j->mine, j->len)
-                                    : KVB_ERR_SHM_COPY;
+        if (j->status != KVB_ERR_AGAIN)
+            continue;
+        if (!answered)
+            j->status = KVB_ERR_PEER_LOST;
+        else if (kvb__now_ns() >= j->deadline) /* this copy starts only now */
+            j->status = KVB_ERR_TIMEOUT;
+        else
+            j->status = p->cma_ok ? cma_copy(p->pid, j->to_peer, j->theirs, j->mine, j->len)
+                                  : KVB_ERR_SHM_COPY;
     }
     set->peer = NULL;
     set->segs = NULL;

@@ -61,14 +61,17 @@ kvb_shm_peer_t *kvb__shm_offer_peer(kvb_shm_offer_t *o);
 void kvb__shm_offer_drop(kvb_shm_offer_t *o);
 void kvb__shm_peer_put(kvb_shm_peer_t *p);
 /* A copy a target owes a same-host initiator: len bytes between our `mine` and the initiator's
- * `theirs` (to_peer: mine -> theirs). */
+ * `theirs` (to_peer: mine -> theirs), to be started by `deadline` (CLOCK_MONOTONIC ns; the
+ * initiator's request ends then, and it may reuse its memory). */
 typedef struct {
     bool to_peer;
     uint64_t theirs;
     uint8_t *mine;
     uint64_t len;
     uint64_t mine_span; /* the length of our registered region `mine` lies in */
-    int status;         /* in: KVB_OK to run it (else it is skipped); out: the answer */
+    uint64_t deadline;
+    int status; /* in: KVB_OK to run it (else it is skipped); out: the answer (KVB_ERR_TIMEOUT:
+                 * not started by its deadline) */
 } kvb_shm_job_t;
 
 /* A set of jobs under way: started by kvb__shm_start, ended by kvb__shm_finish. */
@@ -83,7 +86,7 @@ typedef struct {
 
 /* Queues the jobs of one initiator as parts for the copy pool and returns at once, so the caller
  * can read the next requests while the pool copies (a second set may be started before the first
- * is finished). A set of under 256 KiB is not queued: kvb__shm_finish's thread copies it. Copies
+ * is finished). A job past its deadline is not copied. A set of under 256 KiB is not queued: kvb__shm_finish's thread copies it. Copies
  * into memory larger than the last-level cache use streaming stores. The jobs stay the caller's,
  * untouched, until kvb__shm_finish. */
 void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,

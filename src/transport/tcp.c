@@ -729,7 +729,10 @@ static int queue_shm_run(tcp_conn_t *c, kvb_op_t **opp)
     op = first;
     for (uint64_t k = 0; k < n; k++) {
         kvb_op_t *next = op->next;
-        kvb_shm_entry_t e = {.remote = op->remote, .len = op->len, .local = (uintptr_t)op->local};
+        kvb_shm_entry_t e = {.remote = op->remote,
+                             .len = op->len,
+                             .local = (uintptr_t)op->local,
+                             .deadline = op->batch->deadline};
         kvb__wire_shm_entry_encode(&e, buf + k * KVB_WIRE_SHM_ENTRY);
         op->wire_id = c->next_id++;
         op->next = NULL;
@@ -1135,6 +1138,7 @@ static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
                                   .mine = (uint8_t *)(uintptr_t)e.remote,
                                   .len = e.len,
                                   .mine_span = pin ? pin->len : 0,
+                                  .deadline = e.deadline,
                                   .status = st};
     js->hdr[i] = (kvb_frame_hdr_t){.type = run->type,
                                    .flags = KVB_FRAME_F_SHM,
@@ -1263,8 +1267,9 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && h->len != op->len)
         return KVB_ERR_PROTOCOL;
     if (h->status != 0 && !(h->status <= -200 && h->status > -300) &&
-        h->status != KVB_ERR_TOO_LARGE && h->status != KVB_ERR_NOMEM)
-        return KVB_ERR_PROTOCOL; /* targets only answer per-request errors */
+        h->status != KVB_ERR_TOO_LARGE && h->status != KVB_ERR_NOMEM &&
+        h->status != KVB_ERR_TIMEOUT) /* a same-host copy not started by its deadline */
+        return KVB_ERR_PROTOCOL;      /* targets only answer per-request errors */
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && op->pin && op->pin->kind != KVB_MEM_CPU)
         op->stage = kvb__stage_get(op->len); /* NULL: the payload is dropped, the op fails */
     c->rx_op = op;

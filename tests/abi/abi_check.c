@@ -47,6 +47,7 @@
     X(kvb_batch_status)                                                                            \
     X(kvb_batch_wait)                                                                              \
     X(kvb_batch_cancel)                                                                            \
+    X(kvb_batch_settle)                                                                            \
     X(kvb_batch_free)                                                                              \
     X(kvb_notify_send)                                                                             \
     X(kvb_notify_recv)                                                                             \
@@ -252,6 +253,8 @@ static void check_engine(kvb_engine_t *a, kvb_engine_t *b)
     CHECK(memcmp(pool + CHUNK, target + CHUNK, CHUNK) == 0);
     /* Nothing is pending: cancelling changes nothing. */
     CHECK_OK(CALL(kvb_batch_cancel, batch));
+    CHECK_OK(CALL(kvb_batch_settle, batch, 0)); /* completed: settled already */
+    CHECK_RC(kvb_batch_settle(batch, -1), KVB_ERR_INVALID_ARG);
     kvb_req_status_t st;
     CHECK_OK(kvb_batch_status(batch, 1, &st));
     CHECK(st.state == KVB_REQ_COMPLETED);

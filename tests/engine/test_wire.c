@@ -389,8 +389,8 @@ Test(wire_hdr, layout_is_fixed_little_endian)
     kvb__wire_encode_hdr(&h, buf);
     const uint8_t magic[4] = {'K', 'V', 'B', '1'};
     cr_assert_arr_eq(buf, magic, 4);
-    cr_assert_eq(KVB_WIRE_VERSION, 5, "protocol version 5: same-host request runs");
-    cr_assert_eq(buf[4], 5);
+    cr_assert_eq(KVB_WIRE_VERSION, 6, "protocol version 6: same-host requests with deadlines");
+    cr_assert_eq(buf[4], 6);
     cr_assert_eq(buf[5], KVB_FRAME_READ_RESP);
     cr_assert_eq(get16(buf + 6), 0);
     cr_assert_eq((int32_t)get32(buf + 8), -201);
@@ -459,17 +459,18 @@ Test(wire_hdr, bad_magic_rejected)
 Test(wire_hdr, wrong_version_is_a_version_error)
 {
     /* Version 1 peers (no authentication), version 2 ones (no answer runs), version 3 ones
-     * (same-host answer runs only) and version 4 ones (same-host requests one frame each) are
-     * refused outright, as is anything newer. */
+     * (same-host answer runs only), version 4 ones (same-host requests one frame each) and
+     * version 5 ones (same-host requests without their deadline) are refused outright, as is
+     * anything newer. */
     const uint8_t types[] = {KVB_FRAME_HELLO, KVB_FRAME_CHALLENGE, KVB_FRAME_AUTH,
                              KVB_FRAME_READ_REQ};
     for (size_t t = 0; t < sizeof types; t++) {
         kvb_frame_hdr_t h = mkhdr(types[t], 0, type_min(types[t]));
         uint8_t buf[KVB_WIRE_HDR_SIZE];
         kvb__wire_encode_hdr(&h, buf);
-        cr_assert_eq(buf[4], 5);
-        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 5", types[t]);
-        const uint8_t versions[] = {0, 1, 2, 3, 4, 6, 0x7F, 0x80, 0xFF};
+        cr_assert_eq(buf[4], 6);
+        cr_assert_eq(hdr_decode_raw(buf), KVB_OK, "type %u at version 6", types[t]);
+        const uint8_t versions[] = {0, 1, 2, 3, 4, 5, 7, 0x7F, 0x80, 0xFF};
         for (size_t i = 0; i < sizeof versions; i++) {
             buf[4] = versions[i];
             cr_assert_eq(hdr_decode_raw(buf), KVB_ERR_VERSION, "type %u version %u", types[t],
@@ -643,17 +644,24 @@ Test(wire_hdr, shm_request_runs)
 
 Test(wire_hdr, shm_entries)
 {
-    kvb_shm_entry_t e = {.remote = 0x7f0012345678ull, .len = 18432, .local = 0x55aa00000040ull},
+    kvb_shm_entry_t e = {.remote = 0x7f0012345678ull,
+                         .len = 18432,
+                         .local = 0x55aa00000040ull,
+                         .deadline = 0x0000123456789abcull},
                     out;
     uint8_t b[KVB_WIRE_SHM_ENTRY];
+    cr_assert_eq(KVB_WIRE_SHM_ENTRY, 32);
     kvb__wire_shm_entry_encode(&e, b);
     cr_assert_eq(b[0], 0x78, "little-endian");
     cr_assert_eq(b[8], 0x00);
     cr_assert_eq(b[9], 0x48);
+    cr_assert_eq(b[24], 0xbc, "the deadline last");
+    cr_assert_eq(b[29], 0x12);
     cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_OK);
     cr_assert_eq(out.remote, e.remote);
     cr_assert_eq(out.len, e.len);
     cr_assert_eq(out.local, e.local);
+    cr_assert_eq(out.deadline, e.deadline);
     e.len = KVB_WIRE_MAX_DATA;
     kvb__wire_shm_entry_encode(&e, b);
     cr_assert_eq(kvb__wire_shm_entry_decode(b, &out), KVB_OK, "what a lone request may ask");

@@ -77,7 +77,10 @@ static void wire_seeds(void)
     put("wire", "hdr-shm-request-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
     for (int k = 0; k < 3; k++) {
         kvb_shm_entry_t e = {
-            .remote = 0x7f0000001000ull + 18432u * (unsigned)k, .len = 18432, .local = 0x10000};
+            .remote = 0x7f0000001000ull + 18432u * (unsigned)k,
+            .len = 18432,
+            .local = 0x10000,
+            .deadline = 0x00001d1a94a20000ull};
         kvb__wire_shm_entry_encode(&e, b + k * KVB_WIRE_SHM_ENTRY);
     }
     put("wire", "shm-entries", 5, b, 3 * KVB_WIRE_SHM_ENTRY, 1);
@@ -154,7 +157,8 @@ static void session_seeds(void)
     kvb__wire_encode_hdr(&sh, b + n);
     n += KVB_WIRE_HDR_SIZE;
     for (int k = 0; k < 2; k++) {
-        kvb_shm_entry_t e = {.remote = 0x7e0000000000ull + 64u * (unsigned)k, .len = 64};
+        kvb_shm_entry_t e = {
+            .remote = 0x7e0000000000ull + 64u * (unsigned)k, .len = 64, .deadline = UINT64_MAX};
         kvb__wire_shm_entry_encode(&e, b + n);
         n += KVB_WIRE_SHM_ENTRY;
     }

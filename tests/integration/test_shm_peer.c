@@ -190,6 +190,44 @@ Test(shm_peer, unregister_waits_for_a_copy_in_flight)
     cr_assert_eq(kvb_free(eng, buf), KVB_OK);
 }
 
+/* A peer that stalls - stopped here; swapped out or descheduled in life - past a READ's deadline
+ * finds the request when it resumes. It must not copy then: the initiator has moved on, and its
+ * buffer may hold another request's data by now (a KV pool hands a failed request's blocks to the
+ * next one). kvb_batch_settle says when nothing more can land: not while the peer still owes its
+ * answer, and at once when it has answered. */
+Test(shm_peer, a_stalled_peer_copies_nothing_past_the_deadline)
+{
+    enum { LEN = 1 << 20 };
+    uint8_t *buf;
+    cr_assert_eq(kvb_alloc(eng, LEN, 0, (void **)&buf), KVB_OK);
+    cr_assert_eq(kvb_register(eng, buf, LEN, NULL, KVB_ACCESS_RW), KVB_OK);
+    memset(buf, 0, LEN);
+    test_peer_signal(&peer, SIGSTOP);
+    kvb_request_t r = {KVB_OP_READ, buf, seg, peer.rw_addr, LEN};
+    kvb_batch_opts_t o = {.timeout_ms = 300};
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(eng, &r, 1, &o, &b), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(b, -1), KVB_ERR_TIMEOUT);
+    cr_assert_eq(kvb_batch_settle(b, 0), KVB_ERR_AGAIN, "the stopped peer still owes its answer");
+    test_peer_signal(&peer, SIGCONT);
+    int rc = kvb_batch_settle(b, 5000);
+    cr_assert_eq(rc, KVB_OK, "settle: %s", kvb_status_name(rc));
+    for (size_t i = 0; i < LEN; i++)
+        cr_assert_eq(buf[i], 0, "the peer copied past the deadline (byte %zu)", i);
+    kvb_req_status_t st;
+    cr_assert_eq(kvb_batch_status(b, 0, &st), KVB_OK);
+    cr_assert_eq(st.state, KVB_REQ_TIMEOUT);
+    kvb_batch_free(b);
+    /* The link is intact: the same READ in time lands. */
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK);
+    cr_assert_eq(test_pattern_check(buf, 0, LEN, SEED), -1);
+    kvb_stats_t stats;
+    kvb_engine_stats(eng, &stats);
+    cr_assert_eq(kvb_stats_bytes(&stats, "tcp"), 0, "it went through shared memory");
+    cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
+    cr_assert_eq(kvb_free(eng, buf), KVB_OK);
+}
+
 /* The peer runs as another user. The same-host path is for processes of one user only (another
  * user's process could otherwise have us copy into memory it cannot reach itself): the link is
  * refused on both sides (SO_PEERCRED), "shm" says so, and "auto" moves everything over TCP. */

@@ -328,7 +328,17 @@ Test(tcp_peer, stopped_peer_times_out_then_recovers)
     kvb_req_status_t st;
     kvb_batch_status(b, 0, &st);
     cr_assert_eq(st.state, KVB_REQ_TIMEOUT);
+    /* Its request is still the lane's until the peer answers; the answer's bytes are dropped. */
+    cr_assert_eq(kvb_batch_settle(b, 0), KVB_ERR_AGAIN);
+    cr_assert_eq(kvb_batch_settle(b, -1), KVB_ERR_INVALID_ARG);
+    memset(buf, 0, 1 << 20);
+    test_peer_signal(&peer, SIGCONT);
+    int src = kvb_batch_settle(b, 5000);
+    cr_assert_eq(src, KVB_OK, "settle: %s", kvb_status_name(src));
+    for (size_t i = 0; i < (1 << 20); i++)
+        cr_assert_eq(buf[i], 0, "a late answer's byte %zu landed", i);
     kvb_batch_free(b);
+    test_peer_signal(&peer, SIGSTOP);
 
     /* A cancelled batch on the stopped peer. */
     cr_assert_eq(kvb_batch_submit(eng, &r, 1, NULL, &b), KVB_OK);

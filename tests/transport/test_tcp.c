@@ -920,7 +920,7 @@ Test(hostile, same_host_lanes_take_only_the_process_connected)
 }
 
 /* A same-host request run (F_SHM | F_RUN) of n READs, ids id..id+n-1: request k asks for lens[k]
- * bytes (NULL: 64) of mem at 64k, to go to theirs + step * k. Returns its size. */
+ * bytes (NULL: 64) of mem at 64k, to go to theirs + step * k, within a minute. Returns its size. */
 static size_t shm_run(uint8_t *out, uint64_t id, size_t n, const uint64_t *lens, uint64_t theirs,
                       uint64_t step)
 {
@@ -933,7 +933,8 @@ static size_t shm_run(uint8_t *out, uint64_t id, size_t n, const uint64_t *lens,
     for (size_t k = 0; k < n; k++) {
         kvb_shm_entry_t e = {.remote = (uintptr_t)mem + 64 * k,
                              .len = lens ? lens[k] : 64,
-                             .local = theirs + step * k};
+                             .local = theirs + step * k,
+                             .deadline = kvb__now_ns() + 60000000000ull};
         kvb__wire_shm_entry_encode(&e, out + KVB_WIRE_HDR_SIZE + k * KVB_WIRE_SHM_ENTRY);
     }
     return KVB_WIRE_HDR_SIZE + n * KVB_WIRE_SHM_ENTRY;
@@ -1037,6 +1038,48 @@ Test(hostile, link_tokens_are_one_time_and_memfds_must_be_sealed)
     close(big);
     close(ufd);
     close(tfd);
+    engine_serves_with_secret();
+}
+
+/* A same-host request whose deadline has passed is not copied (its initiator may have reused the
+ * memory meanwhile: a target that stalled must not write into it when it resumes) and is
+ * answered KVB_ERR_TIMEOUT; the request beside it, still in time, is copied and answered. */
+Test(hostile, shm_request_past_its_deadline_copies_nothing)
+{
+    for (size_t i = 0; i < 128; i++)
+        mem[i] = (uint8_t)(i * 7 + 3);
+    int tfd, ufd;
+    uint8_t token[16];
+    raw_link(&tfd, &ufd, token);
+    static uint64_t probe = 0x1234;
+    cr_assert_eq(unix_call(ufd, 1 /* M_HELLO */, token, (uintptr_t)&probe, probe, -1), 0);
+    static uint8_t dst[128];
+    memset(dst, 0, sizeof dst);
+    uint8_t f[KVB_WIRE_HDR_SIZE + 2 * KVB_WIRE_SHM_ENTRY];
+    size_t len = shm_run(f, 1, 2, NULL, (uintptr_t)dst, 64);
+    kvb_shm_entry_t late = {.remote = (uintptr_t)mem,
+                            .len = 64,
+                            .local = (uintptr_t)dst,
+                            .deadline = kvb__now_ns() - 1000000};
+    kvb__wire_shm_entry_encode(&late, f + KVB_WIRE_HDR_SIZE);
+    cr_assert_eq(send(tfd, f, len, 0), (ssize_t)len);
+    for (uint64_t id = 1; id <= 2;) {
+        uint8_t b[KVB_WIRE_HDR_SIZE];
+        kvb_frame_hdr_t h;
+        cr_assert_eq(recv(tfd, b, sizeof b, MSG_WAITALL), (ssize_t)sizeof b);
+        cr_assert_eq(kvb__wire_decode_hdr(b, &h, NULL, 0), KVB_OK);
+        cr_assert_eq(kvb__wire_payload_len(&h), 0, "a same-host answer carries no data");
+        cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+        cr_assert_eq(h.id, id);
+        cr_assert_eq(h.status, id == 1 ? KVB_ERR_TIMEOUT : KVB_OK, "request %llu: %s",
+                     (unsigned long long)id, kvb_status_name(h.status));
+        id += h.flags & KVB_FRAME_F_RUN ? h.addr : 1;
+    }
+    static const uint8_t zero[64];
+    cr_assert_eq(memcmp(dst, zero, 64), 0, "a request past its deadline was copied");
+    cr_assert_eq(memcmp(dst + 64, mem + 64, 64), 0);
+    close(tfd);
+    close(ufd);
     engine_serves_with_secret();
 }
 
