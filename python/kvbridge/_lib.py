@@ -213,6 +213,7 @@ _PROTOS = {
     "kvb_kv_xfer_layer": (c_int, [P, c_uint32]),
     "kvb_kv_xfer_all": (c_int, [P]),
     "kvb_kv_xfer_finish": (c_int, [P]),
+    "kvb_kv_xfer_settle": (c_int, [P, c_int]),
     "kvb_kv_xfer_free": (None, [P]),
     "kvb_kv_give_up": (c_int, [P, c_char_p, c_int]),
     "kvb_kv_expect": (c_int, [P, c_char_p, POINTER(P), c_size_t, c_int]),

@@ -429,6 +429,18 @@ class Transfer:
         Raises the first error. Call once."""
         check(self._lib.kvb_kv_xfer_finish(self._handle()), "kvb_kv_xfer_finish")
 
+    def settle(self, timeout: float = 0.0) -> bool:
+        """Waits up to `timeout` seconds (0: polls) until no byte of the transfer can still land
+        in this side's memory (kvb_kv_xfer_settle). True once settled. After a failed pull, keep
+        the destination blocks out of use until it is."""
+        if timeout < 0:
+            raise ValueError("timeout must be >= 0")
+        rc = self._lib.kvb_kv_xfer_settle(self._handle(), _ms(timeout))
+        if rc == -6:  # ERR_AGAIN
+            return False
+        check(rc, "kvb_kv_xfer_settle")
+        return True
+
     def close(self) -> None:
         """Frees the transfer, cancelling what is pending. Idempotent."""
         h, self._h = self._h, None

@@ -107,7 +107,7 @@ def test_pull_push_layerwise(spawn):
         p.run("x = plink.begin('r3', kvbridge.Op.WRITE, [5, 6], [1, 2], 10)")
         for layer in range(LAYERS):
             p.run("x.layer(%d)" % layer)
-        p.run("x.finish(); x.close()")
+        p.run("x.finish(); assert x.settle() is True; x.close()")
         assert agent.wait("r3", 10)
         _check(arrays, 1, [5, 6], [1, 2])
         # a request the decode gives up on before reading: the prefill hears at once

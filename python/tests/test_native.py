@@ -174,6 +174,14 @@ def test_stopped_peer_wait_timeout_cancel_deadline(spawn):
                 with pytest.raises(errors.TimedOutError):
                     b2.wait()
                 assert b2.status(0).state == ReqState.TIMEOUT
+                # ended, but its lane still waits for the stopped peer's answer
+                assert b2.settle() is False
+                with pytest.raises(ValueError):
+                    b2.settle(-1)
+                t["peer"].signal(signal.SIGCONT)
+                assert b2.settle(10) is True
+                assert not local[:4096].any()  # the late answer was dropped
+                t["peer"].signal(signal.SIGSTOP)
             assert e.stats().requests_failed == 1
         finally:
             t["peer"].signal(signal.SIGCONT)

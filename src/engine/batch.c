@@ -277,6 +277,25 @@ void kvb__ops_done(kvb_op_t *ops, int status)
     }
 }
 
+kvb_batch_t *kvb__op_linger(kvb_op_t *op)
+{
+    kvb_batch_t *b = op->batch;
+    atomic_fetch_add(&b->refs, 1);
+    pthread_mutex_lock(&b->mu);
+    b->held++;
+    pthread_mutex_unlock(&b->mu);
+    return b;
+}
+
+void kvb__batch_unlinger(kvb_batch_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+    if (--b->held == 0)
+        pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    batch_release(b);
+}
+
 void kvb__batch_dst_lock(kvb_batch_t *b)
 {
     pthread_mutex_lock(&b->mu);

@@ -72,7 +72,8 @@ struct kvb_batch {
     size_t nops;
     size_t mem_cap; /* the block's size */
     size_t open;    /* requests not yet ended */
-    size_t held;    /* ops their path has not let go of yet (kvb__op_done): kvb_batch_settle */
+    size_t held;    /* ops their path has not let go of yet (kvb__op_done), and accesses that
+                     * outlive theirs (kvb__op_linger): kvb_batch_settle waits for none */
     bool freed;     /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
@@ -309,6 +310,11 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes);
 /* kvb__op_done for a list of ops (linked by next, consecutive ops of one batch together), each
  * ending with `status` and, when it is KVB_OK, all of its bytes: one hold of each batch's lock. */
 void kvb__ops_done(kvb_op_t *ops, int status);
+/* For a path whose access to op's local memory outlives the op (a NIC's RDMA still out when
+ * the op timed out or was cancelled): call before kvb__op_done; kvb_batch_settle then waits for
+ * the kvb__batch_unlinger that the returned batch (kept alive until then) is owed. */
+kvb_batch_t *kvb__op_linger(kvb_op_t *op);
+void kvb__batch_unlinger(kvb_batch_t *b);
 /* For READ payloads: returns where op's data may be written now, with the batch locked, or NULL
  * (batch unlocked) if the data must be discarded (request ended or batch freed). Pair every
  * non-NULL return with kvb__op_dst_unlock. */

@@ -35,6 +35,9 @@ typedef struct {
 } early_t;
 
 #define EARLY_MAX 1024
+/* How long kvb_kv_xfer_finish lets a failed transfer's bytes still under way land before it tells
+ * the other side (at most the transfer's timeout). */
+#define SETTLE_MS 1000
 
 struct kvb_kv_agent {
     kvb_engine_t *engine;
@@ -454,6 +457,21 @@ static int notice(kvb_kv_link_t *l, const char *id, int rc, int timeout_ms)
     return nrc;
 }
 
+int kvb_kv_xfer_settle(kvb_kv_xfer_t *x, int timeout_ms)
+{
+    if (!x || timeout_ms < 0)
+        return KVB_ERR_INVALID_ARG;
+    uint64_t until = kvb__deadline_ms(timeout_ms);
+    for (uint32_t layer = 0; layer < x->nlayers; layer++) {
+        if (!x->batches[layer])
+            continue;
+        int rc = kvb_batch_settle(x->batches[layer], (int)kvb__ms_left(until));
+        if (rc)
+            return rc;
+    }
+    return KVB_OK;
+}
+
 int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
 {
     if (!x || x->finished)
@@ -469,6 +487,11 @@ int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
                 rc = brc;
         }
     }
+    /* A failed transfer may still have bytes under way (a copy a peer began, an answer not yet
+     * in): the other side hears of the failure only once they are done, or after a while - it
+     * frees its blocks when it hears (see kvb_kv_xfer_settle). */
+    if (rc)
+        (void)kvb_kv_xfer_settle(x, x->timeout_ms < SETTLE_MS ? x->timeout_ms : SETTLE_MS);
     /* Every byte is in place (or the transfer failed): say so to the other side. */
     int nrc = notice(x->link, x->id, rc, x->timeout_ms);
     return rc ? rc : nrc;

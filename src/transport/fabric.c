@@ -197,6 +197,7 @@ typedef struct fab_op {
     struct fab_op *next_pending, *next_active, **prev_active;
     kvb_op_t *op;       /* NULL once ended (completed, failed, timed out, cancelled) */
     kvb_batch_t *batch; /* valid while op is: identifies the batch for cancel */
+    kvb_batch_t *linger; /* the op ended with segments out: its batch, until they are back */
     kvb_peer_t *peer;   /* a reference */
     fi_addr_t fa;       /* its endpoint */
     kvb_region_t *pin;  /* the local region, pinned until the provider is done with it */
@@ -950,6 +951,8 @@ static void done_add(done_list_t *d, kvb_op_t *op, fab_op_t *fo)
 {
     if (!op)
         return;
+    if (fo->out > 0) /* the NIC may still write the op's memory: kvb_batch_settle waits */
+        fo->linger = kvb__op_linger(op);
     op->wire_id = (uint64_t)(int64_t)fo->status; /* carried to done_run */
     *d->tail = op;
     d->tail = &op->next;
@@ -982,6 +985,8 @@ static void done_run(fab_path_t *fp, done_list_t *d)
     while (d->reaped) {
         fab_op_t *fo = d->reaped;
         d->reaped = fo->next_pending;
+        if (fo->linger)
+            kvb__batch_unlinger(fo->linger);
         if (fo->pin)
             kvb__region_unpin(&fp->engine->registry, fo->pin);
         kvb__peer_release(fo->peer);

@@ -78,6 +78,7 @@
     X(kvb_kv_xfer_layer)                                                                           \
     X(kvb_kv_xfer_all)                                                                             \
     X(kvb_kv_xfer_finish)                                                                          \
+    X(kvb_kv_xfer_settle)                                                                          \
     X(kvb_kv_xfer_free)                                                                            \
     X(kvb_kv_give_up)                                                                              \
     X(kvb_kv_expect)                                                                               \
@@ -464,6 +465,7 @@ static void check_kv_agents(kvb_engine_t *pe, kvb_engine_t *de, side_t *prefill,
     CHECK_OK(CALL(kvb_kv_xfer_layer, x, 0));
     CHECK_OK(CALL(kvb_kv_xfer_all, x));
     CHECK_OK(CALL(kvb_kv_xfer_finish, x));
+    CHECK_OK(CALL(kvb_kv_xfer_settle, x, 0));
     CALL(kvb_kv_xfer_free, x);
     CHECK_OK(CALL(kvb_kv_wait, pa, "abi-req-1", 10000));
     CHECK_OK(kvb_kv_expect(pa, "abi-req-2", &pl, 1, 10000));

@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "pd/auth.h"
 #include "pd/model/model.h"
 #include "pd/server/server.h"
@@ -834,6 +835,70 @@ Test(server, lease_ended_while_waiting_is_not_read)
     expect_free(pre, BLOCKS);
     free(pss), free(dss);
     json_decref(hog), json_decref(r), json_decref(ps), json_decref(ds);
+}
+
+/* Stops or continues instance `in` and waits until it has. */
+static void signal_inst(const inst_t *in, int sig)
+{
+    cr_assert_eq(kill(in->pid, sig), 0);
+    int st;
+    pid_t r = waitpid(in->pid, &st, sig == SIGSTOP ? WUNTRACED : WCONTINUED);
+    cr_assert_eq(r, in->pid);
+    cr_assert(sig == SIGSTOP ? WIFSTOPPED(st) : WIFCONTINUED(st));
+}
+
+static long health_count(const inst_t *in, const char *key)
+{
+    json_t *h = get_json(in, "/health");
+    long n = (long)json_integer_value(json_object_get(h, key));
+    json_decref(h);
+    return n;
+}
+
+/* A prefill that stalls while a decode reads from it: the read times out and the request fails,
+ * but the stalled prefill still owes its answer, and until it answers (or its connection is lost)
+ * the decode cannot know that no copy of it will land in the request's blocks. They stay out of
+ * use - "settling" in /health - until then, rather than going to the next request, whose KV a
+ * late copy would overwrite. The engine's part (a same-host peer that resumes past a request's
+ * deadline copies nothing) is tested in shm_peer. */
+Test(server, blocks_of_a_stalled_read_stay_out_of_use_until_settled)
+{
+    lease_ms = 1000; /* the decode reads for at most 500 ms of it */
+    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    lease_ms = 3000;
+    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    json_t *ps = segments(pre), *ds = segments(dec);
+    char *pss = dump(ps), *dss = dump(ds), body[2048];
+    /* A first request links the two. */
+    json_t *r = prefill_lease(pre, "s0", dss);
+    pull_decode_body(body, sizeof body, "s0", r, pss, 9000);
+    json_t *a = post_json(dec, "/pd/decode", 200, "%s", body);
+    json_decref(a), json_decref(r);
+    expect_free(dec, BLOCKS);
+
+    r = prefill_lease(pre, "s1", dss);
+    pull_decode_body(body, sizeof body, "s1", r, pss, 9000);
+    signal_inst(pre, SIGSTOP);
+    char *out = NULL;
+    uint64_t t0 = kvb__now_ns();
+    long st = http(dec, "/pd/decode", body, &out, 10000);
+    double secs = (double)(kvb__now_ns() - t0) / 1e9;
+    cr_assert_eq(st, 504, "decode answered %ld after %.1f s: %s", st, secs, out);
+    free(out);
+    cr_assert_eq(health_count(dec, "settling"), 1);
+    cr_assert_lt(free_blocks(dec), BLOCKS, "blocks a late copy may reach went back to the pool");
+    signal_inst(pre, SIGCONT); /* it answers: past the deadline, it copies nothing */
+    expect_free(dec, BLOCKS);
+    cr_assert_eq(health_count(dec, "settling"), 0);
+
+    /* The link is whole: the next pull is served. */
+    json_decref(r);
+    r = prefill_lease(pre, "s2", dss);
+    pull_decode_body(body, sizeof body, "s2", r, pss, 9000);
+    a = post_json(dec, "/pd/decode", 200, "%s", body);
+    check_tokens(a, "tiny-gqa", "Hello world");
+    json_decref(a), json_decref(r), json_decref(ps), json_decref(ds);
+    free(pss), free(dss);
 }
 
 /* A decode that turns a pull request away before reading (here: no blocks free before the

@@ -479,24 +479,42 @@ Test(fabric_shm, rights_and_revoked_keys)
 /* ---- deadlines, cancel, a peer that dies ----------------------------------------------------- */
 
 /* A stopped peer makes no progress: with a manual-progress provider its requests never finish,
- * and the batch ends at its deadline; afterwards (peer running again) the path still works. */
+ * and the batch ends at its deadline. The READs' segments are still out then, and the peer's
+ * side serves them once it runs again - the bytes land after the requests ended: the batch is
+ * not settled until they have, and nothing lands after it is. Afterwards the path still works. */
 static void deadline(void)
 {
     kvb_request_t r[8];
     for (int i = 0; i < 8; i++)
         r[i] = req(KVB_OP_READ, (uint64_t)i << 20, peer.rw + ((uint64_t)i << 20), 1u << 20);
+    /* Connected first: a provider that connects on the first post (ofi_rxm) posts nothing
+     * while the peer cannot answer, and the READs are then never out. */
+    cr_assert_eq(run(r, 1, NULL), KVB_OK);
     /* Stopped, not only signalled: a peer thread woken by the requests first could still serve
      * them (this test once saw its READs complete in 40 ms). */
     cr_assert_eq(test_child_signal(peer.pid, SIGSTOP), 0);
     kvb_batch_opts_t o = {.timeout_ms = 300};
     uint64_t t0 = kvb__now_ns();
-    int rc = run(r, 8, &o);
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(eng, r, 8, &o, &b), KVB_OK);
+    int rc = kvb_batch_wait(b, -1);
     double ms = (double)(kvb__now_ns() - t0) / 1e6;
+    usleep(50000); /* the path's own scan (every 10 ms) ends the ops too */
+    int early = kvb_batch_settle(b, 0);
     cr_assert_eq(test_child_signal(peer.pid, SIGCONT), 0);
     /* shm: the initiator may copy by itself (cross-memory attach) and finish in time. */
     cr_assert(rc == KVB_ERR_TIMEOUT || (rc == KVB_OK && !strcmp(provider, "shm")), "got %s",
               kvb_strerror(rc));
     cr_assert(ms < 2000, "the deadline of 300 ms ended the batch after %.0f ms", ms);
+    if (!strcmp(provider, "tcp;ofi_rxm"))
+        cr_assert_eq(early, KVB_ERR_AGAIN, "settled with the READs' segments still out");
+    int settled = kvb_batch_settle(b, 10000);
+    cr_assert_eq(settled, KVB_OK, "settle: %s", kvb_status_name(settled));
+    memset(local, 0xA5, 8u << 20);
+    usleep(100000);
+    for (size_t i = 0; i < (8u << 20); i++)
+        cr_assert_eq(local[i], 0xA5, "byte %zu landed after the batch settled", i);
+    kvb_batch_free(b);
     whole_region();
 }
 

@@ -43,6 +43,8 @@ typedef struct {
     char why[1024];
     kvb__srv_refusal_t ref; /* when status came from admission: answered with its reason */
     bool refused;
+    kvb_kv_xfer_t **unsettled; /* failed transfers that may still place bytes in its blocks */
+    size_t nunsettled;
 } pdreq_t;
 
 static int req_fail(pdreq_t *q, unsigned status, const char *fmt, ...)
@@ -82,12 +84,17 @@ static void req_init(pdreq_t *q, kvb_pd_server_t *srv)
     q->t_start = kvb__now_ns();
 }
 
-/* Frees what the request still holds (an ACTIVE entry with its blocks included). */
+/* Frees what the request still holds (an ACTIVE entry with its blocks included; blocks a failed
+ * transfer may still write go to the reaper, which frees them once it cannot). */
 static void req_free(pdreq_t *q)
 {
-    if (q->ent)
+    if (q->nunsettled)
+        kvb__srv_ent_settle(q->srv, q->id, q->unsettled, q->nunsettled);
+    else if (q->ent)
         kvb__srv_ent_done(q->srv, q->id);
     q->ent = NULL;
+    q->unsettled = NULL;
+    q->nunsettled = 0;
     free(q->toks);
     free(q->rblocks);
     free(q->links);
@@ -365,6 +372,22 @@ static int xfers_begin(pdreq_t *q, kvb_opcode_t op, const uint64_t *src, const u
     return 0;
 }
 
+/* Frees a finished transfer, or keeps it with the request while bytes of it may still land (a
+ * failed one: kvb_kv_xfer_finish gave it a second already), so that its blocks stay out of use. */
+static void keep_or_free(pdreq_t *q, kvb_kv_xfer_t *x)
+{
+    if (kvb_kv_xfer_settle(x, 0) == KVB_ERR_AGAIN) {
+        kvb_kv_xfer_t **grown = realloc(q->unsettled, (q->nunsettled + 1) * sizeof *grown);
+        if (grown) {
+            q->unsettled = grown;
+            q->unsettled[q->nunsettled++] = x;
+            return;
+        }
+        (void)kvb_kv_xfer_settle(x, 5000); /* no memory to keep it: wait here (a peer timeout) */
+    }
+    kvb_kv_xfer_free(x);
+}
+
 /* Finishes every begun transfer (each notifies its peer) and frees them; the first error. */
 static int xfers_finish(pdreq_t *q, kvb_kv_xfer_t **xs, int failed)
 {
@@ -373,7 +396,7 @@ static int xfers_finish(pdreq_t *q, kvb_kv_xfer_t **xs, int failed)
         if (!xs[i])
             continue;
         int rc = kvb_kv_xfer_finish(xs[i]);
-        kvb_kv_xfer_free(xs[i]);
+        keep_or_free(q, xs[i]);
         xs[i] = NULL;
         if (rc && !failed) {
             drop_if_lost(q, rc);

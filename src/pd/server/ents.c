@@ -55,6 +55,9 @@ void kvb__srv_ent_remove(kvb_pd_server_t *srv, kvb__srv_ent_t *e)
         }
     kvb_pd_seq_release(&e->seq, srv->pool);
     kvb__srv_admit_wake(srv);
+    for (size_t i = 0; i < e->nxfers; i++) /* the server stops: the engines end them */
+        kvb_kv_xfer_free(e->xfers[i]);
+    free(e->xfers);
     free(e->toks);
     free(e->segs);
     free(e);
@@ -67,6 +70,26 @@ void kvb__srv_ent_done(kvb_pd_server_t *srv, const char *id)
     if (e && e->kind == KVB__SRV_ENT_ACTIVE)
         kvb__srv_ent_remove(srv, e);
     pthread_mutex_unlock(&srv->mu);
+}
+
+void kvb__srv_ent_settle(kvb_pd_server_t *srv, const char *id, kvb_kv_xfer_t **xs, size_t n)
+{
+    pthread_mutex_lock(&srv->mu);
+    kvb__srv_ent_t *e = kvb__srv_ent_find(srv, id);
+    if (e && e->kind == KVB__SRV_ENT_ACTIVE) {
+        KVB_WARN("request %s: %zu failed transfer(s) may still place bytes; keeping its %zu "
+                 "blocks out of use until they cannot",
+                 id, n, e->seq.num_blocks);
+        e->kind = KVB__SRV_ENT_SETTLE;
+        e->xfers = xs;
+        e->nxfers = n;
+        xs = NULL;
+        pthread_cond_broadcast(&srv->cv);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    for (size_t i = 0; xs && i < n; i++) /* no entry to keep them with: nothing else holds */
+        kvb_kv_xfer_free(xs[i]);
+    free(xs);
 }
 
 int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n)
@@ -155,15 +178,29 @@ static void run_job(kvb_pd_server_t *srv, job_t *j)
     }
 }
 
-/* Frees the entries whose every rank has answered. Caller holds srv->mu. */
+/* Whether every transfer of a SETTLE entry has settled (polls). Caller holds srv->mu. */
+static bool settled(const kvb__srv_ent_t *e)
+{
+    for (size_t i = 0; i < e->nxfers; i++)
+        if (kvb_kv_xfer_settle(e->xfers[i], 0) == KVB_ERR_AGAIN)
+            return false;
+    return true;
+}
+
+/* Frees the entries whose every rank has answered, and the blocks of failed transfers that have
+ * settled. Caller holds srv->mu. */
 static void sweep(kvb_pd_server_t *srv)
 {
     kvb__srv_ent_t *e = srv->ents, *next;
     for (; e; e = next) {
         next = e->next;
         bool waits = e->kind == KVB__SRV_ENT_LEASE || e->kind == KVB__SRV_ENT_DRAIN;
-        if (waits && !e->pending_mask)
+        if ((waits && !e->pending_mask) || (e->kind == KVB__SRV_ENT_SETTLE && settled(e))) {
+            if (e->kind == KVB__SRV_ENT_SETTLE)
+                KVB_INFO("request %s: its failed transfers have settled; %zu blocks free again",
+                         e->id, e->seq.num_blocks);
             kvb__srv_ent_remove(srv, e);
+        }
     }
 }
 
@@ -175,6 +212,7 @@ void *kvb__srv_reaper_main(void *arg)
     while (!srv->stop) {
         size_t n = jobs ? collect(srv, jobs) : 0;
         if (!n) {
+            sweep(srv); /* SETTLE entries, polled once an idle pass */
             struct timespec ts = kvb__timespec_of(kvb__now_ns() + IDLE_MS * 1000000ull);
             pthread_cond_timedwait(&srv->cv, &srv->mu, &ts);
             continue;
@@ -198,11 +236,11 @@ void kvb__srv_ents_clear(kvb_pd_server_t *srv)
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[5])
+void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[KVB__SRV_ENT_KINDS])
 {
-    memset(counts, 0, 5 * sizeof *counts);
+    memset(counts, 0, KVB__SRV_ENT_KINDS * sizeof *counts);
     pthread_mutex_lock(&srv->mu);
     for (kvb__srv_ent_t *e = srv->ents; e; e = e->next)
-        counts[e->kind < 5 ? e->kind : 0]++;
+        counts[e->kind < KVB__SRV_ENT_KINDS ? e->kind : 0]++;
     pthread_mutex_unlock(&srv->mu);
 }

@@ -52,6 +52,9 @@ typedef enum {
     KVB__SRV_ENT_LEASE,      /* prefill, pull: blocks kept until every routed decode rank read */
     KVB__SRV_ENT_RESERVED,   /* decode, push: blocks reserved, notices expected */
     KVB__SRV_ENT_DRAIN,      /* blocks gone; the agents' expectations still to be released */
+    KVB__SRV_ENT_SETTLE,     /* a failed transfer's blocks, kept out of use until no byte of
+                              * it can land any more (kvb_kv_xfer_settle) */
+    KVB__SRV_ENT_KINDS
 } kvb__srv_ent_kind_t;
 
 typedef struct kvb__srv_ent {
@@ -65,6 +68,8 @@ typedef struct kvb__srv_ent {
     uint64_t pending_mask;          /* ranks whose kvb_kv_wait has not returned (bit r) */
     char (*segs)[KVB_NAME_MAX + 1]; /* the peer's segments, to relink if it is lost */
     size_t nsegs;
+    kvb_kv_xfer_t **xfers; /* SETTLE: the transfers still unsettled, freed with the entry */
+    size_t nxfers;
 } kvb__srv_ent_t;
 
 typedef struct {
@@ -169,8 +174,11 @@ int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n);
  * when mask is 0. Caller holds srv->mu. */
 void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline);
 void *kvb__srv_reaper_main(void *arg);
-/* Counts the entries by kind: counts[KVB__SRV_ENT_ACTIVE] ... counts[KVB__SRV_ENT_DRAIN]. */
-void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[5]);
+/* Counts the entries by kind: counts[KVB__SRV_ENT_ACTIVE] ... counts[KVB__SRV_ENT_SETTLE]. */
+void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[KVB__SRV_ENT_KINDS]);
+/* The ACTIVE entry `id` failed with transfers `xs` (n, taken over) still unsettled: its blocks
+ * stay out of use until the reaper sees them all settled. */
+void kvb__srv_ent_settle(kvb_pd_server_t *srv, const char *id, kvb_kv_xfer_t **xs, size_t n);
 /* Frees every entry's blocks (at shutdown). */
 void kvb__srv_ents_clear(kvb_pd_server_t *srv);
 

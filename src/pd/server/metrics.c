@@ -142,7 +142,7 @@ enum MHD_Result kvb__srv_metrics(kvb_pd_server_t *srv, struct MHD_Connection *co
         "kvbridge_queue_rejected_total{role=\"%s\",reason=\"deadline\"} %llu\n",
         role, (unsigned long long)srv->m_rej_full, role, (unsigned long long)srv->m_rej_deadline);
     pthread_mutex_unlock(&srv->mu);
-    uint64_t n[5];
+    uint64_t n[KVB__SRV_ENT_KINDS];
     kvb__srv_ents_count(srv, n);
     put_gauge(&t, "kvbridge_kv_free_blocks", "KV blocks free.", role,
               (double)kvb_pd_blocks_available(srv->pool));
@@ -151,6 +151,10 @@ enum MHD_Result kvb__srv_metrics(kvb_pd_server_t *srv, struct MHD_Connection *co
               (double)n[KVB__SRV_ENT_LEASE]);
     put_gauge(&t, "kvbridge_reservations", "Push reservations held (decode).", role,
               (double)n[KVB__SRV_ENT_RESERVED]);
+    put_gauge(&t, "kvbridge_settling",
+              "Requests whose failed transfers may still place bytes: their blocks are kept "
+              "out of use.",
+              role, (double)n[KVB__SRV_ENT_SETTLE]);
     if (!t.s)
         return kvb__http_error(conn, 500, "out of memory");
     enum MHD_Result ret =
@@ -171,7 +175,7 @@ enum MHD_Result kvb__srv_health(kvb_pd_server_t *srv, struct MHD_Connection *con
                   "tp", (int)srv->tp, "kv_mode", kvb_pd_kv_mode_name(srv->opts.kv_mode),
                   "free_blocks", (json_int_t)kvb_pd_blocks_available(srv->pool), "total_blocks",
                   (json_int_t)srv->total_blocks, "links", links);
-    uint64_t n[5];
+    uint64_t n[KVB__SRV_ENT_KINDS];
     kvb__srv_ents_count(srv, n);
     if (o) {
         json_object_set_new(o, "queue", kvb__srv_admit_health(srv));
@@ -180,6 +184,7 @@ enum MHD_Result kvb__srv_health(kvb_pd_server_t *srv, struct MHD_Connection *con
         json_object_set_new(o, "leases", json_integer((json_int_t)n[KVB__SRV_ENT_LEASE]));
         json_object_set_new(o, "reservations", json_integer((json_int_t)n[KVB__SRV_ENT_RESERVED]));
         json_object_set_new(o, "draining", json_integer((json_int_t)n[KVB__SRV_ENT_DRAIN]));
+        json_object_set_new(o, "settling", json_integer((json_int_t)n[KVB__SRV_ENT_SETTLE]));
     }
     kvb__srv_reg_health(srv, o);
     return kvb__http_json(conn, 200, o);
