@@ -326,15 +326,16 @@ KVB_API int kvb_kv_xfer_layer(kvb_kv_xfer_t *xfer, uint32_t layer);
 KVB_API int kvb_kv_xfer_all(kvb_kv_xfer_t *xfer);
 /* Waits until every started layer has landed (or failed), then notifies the other side with the
  * outcome, so its kvb_kv_wait() returns. Returns KVB_OK or the first error. Call once. A failed
- * transfer is first given up to 1 s (at most its timeout) to settle (kvb_kv_xfer_settle), so
- * that the other side, which frees its blocks when it hears, hears after the last byte. */
+ * transfer is first given until 1 s past its deadline to settle (kvb_kv_xfer_settle), so that
+ * the other side, which frees its blocks when it hears, hears after the last byte. */
 KVB_API int kvb_kv_xfer_finish(kvb_kv_xfer_t *xfer);
-/* Waits up to `timeout_ms` (>= 0; 0 polls) until no byte of the transfer can still land in this
- * side's memory: KVB_OK, or KVB_ERR_AGAIN while some still can (kvb_batch_settle: over shared
- * memory or RDMA the peer, or its NIC, copies into it, and a request that timed out may still
- * have a copy under way until the peer answers or the connection is lost). A puller whose
- * transfer failed calls it before handing the destination blocks to another request, and keeps
- * them out of use while it says KVB_ERR_AGAIN. */
+/* Waits up to `timeout_ms` (>= 0; 0 polls) until no byte of the transfer can still move:
+ * KVB_OK, or KVB_ERR_AGAIN while some still can (kvb_batch_settle: over shared memory or RDMA the
+ * peer, or its NIC, copies into a puller's memory, and a request that timed out may still have a
+ * copy under way until the peer answers or the connection is lost; a pusher's WRITE is settled
+ * once the peer acknowledged it). A puller whose transfer failed calls it before handing the
+ * destination blocks to another request, and keeps them out of use while it says
+ * KVB_ERR_AGAIN. */
 KVB_API int kvb_kv_xfer_settle(kvb_kv_xfer_t *xfer, int timeout_ms);
 /* Frees the transfer (cancelling what is still pending). NULL is ignored. */
 KVB_API void kvb_kv_xfer_free(kvb_kv_xfer_t *xfer);

@@ -35,8 +35,8 @@ typedef struct {
 } early_t;
 
 #define EARLY_MAX 1024
-/* How long kvb_kv_xfer_finish lets a failed transfer's bytes still under way land before it tells
- * the other side (at most the transfer's timeout). */
+/* How long past its deadline kvb_kv_xfer_finish lets a failed transfer's bytes still under way
+ * land before it tells the other side. */
 #define SETTLE_MS 1000
 
 struct kvb_kv_agent {
@@ -490,8 +490,11 @@ int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
     /* A failed transfer may still have bytes under way (a copy a peer began, an answer not yet
      * in): the other side hears of the failure only once they are done, or after a while - it
      * frees its blocks when it hears (see kvb_kv_xfer_settle). */
-    if (rc)
-        (void)kvb_kv_xfer_settle(x, x->timeout_ms < SETTLE_MS ? x->timeout_ms : SETTLE_MS);
+    if (rc) { /* until SETTLE_MS past the deadline: a request's transfers, finished one after
+               * another, share the wait */
+        uint64_t until = x->deadline_ns + (uint64_t)SETTLE_MS * 1000000ull;
+        (void)kvb_kv_xfer_settle(x, kvb__ms_left(until));
+    }
     /* Every byte is in place (or the transfer failed): say so to the other side. */
     int nrc = notice(x->link, x->id, rc, x->timeout_ms);
     return rc ? rc : nrc;

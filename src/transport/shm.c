@@ -104,7 +104,9 @@ typedef struct {
     uint8_t *dst;
     const uint8_t *src;
     size_t len;
-    bool stream; /* with streaming stores (kvb__copy_stream) */
+    bool stream;       /* with streaming stores (kvb__copy_stream) */
+    uint64_t deadline; /* its job's: not copied from then on, and the job answers TIMEOUT */
+    int *status;       /* its job's */
 } copy_seg_t;
 
 /* A queued share of one set (kvb__shm_start): a run of copies taken by one thread under one lock.
@@ -238,8 +240,14 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
 /* ---- copies -----------------------------------------------------------------------------------
  */
 
-static void seg_copy(const copy_seg_t *g)
+/* Copies a segment, unless its job's deadline has passed (`now`, read once per run of segments: a
+ * run is at most a part, a fraction of a millisecond). Pool threads may mark one job at once. */
+static void seg_copy(const copy_seg_t *g, uint64_t now)
 {
+    if (now >= g->deadline) {
+        __atomic_store_n(g->status, KVB_ERR_TIMEOUT, __ATOMIC_RELAXED);
+        return;
+    }
     if (g->stream)
         kvb__copy_stream(g->dst, g->src, g->len);
     else
@@ -268,8 +276,9 @@ static bool pool_take(kvb_shm_t *s)
     s->qhead = (s->qhead + 1) % s->qcap;
     s->qcount--;
     pthread_mutex_unlock(&s->pool_mu);
+    uint64_t now = kvb__now_ns();
     for (size_t i = 0; i < p.n; i++)
-        seg_copy(&p.segs[i]);
+        seg_copy(&p.segs[i], now);
     if (atomic_fetch_sub(p.left, 1) == 1) {
         /* The set's last part. The lock, taken and dropped, orders the count's change before a
          * waiter's test of it (set_end tests it holding the lock); the wake is sent without the
@@ -304,8 +313,9 @@ static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t to
         copy_part_t part = {.segs = segs + first, .n = i + 1 - first, .left = left};
         if (s->qcount == s->qcap) {
             pthread_mutex_unlock(&s->pool_mu);
+            uint64_t now = kvb__now_ns();
             for (size_t k = 0; k < part.n; k++)
-                seg_copy(&part.segs[k]);
+                seg_copy(&part.segs[k], now);
             pthread_mutex_lock(&s->pool_mu);
         } else {
             s->queue[(s->qhead + s->qcount++) % s->qcap] = part;
@@ -318,9 +328,10 @@ static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t to
 
 /* Appends the copy of `len` bytes as segments, a large one cut so that every thread gets a share
  * of it. Returns the new count. */
-static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, uint8_t *dst,
-                       const uint8_t *src, size_t len, bool stream)
+static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, kvb_shm_job_t *j,
+                       uint8_t *dst, const uint8_t *src, bool stream)
 {
+    size_t len = j->len;
     size_t parts = len >= SPLIT_MIN ? len / SPLIT_PART_MIN : 1;
     if (parts > (size_t)s->nthreads + 1)
         parts = (size_t)s->nthreads + 1;
@@ -331,7 +342,9 @@ static size_t add_segs(const kvb_shm_t *s, copy_seg_t *segs, size_t n, uint8_t *
         segs[n++] = (copy_seg_t){.dst = dst + off,
                                  .src = src + off,
                                  .len = len - off < each ? len - off : each,
-                                 .stream = stream};
+                                 .stream = stream,
+                                 .deadline = j->deadline,
+                                 .status = &j->status};
     return n;
 }
 
@@ -406,9 +419,15 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
         if (!at)
             j->status = KVB_ERR_AGAIN; /* cross-memory attach, at the finish */
         else if (segs)
-            nsegs = add_segs(s, segs, nsegs, dst, src, j->len, stream), total += j->len;
+            nsegs = add_segs(s, segs, nsegs, j, dst, src, stream), total += j->len;
         else /* no memory for the plan: copy here, alone */
-            seg_copy(&(copy_seg_t){.dst = dst, .src = src, .len = j->len, .stream = stream});
+            seg_copy(&(copy_seg_t){.dst = dst,
+                                   .src = src,
+                                   .len = j->len,
+                                   .stream = stream,
+                                   .deadline = j->deadline,
+                                   .status = &j->status},
+                     now);
     }
     if (nsegs == 0)
         return;
@@ -428,8 +447,9 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     if (!p)
         return;
     const copy_seg_t *segs = set->segs;
+    uint64_t now = set->nsegs ? kvb__now_ns() : 0;
     for (size_t i = 0; answered && i < set->nsegs; i++) /* a small set, not queued */
-        seg_copy(&segs[i]);
+        seg_copy(&segs[i], now);
     if (atomic_load(&set->left) > 0) {
         pthread_mutex_lock(&s->pool_mu);
         while (atomic_load(&set->left) > 0)

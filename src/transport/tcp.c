@@ -1266,10 +1266,12 @@ static int init_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return KVB_ERR_PROTOCOL;
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && h->len != op->len)
         return KVB_ERR_PROTOCOL;
+    /* Targets only answer per-request errors - and TIMEOUT for a same-host copy that was not
+     * started by its deadline. */
     if (h->status != 0 && !(h->status <= -200 && h->status > -300) &&
         h->status != KVB_ERR_TOO_LARGE && h->status != KVB_ERR_NOMEM &&
-        h->status != KVB_ERR_TIMEOUT) /* a same-host copy not started by its deadline */
-        return KVB_ERR_PROTOCOL;      /* targets only answer per-request errors */
+        !(h->status == KVB_ERR_TIMEOUT && (h->flags & KVB_FRAME_F_SHM)))
+        return KVB_ERR_PROTOCOL;
     if (h->type == KVB_FRAME_READ_RESP && h->status == 0 && op->pin && op->pin->kind != KVB_MEM_CPU)
         op->stage = kvb__stage_get(op->len); /* NULL: the payload is dropped, the op fails */
     c->rx_op = op;

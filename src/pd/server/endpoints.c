@@ -89,7 +89,7 @@ static void req_init(pdreq_t *q, kvb_pd_server_t *srv)
 static void req_free(pdreq_t *q)
 {
     if (q->nunsettled)
-        kvb__srv_ent_settle(q->srv, q->id, q->unsettled, q->nunsettled);
+        kvb__srv_ent_settle(q->srv, q->ent, q->unsettled, q->nunsettled);
     else if (q->ent)
         kvb__srv_ent_done(q->srv, q->id);
     q->ent = NULL;
@@ -372,31 +372,35 @@ static int xfers_begin(pdreq_t *q, kvb_opcode_t op, const uint64_t *src, const u
     return 0;
 }
 
-/* Frees a finished transfer, or keeps it with the request while bytes of it may still land (a
- * failed one: kvb_kv_xfer_finish gave it a second already), so that its blocks stay out of use. */
-static void keep_or_free(pdreq_t *q, kvb_kv_xfer_t *x)
+/* Frees a finished transfer or, for a pull (the peer copies into our blocks), keeps it with the
+ * request while bytes of it may still land (a failed one: kvb_kv_xfer_finish gave it a second
+ * past its deadline already), so that its blocks stay out of use. A push's bytes land in the
+ * other instance's blocks, which kvb_kv_xfer_finish protected as far as it could by telling it
+ * only once they were in, or a second past the deadline. */
+static void keep_or_free(pdreq_t *q, kvb_kv_xfer_t *x, bool pull)
 {
-    if (kvb_kv_xfer_settle(x, 0) == KVB_ERR_AGAIN) {
+    if (pull && kvb_kv_xfer_settle(x, 0) != KVB_OK) {
         kvb_kv_xfer_t **grown = realloc(q->unsettled, (q->nunsettled + 1) * sizeof *grown);
         if (grown) {
             q->unsettled = grown;
             q->unsettled[q->nunsettled++] = x;
             return;
         }
-        (void)kvb_kv_xfer_settle(x, 5000); /* no memory to keep it: wait here (a peer timeout) */
+        KVB_WARN("request %s: no memory to keep an unsettled transfer; waiting for it here", q->id);
+        (void)kvb_kv_xfer_settle(x, 5000); /* about a peer timeout: then it is lost */
     }
     kvb_kv_xfer_free(x);
 }
 
 /* Finishes every begun transfer (each notifies its peer) and frees them; the first error. */
-static int xfers_finish(pdreq_t *q, kvb_kv_xfer_t **xs, int failed)
+static int xfers_finish(pdreq_t *q, kvb_kv_xfer_t **xs, int failed, bool pull)
 {
     size_t n = q->nsegs;
     for (size_t i = 0; i < q->srv->tp * n; i++) {
         if (!xs[i])
             continue;
         int rc = kvb_kv_xfer_finish(xs[i]);
-        keep_or_free(q, xs[i]);
+        keep_or_free(q, xs[i], pull);
         xs[i] = NULL;
         if (rc && !failed) {
             drop_if_lost(q, rc);
@@ -585,7 +589,7 @@ static json_t *prefill_push(pdreq_t *q)
         failed = req_fail(q, status_of(h.rc), "KV push to %s failed: %s", q->segs[0],
                           kvb_strerror(h.rc));
     /* Finished even after a failure: the notices tell the decode ranks not to wait. */
-    failed = xfers_finish(q, xs, failed);
+    failed = xfers_finish(q, xs, failed, false);
     free(xs);
     double secs = (double)(kvb__now_ns() - t0) / 1e9;
     uint64_t bytes = 0;
@@ -745,7 +749,7 @@ static enum MHD_Result decode_pull(pdreq_t *q, struct MHD_Connection *conn)
     }
     if (failed)
         give_up_reads(q, xs); /* the links a transfer never began on (begun ones notify) */
-    failed = xfers_finish(q, xs, failed);
+    failed = xfers_finish(q, xs, failed, true);
     free(xs);
     if (failed)
         return req_answer(q, conn, NULL);

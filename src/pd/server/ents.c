@@ -55,7 +55,7 @@ void kvb__srv_ent_remove(kvb_pd_server_t *srv, kvb__srv_ent_t *e)
         }
     kvb_pd_seq_release(&e->seq, srv->pool);
     kvb__srv_admit_wake(srv);
-    for (size_t i = 0; i < e->nxfers; i++) /* the server stops: the engines end them */
+    for (size_t i = 0; i < e->nxfers; i++) /* settled, or the server stops */
         kvb_kv_xfer_free(e->xfers[i]);
     free(e->xfers);
     free(e->toks);
@@ -72,24 +72,23 @@ void kvb__srv_ent_done(kvb_pd_server_t *srv, const char *id)
     pthread_mutex_unlock(&srv->mu);
 }
 
-void kvb__srv_ent_settle(kvb_pd_server_t *srv, const char *id, kvb_kv_xfer_t **xs, size_t n)
+void kvb__srv_ent_settle(kvb_pd_server_t *srv, kvb__srv_ent_t *e, kvb_kv_xfer_t **xs, size_t n)
 {
-    pthread_mutex_lock(&srv->mu);
-    kvb__srv_ent_t *e = kvb__srv_ent_find(srv, id);
-    if (e && e->kind == KVB__SRV_ENT_ACTIVE) {
-        KVB_WARN("request %s: %zu failed transfer(s) may still place bytes; keeping its %zu "
-                 "blocks out of use until they cannot",
-                 id, n, e->seq.num_blocks);
-        e->kind = KVB__SRV_ENT_SETTLE;
-        e->xfers = xs;
-        e->nxfers = n;
-        xs = NULL;
-        pthread_cond_broadcast(&srv->cv);
+    if (!e) { /* no blocks to keep (never taken): nothing else to wait for */
+        for (size_t i = 0; i < n; i++)
+            kvb_kv_xfer_free(xs[i]);
+        free(xs);
+        return;
     }
+    pthread_mutex_lock(&srv->mu);
+    KVB_WARN("request %s: %zu failed transfer(s) may still place bytes; keeping its %zu blocks "
+             "out of use until they cannot",
+             e->id, n, e->seq.num_blocks);
+    e->kind = KVB__SRV_ENT_SETTLE;
+    e->xfers = xs;
+    e->nxfers = n;
+    pthread_cond_broadcast(&srv->cv);
     pthread_mutex_unlock(&srv->mu);
-    for (size_t i = 0; xs && i < n; i++) /* no entry to keep them with: nothing else holds */
-        kvb_kv_xfer_free(xs[i]);
-    free(xs);
 }
 
 int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n)
@@ -182,7 +181,7 @@ static void run_job(kvb_pd_server_t *srv, job_t *j)
 static bool settled(const kvb__srv_ent_t *e)
 {
     for (size_t i = 0; i < e->nxfers; i++)
-        if (kvb_kv_xfer_settle(e->xfers[i], 0) == KVB_ERR_AGAIN)
+        if (kvb_kv_xfer_settle(e->xfers[i], 0) != KVB_OK)
             return false;
     return true;
 }

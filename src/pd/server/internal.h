@@ -176,9 +176,10 @@ void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, 
 void *kvb__srv_reaper_main(void *arg);
 /* Counts the entries by kind: counts[KVB__SRV_ENT_ACTIVE] ... counts[KVB__SRV_ENT_SETTLE]. */
 void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[KVB__SRV_ENT_KINDS]);
-/* The ACTIVE entry `id` failed with transfers `xs` (n, taken over) still unsettled: its blocks
- * stay out of use until the reaper sees them all settled. */
-void kvb__srv_ent_settle(kvb_pd_server_t *srv, const char *id, kvb_kv_xfer_t **xs, size_t n);
+/* The ACTIVE entry `e` (the handler's own; NULL: it holds no blocks) failed with transfers `xs`
+ * (n, taken over) still unsettled: its blocks stay out of use until the reaper sees them all
+ * settled. */
+void kvb__srv_ent_settle(kvb_pd_server_t *srv, kvb__srv_ent_t *e, kvb_kv_xfer_t **xs, size_t n);
 /* Frees every entry's blocks (at shutdown). */
 void kvb__srv_ents_clear(kvb_pd_server_t *srv);
 
