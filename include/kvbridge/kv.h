@@ -314,7 +314,7 @@ KVB_API int kvb_kv_link_has_route(const kvb_kv_link_t *link);
  * ends by then however long the layers take to compute. Bytes a layer already handed to the
  * network may still land after it, so end the transfer some time before a grant of the blocks
  * (a lease, a reservation) does. The closing notice (kvb_kv_xfer_finish) has timeout_ms of its
- * own. */
+ * own (a failure notice less: see there). */
 KVB_API int kvb_kv_xfer_begin(kvb_kv_link_t *link, const char *req_id, kvb_opcode_t op,
                               const uint64_t *src_blocks, const uint64_t *dst_blocks, size_t n,
                               int timeout_ms, kvb_kv_xfer_t **out, char *reason, size_t reason_cap);
@@ -327,7 +327,8 @@ KVB_API int kvb_kv_xfer_all(kvb_kv_xfer_t *xfer);
 /* Waits until every started layer has landed (or failed), then notifies the other side with the
  * outcome, so its kvb_kv_wait() returns. Returns KVB_OK or the first error. Call once. A failed
  * transfer is first given until 1 s past its deadline to settle (kvb_kv_xfer_settle), so that
- * the other side, which frees its blocks when it hears, hears after the last byte. */
+ * the other side, which frees its blocks when it hears, hears after the last byte; its failure
+ * notice then waits for the peer until 2 s past the deadline at most (at least 1 ms). */
 KVB_API int kvb_kv_xfer_finish(kvb_kv_xfer_t *xfer);
 /* Waits up to `timeout_ms` (>= 0; 0 polls) until no byte of the transfer can still move:
  * KVB_OK, or KVB_ERR_AGAIN while some still can (kvb_batch_settle: over shared memory or RDMA the

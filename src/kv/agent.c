@@ -38,6 +38,10 @@ typedef struct {
 /* How long past its deadline kvb_kv_xfer_finish lets a failed transfer's bytes still under way
  * land before it tells the other side. */
 #define SETTLE_MS 1000
+/* A failure notice is best effort (the other side gives up when its grant ends anyway): it waits
+ * for the peer at most this long after that, so a request's transfers to a stalled peer, finished
+ * one after another, do not wait a whole timeout each. */
+#define FAIL_NOTICE_MS 1000
 
 struct kvb_kv_agent {
     kvb_engine_t *engine;
@@ -490,13 +494,16 @@ int kvb_kv_xfer_finish(kvb_kv_xfer_t *x)
     /* A failed transfer may still have bytes under way (a copy a peer began, an answer not yet
      * in): the other side hears of the failure only once they are done, or after a while - it
      * frees its blocks when it hears (see kvb_kv_xfer_settle). */
+    int notice_ms = x->timeout_ms;
     if (rc) { /* until SETTLE_MS past the deadline: a request's transfers, finished one after
                * another, share the wait */
         uint64_t until = x->deadline_ns + (uint64_t)SETTLE_MS * 1000000ull;
         (void)kvb_kv_xfer_settle(x, kvb__ms_left(until));
+        int left = kvb__ms_left(until + (uint64_t)FAIL_NOTICE_MS * 1000000ull);
+        notice_ms = left < 1 ? 1 : left < notice_ms ? left : notice_ms;
     }
     /* Every byte is in place (or the transfer failed): say so to the other side. */
-    int nrc = notice(x->link, x->id, rc, x->timeout_ms);
+    int nrc = notice(x->link, x->id, rc, notice_ms);
     return rc ? rc : nrc;
 }
 
