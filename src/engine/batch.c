@@ -161,10 +161,10 @@ static void tally_add(kvb_engine_t *e, const op_tally_t *t)
 }
 
 /* Counts op's bytes or failure against its request. Caller holds b->mu. */
-static void op_account(kvb_batch_t *b, const kvb_op_t *op, int status, uint64_t bytes,
-                       op_tally_t *t)
+static void op_account(kvb_batch_t *b, kvb_op_t *op, int status, uint64_t bytes, op_tally_t *t)
 {
     kvb_req_t *r = &b->reqs[op->req];
+    op->ended = 1;
     if (r->state != KVB_REQ_PENDING)
         return;
     if (status < 0) {
@@ -222,7 +222,7 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
         notify = notify_due(b);
         b->held--;
     }
-    if (batch_done(b) || b->held == 0)
+    if (batch_done(b) || b->held == 0 || b->settlers)
         pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
     if (op->pin)
@@ -253,7 +253,7 @@ void kvb__ops_done(kvb_op_t *ops, int status)
         tally_add(b->engine, &t);
         bool notify = notify_due(b);
         b->held -= n;
-        if (batch_done(b) || b->held == 0)
+        if (batch_done(b) || b->held == 0 || b->settlers)
             pthread_cond_broadcast(&b->cv);
         pthread_mutex_unlock(&b->mu);
         /* Pins of one region come in runs: dropped per run. */
@@ -290,7 +290,7 @@ kvb_batch_t *kvb__op_linger(kvb_op_t *op)
 void kvb__batch_unlinger(kvb_batch_t *b)
 {
     pthread_mutex_lock(&b->mu);
-    if (--b->held == 0)
+    if (--b->held == 0 || b->settlers)
         pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
     batch_release(b);
@@ -672,6 +672,21 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
     return rc;
 }
 
+/* Whether some op of the batch may still move data. A READ over the lanes whose request has
+ * ended is not such an op, although the lane keeps it until its answer: that answer's bytes are
+ * dropped (kvb__op_dst_lock). Caller holds b->mu. */
+static bool unsettled(const kvb_batch_t *b)
+{
+    size_t n = b->held;
+    for (size_t i = 0; i < b->nops && n > 0; i++) {
+        const kvb_op_t *op = &b->ops[i];
+        if (!op->ended && op->path == KVB_PATH_TCP && op->kind == KVB_OPK_READ &&
+            b->reqs[op->req].state != KVB_REQ_PENDING)
+            n--;
+    }
+    return n > 0;
+}
+
 int kvb_batch_settle(kvb_batch_t *b, int timeout_ms)
 {
     if (!b || timeout_ms < 0)
@@ -679,18 +694,26 @@ int kvb_batch_settle(kvb_batch_t *b, int timeout_ms)
     uint64_t until = kvb__deadline_ms(timeout_ms);
     int rc = KVB_OK;
     pthread_mutex_lock(&b->mu);
-    while (b->held > 0) {
+    b->settlers++;
+    for (;;) {
+        check_deadline(b);
+        if (!unsettled(b))
+            break;
         if (kvb__now_ns() >= until) {
             rc = KVB_ERR_AGAIN;
             break;
         }
-        struct timespec ts = kvb__timespec_of(until);
+        /* The deadline, when it comes first, ends requests (and settles READs over the lanes)
+         * without a wake: look again then. */
+        uint64_t wake = !batch_done(b) && b->deadline < until ? b->deadline : until;
+        struct timespec ts = kvb__timespec_of(wake);
         int err = pthread_cond_timedwait(&b->cv, &b->mu, &ts);
         if (err && err != ETIMEDOUT) {
             rc = KVB_ERR_SYSTEM;
             break;
         }
     }
+    b->settlers--;
     pthread_mutex_unlock(&b->mu);
     return rc;
 }

@@ -40,6 +40,7 @@ typedef struct kvb_op {
     kvb_batch_t *batch;
     uint32_t req; /* request index; KVB_OP_NOTIFY_REQ for the batch's notification */
     uint8_t kind;
+    uint8_t ended; /* its path let go of it (kvb__op_done); under the batch's lock */
     uint8_t *local;
     uint64_t remote;
     uint64_t len;
@@ -72,8 +73,9 @@ struct kvb_batch {
     size_t nops;
     size_t mem_cap; /* the block's size */
     size_t open;    /* requests not yet ended */
-    size_t held;    /* ops their path has not let go of yet (kvb__op_done), and accesses that
-                     * outlive theirs (kvb__op_linger): kvb_batch_settle waits for none */
+    size_t held;     /* ops their path has not let go of yet (kvb__op_done), and accesses that
+                      * outlive theirs (kvb__op_linger): kvb_batch_settle waits for them */
+    size_t settlers; /* threads in kvb_batch_settle: ops that end wake them */
     bool freed;     /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
