@@ -63,6 +63,10 @@ DEVIATIONS = """\
   get_local_topology() returns "{}"; warmup_efa_segment() is a no-op returning 0.
 - Timeouts: MC_TRANSFER_TIMEOUT (seconds, at least 5; default 30) plus one second per GB, as in
   Mooncake, but as a per-request deadline enforced by the engine (no polling loop).
+- A failed transfer reports -1 (-2 from transfer_check_status) only once no byte of it can still
+  land in its local buffers: over shared memory (or RDMA) a peer that was late may still be
+  copying, so the call waits for its answer, up to 6 s (the engine's peer timeout ends the
+  connection before); Mooncake returns at once, and a buffer reused then could take stale bytes.
 """
 
 
@@ -99,6 +103,18 @@ class TransferNotify:
 _NOTIFY_MAGIC = b"\x00KVBMCN1"
 
 _SLAB = 64 << 20
+_SETTLE_S = 6.0  # the engine's default peer timeout (5 s) ends every op before this
+
+
+def _settle(batch: Batch, what: str) -> None:
+    """Waits (bounded) until no byte of a failed batch can still land in its buffers: the caller
+    reuses them as soon as it hears -1."""
+    try:
+        if not batch.settle(_SETTLE_S):
+            log.error("%s: the peer has not answered in %.0f s; bytes of the failed transfer may "
+                      "still land in its local buffers", what, _SETTLE_S)
+    except Error as e:
+        log.error("%s: cannot settle the failed transfer: %s", what, e)
 _CLASSES = [8 << 10 << i for i in range(14)]  # 8 KiB .. 64 MiB
 
 
@@ -396,6 +412,7 @@ class TransferEngine:
                 except Error as e:
                     if isinstance(e, PeerError):
                         self._drop_segment(target, seg)
+                    _settle(batch, what)
                     raise
             return 0
         except (Error, ValueError, RuntimeError) as e:
@@ -506,6 +523,7 @@ class TransferEngine:
                     b.wait()
                 except Error as e:
                     log.error("batch transfer failed: %s", e)
+                    _settle(b, "batch transfer")
                     rc = -1
         return rc
 
@@ -519,9 +537,12 @@ class TransferEngine:
             st = entry[0].status(0).state
             if st == ReqState.PENDING:
                 return 0
-            if st == ReqState.TIMEOUT:
+            if st == ReqState.TIMEOUT:  # kept (a later get_batch_transfer_status frees it)
+                _settle(entry[0], "transfer")
                 return -2
             del self._batches[int(batch_id)]
+        if st != ReqState.COMPLETED:
+            _settle(entry[0], "transfer")
         entry[0].close()
         return 1 if st == ReqState.COMPLETED else -1
 

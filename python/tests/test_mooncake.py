@@ -196,6 +196,42 @@ def test_pending_timeout_and_peer_killed(spawn):
     te.close()
 
 
+def test_failed_read_returns_once_nothing_can_land(spawn):
+    """Mooncake's callers reuse a buffer as soon as a transfer reports -1. Over shared memory a
+    peer that stalled still owes its copy: the call returns only once the peer has answered (it
+    copies nothing past the deadline), and the buffer stays as it was."""
+    t = start_target(spawn, kind="mooncake")
+    te = TransferEngine(transfer_timeout=0.5)
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0  # same host: shm
+    at = te.allocate_managed_buffer(t["size"])  # memfd: the peer maps it and copies itself
+    local = np.frombuffer(kvbridge.view(at, t["size"]), np.uint8)
+    name = t["name"]
+    assert te.transfer_sync_read(name, at, t["addr"], 4096) == 0  # linked
+    assert te._eng().stats().bytes("shm") == 4096
+    local[:] = 0
+    t["peer"].signal(signal.SIGSTOP)
+    out = {}
+
+    def read():
+        out["rc"] = te.transfer_sync_read(name, at, t["addr"], t["size"])
+        out["at"] = time.monotonic()
+
+    th = threading.Thread(target=read)
+    th.start()
+    time.sleep(1.5)  # past the 0.5 s deadline
+    assert th.is_alive(), "returned while the stopped peer still owed its copy"
+    resumed = time.monotonic()
+    t["peer"].signal(signal.SIGCONT)
+    th.join(10)
+    assert out["rc"] == -1
+    assert out["at"] >= resumed
+    assert not local.any(), "the resumed peer copied past the deadline"
+    assert te.transfer_sync_read(name, at, t["addr"], t["size"]) == 0
+    assert np.array_equal(local, pattern(1, t["size"]))
+    del local
+    te.close()
+
+
 def test_notifies(te, peer):
     name, raddr = peer["name"], peer["addr"]
     src = pattern(9, 1 << 16)
