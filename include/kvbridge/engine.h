@@ -313,8 +313,8 @@ KVB_API int kvb_batch_cancel(kvb_batch_t *batch);
  * KVB_OK, or KVB_ERR_AGAIN while some still can. A request that ended (TIMEOUT, CANCELED) is not
  * always done with the memory: over shared memory the peer copies into it itself, and over RDMA
  * the NIC does, until the peer answers or the connection is lost; a WRITE is settled once the
- * peer acknowledged it (or is lost). A READ over TCP is settled when it ends: the bytes of a
- * late answer are dropped. Call it before reusing the local buffers of a batch that
+ * peer acknowledged it (or is lost). A READ over TCP into host memory is settled when it ends:
+ * the bytes of a late answer are dropped. Call it before reusing the local buffers of a batch that
  * failed for other memory (a pool that hands them to another request, say); a batch that
  * COMPLETED is settled already. Same-host peers start no copy past a request's deadline (read
  * on CLOCK_MONOTONIC, which processes share unless time namespaces separate them), so a peer

@@ -593,9 +593,10 @@ class Batch:
 
     def settle(self, timeout: float = 0.0) -> bool:
         """Waits up to `timeout` seconds (0: polls) until no request of the batch can still
-        place data in local memory (kvb_batch_settle). True once settled. A request that timed
-        out or was cancelled may still have a same-host peer's copy (or a NIC's) land in its
-        buffer until the peer answers: settle before handing such buffers to other work."""
+        move data (kvb_batch_settle). True once settled. A request that timed out or was
+        cancelled may still have a same-host peer's copy (or a NIC's) land in its buffer until
+        the peer answers, and a WRITE is settled once acknowledged: settle before handing such
+        buffers to other work."""
         if timeout < 0:
             raise ValueError("timeout must be >= 0")
         rc = self._lib.kvb_batch_settle(self._handle(), _ms(timeout))

@@ -65,8 +65,10 @@ DEVIATIONS = """\
   Mooncake, but as a per-request deadline enforced by the engine (no polling loop).
 - A failed transfer reports -1 (-2 from transfer_check_status) only once no byte of it can still
   land in its local buffers: over shared memory (or RDMA) a peer that was late may still be
-  copying, so the call waits for its answer, up to 6 s (the engine's peer timeout ends the
-  connection before); Mooncake returns at once, and a buffer reused then could take stale bytes.
+  copying, so the call waits for its answer, at most the engine's peer timeout (5 s unless
+  peer_timeout_ms says otherwise) and a second, when the connection to a peer that never answered
+  is gone; Mooncake returns at once, and a buffer reused then could take stale bytes.
+- transfer_check_status() frees a batch that timed out (-2) as it does a failed one.
 """
 
 
@@ -103,18 +105,7 @@ class TransferNotify:
 _NOTIFY_MAGIC = b"\x00KVBMCN1"
 
 _SLAB = 64 << 20
-_SETTLE_S = 6.0  # the engine's default peer timeout (5 s) ends every op before this
-
-
-def _settle(batch: Batch, what: str) -> None:
-    """Waits (bounded) until no byte of a failed batch can still land in its buffers: the caller
-    reuses them as soon as it hears -1."""
-    try:
-        if not batch.settle(_SETTLE_S):
-            log.error("%s: the peer has not answered in %.0f s; bytes of the failed transfer may "
-                      "still land in its local buffers", what, _SETTLE_S)
-    except Error as e:
-        log.error("%s: cannot settle the failed transfer: %s", what, e)
+_SETTLE_MARGIN_S = 1.0  # past the engine's peer timeout, which ends every op still held
 _CLASSES = [8 << 10 << i for i in range(14)]  # 8 KiB .. 64 MiB
 
 
@@ -151,6 +142,18 @@ class TransferEngine:
         self._timeout_ns = max(5, int(timeout)) * 10**9 if timeout else 30 * 10**9
         if transfer_timeout is not None:
             self._timeout_ns = int(transfer_timeout * 1e9)
+
+    def _settle(self, batch: Batch, what: str) -> None:
+        """Waits until no byte of a failed batch can still land in its buffers (the caller
+        reuses them as soon as it hears -1): at most the engine's peer timeout and a second, by
+        when the connection to a peer that never answered is gone."""
+        limit = self._opts.get("peer_timeout_ms", 5000) / 1000 + _SETTLE_MARGIN_S
+        try:
+            if not batch.settle(limit):
+                log.error("%s: the peer has not answered in %.0f s; bytes of the failed transfer "
+                          "may still land in its local buffers", what, limit)
+        except Error as e:
+            log.error("%s: cannot settle the failed transfer: %s", what, e)
 
     # ---- set-up ------------------------------------------------------------------------------
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
@@ -412,7 +415,7 @@ class TransferEngine:
                 except Error as e:
                     if isinstance(e, PeerError):
                         self._drop_segment(target, seg)
-                    _settle(batch, what)
+                    self._settle(batch, what)
                     raise
             return 0
         except (Error, ValueError, RuntimeError) as e:
@@ -523,13 +526,13 @@ class TransferEngine:
                     b.wait()
                 except Error as e:
                     log.error("batch transfer failed: %s", e)
-                    _settle(b, "batch transfer")
+                    self._settle(b, "batch transfer")
                     rc = -1
         return rc
 
     def transfer_check_status(self, batch_id: int) -> int:
         """Polls the first request of a batch: 1 completed, 0 pending, -1 failed, -2 timed out.
-        A completed or failed batch is freed (the id is then unknown: -1)."""
+        A batch that ended is freed (the id is then unknown: -1), a failed one once settled."""
         with self._lock:  # held while polling: another thread may free the batch otherwise
             entry = self._batches.get(int(batch_id))
             if entry is None:
@@ -537,14 +540,11 @@ class TransferEngine:
             st = entry[0].status(0).state
             if st == ReqState.PENDING:
                 return 0
-            if st == ReqState.TIMEOUT:  # kept (a later get_batch_transfer_status frees it)
-                _settle(entry[0], "transfer")
-                return -2
             del self._batches[int(batch_id)]
-        if st != ReqState.COMPLETED:
-            _settle(entry[0], "transfer")
+        if st != ReqState.COMPLETED:  # outside the lock: other transfers go on meanwhile
+            self._settle(entry[0], "transfer")
         entry[0].close()
-        return 1 if st == ReqState.COMPLETED else -1
+        return 1 if st == ReqState.COMPLETED else -2 if st == ReqState.TIMEOUT else -1
 
     # ---- peers -------------------------------------------------------------------------------
     def get_first_buffer_address(self, segment_name: str) -> int:

@@ -71,12 +71,13 @@ struct kvb_batch {
     kvb_req_t *reqs; /* in the batch's own block, behind it */
     kvb_op_t *ops;   /* likewise */
     size_t nops;
-    size_t mem_cap; /* the block's size */
-    size_t open;    /* requests not yet ended */
-    size_t held;     /* ops their path has not let go of yet (kvb__op_done), and accesses that
-                      * outlive theirs (kvb__op_linger): kvb_batch_settle waits for them */
-    size_t settlers; /* threads in kvb_batch_settle: ops that end wake them */
-    bool freed;     /* kvb_batch_free was called: discard whatever still arrives */
+    size_t mem_cap;    /* the block's size */
+    size_t open;       /* requests not yet ended */
+    size_t held;       /* ops their path has not let go of yet (kvb__op_done), and accesses that
+                        * outlive theirs (kvb__op_linger): kvb_batch_settle waits for them */
+    size_t settlers;   /* threads in kvb_batch_settle: ops that end wake them */
+    size_t lane_reads; /* ops that drop their late bytes once ended (see kvb_batch_settle) */
+    bool freed;        /* kvb_batch_free was called: discard whatever still arrives */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
     kvb_op_t notify_op;

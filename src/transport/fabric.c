@@ -195,12 +195,12 @@ typedef struct {
 /* One engine op in flight, cut into segments. Lives until every posted segment came back. */
 typedef struct fab_op {
     struct fab_op *next_pending, *next_active, **prev_active;
-    kvb_op_t *op;       /* NULL once ended (completed, failed, timed out, cancelled) */
-    kvb_batch_t *batch; /* valid while op is: identifies the batch for cancel */
+    kvb_op_t *op;        /* NULL once ended (completed, failed, timed out, cancelled) */
+    kvb_batch_t *batch;  /* valid while op is: identifies the batch for cancel */
     kvb_batch_t *linger; /* the op ended with segments out: its batch, until they are back */
-    kvb_peer_t *peer;   /* a reference */
-    fi_addr_t fa;       /* its endpoint */
-    kvb_region_t *pin;  /* the local region, pinned until the provider is done with it */
+    kvb_peer_t *peer;    /* a reference */
+    fi_addr_t fa;        /* its endpoint */
+    kvb_region_t *pin;   /* the local region, pinned until the provider is done with it */
     uint64_t deadline;
     int status;
     bool write;

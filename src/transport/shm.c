@@ -240,8 +240,8 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
 /* ---- copies -----------------------------------------------------------------------------------
  */
 
-/* Copies a segment, unless its job's deadline has passed (`now`, read once per run of segments: a
- * run is at most a part, a fraction of a millisecond). Pool threads may mark one job at once. */
+/* Copies a segment, unless its job's deadline has passed (`now`: see segs_copy). Pool threads
+ * may mark one job at once. */
 static void seg_copy(const copy_seg_t *g, uint64_t now)
 {
     if (now >= g->deadline) {
@@ -252,6 +252,23 @@ static void seg_copy(const copy_seg_t *g, uint64_t now)
         kvb__copy_stream(g->dst, g->src, g->len);
     else
         kvb__copy(g->dst, g->src, g->len);
+}
+
+/* Copies segs[0..n), reading the clock for their deadlines again after every RECHECK_BYTES
+ * copied (about 50-100 us here): often enough that no copy starts much past its deadline, rarely
+ * enough to cost nothing beside the copies of small blocks. */
+#define RECHECK_BYTES (1u << 20)
+static void segs_copy(const copy_seg_t *segs, size_t n)
+{
+    uint64_t now = kvb__now_ns(), since = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (since >= RECHECK_BYTES) {
+            now = kvb__now_ns();
+            since = 0;
+        }
+        seg_copy(&segs[i], now);
+        since += segs[i].len;
+    }
 }
 
 static bool pool_take(kvb_shm_t *s);
@@ -276,9 +293,7 @@ static bool pool_take(kvb_shm_t *s)
     s->qhead = (s->qhead + 1) % s->qcap;
     s->qcount--;
     pthread_mutex_unlock(&s->pool_mu);
-    uint64_t now = kvb__now_ns();
-    for (size_t i = 0; i < p.n; i++)
-        seg_copy(&p.segs[i], now);
+    segs_copy(p.segs, p.n);
     if (atomic_fetch_sub(p.left, 1) == 1) {
         /* The set's last part. The lock, taken and dropped, orders the count's change before a
          * waiter's test of it (set_end tests it holding the lock); the wake is sent without the
@@ -313,9 +328,7 @@ static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t to
         copy_part_t part = {.segs = segs + first, .n = i + 1 - first, .left = left};
         if (s->qcount == s->qcap) {
             pthread_mutex_unlock(&s->pool_mu);
-            uint64_t now = kvb__now_ns();
-            for (size_t k = 0; k < part.n; k++)
-                seg_copy(&part.segs[k], now);
+            segs_copy(part.segs, part.n);
             pthread_mutex_lock(&s->pool_mu);
         } else {
             s->queue[(s->qhead + s->qcount++) % s->qcap] = part;
@@ -446,10 +459,8 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     kvb_shm_peer_t *p = set->peer;
     if (!p)
         return;
-    const copy_seg_t *segs = set->segs;
-    uint64_t now = set->nsegs ? kvb__now_ns() : 0;
-    for (size_t i = 0; answered && i < set->nsegs; i++) /* a small set, not queued */
-        seg_copy(&segs[i], now);
+    if (answered) /* a small set, not queued */
+        segs_copy(set->segs, set->nsegs);
     if (atomic_load(&set->left) > 0) {
         pthread_mutex_lock(&s->pool_mu);
         while (atomic_load(&set->left) > 0)

@@ -76,11 +76,10 @@ static void wire_seeds(void)
     kvb__wire_encode_hdr(&run, b);
     put("wire", "hdr-shm-request-run", 0, b, KVB_WIRE_HDR_SIZE, 1);
     for (int k = 0; k < 3; k++) {
-        kvb_shm_entry_t e = {
-            .remote = 0x7f0000001000ull + 18432u * (unsigned)k,
-            .len = 18432,
-            .local = 0x10000,
-            .deadline = 0x00001d1a94a20000ull};
+        kvb_shm_entry_t e = {.remote = 0x7f0000001000ull + 18432u * (unsigned)k,
+                             .len = 18432,
+                             .local = 0x10000,
+                             .deadline = 0x00001d1a94a20000ull};
         kvb__wire_shm_entry_encode(&e, b + k * KVB_WIRE_SHM_ENTRY);
     }
     put("wire", "shm-entries", 5, b, 3 * KVB_WIRE_SHM_ENTRY, 1);
