@@ -35,6 +35,18 @@ class ReqState(enum.IntEnum):
     CANCELED = 4
 
 
+def _settle(call: Any, handle: int, timeout: float, what: str) -> bool:
+    """Runs a settle call (kvb_batch_settle, kvb_kv_xfer_settle) for up to `timeout` seconds:
+    True once settled, False while not (ERR_AGAIN); raises any other error."""
+    if timeout < 0:
+        raise ValueError("timeout must be >= 0")
+    rc = call(handle, _ms(timeout))
+    if rc == -6:  # ERR_AGAIN
+        return False
+    check(rc, what)
+    return True
+
+
 def _ms(timeout: Optional[float], none: int = -1) -> int:
     """Seconds (None: `none`) to the C API's milliseconds, clamped to a C int."""
     if timeout is None:
@@ -597,13 +609,7 @@ class Batch:
         cancelled may still have a same-host peer's copy (or a NIC's) land in its buffer until
         the peer answers, and a WRITE is settled once acknowledged: settle before handing such
         buffers to other work."""
-        if timeout < 0:
-            raise ValueError("timeout must be >= 0")
-        rc = self._lib.kvb_batch_settle(self._handle(), _ms(timeout))
-        if rc == -6:  # ERR_AGAIN
-            return False
-        check(rc, "kvb_batch_settle")
-        return True
+        return _settle(self._lib.kvb_batch_settle, self._handle(), timeout, "kvb_batch_settle")
 
     def close(self) -> None:
         """Cancels what is pending and frees the batch (kvb_batch_free). Idempotent."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
-from .engine import Engine, Notification, Op, Request, _b, _ms, _notification
+from .engine import Engine, Notification, Op, Request, _b, _ms, _notification, _settle
 from .errors import check, make_error
 
 LAYOUT_ATTR = "kvbridge.kv.layout"
@@ -433,13 +433,7 @@ class Transfer:
         """Waits up to `timeout` seconds (0: polls) until no byte of the transfer can still land
         in this side's memory (kvb_kv_xfer_settle). True once settled. After a failed pull, keep
         the destination blocks out of use until it is."""
-        if timeout < 0:
-            raise ValueError("timeout must be >= 0")
-        rc = self._lib.kvb_kv_xfer_settle(self._handle(), _ms(timeout))
-        if rc == -6:  # ERR_AGAIN
-            return False
-        check(rc, "kvb_kv_xfer_settle")
-        return True
+        return _settle(self._lib.kvb_kv_xfer_settle, self._handle(), timeout, "kvb_kv_xfer_settle")
 
     def close(self) -> None:
         """Frees the transfer, cancelling what is pending. Idempotent."""

@@ -837,6 +837,17 @@ Test(server, lease_ended_while_waiting_is_not_read)
     json_decref(hog), json_decref(r), json_decref(ps), json_decref(ds);
 }
 
+/* A pull pair of tiny-gqa instances (TP 1): a prefill whose leases last `prefill_lease_ms`, and a
+ * decode with the usual options. */
+static void pull_pair(uint32_t prefill_lease_ms, inst_t **pre, inst_t **dec)
+{
+    uint32_t usual = lease_ms;
+    lease_ms = prefill_lease_ms;
+    *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    lease_ms = usual;
+    *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+}
+
 /* Stops or continues instance `in` and waits until it has. */
 static void signal_inst(const inst_t *in, int sig)
 {
@@ -863,10 +874,8 @@ static long health_count(const inst_t *in, const char *key)
  * deadline copies nothing) is tested in shm_peer. */
 Test(server, blocks_of_a_stalled_read_stay_out_of_use_until_settled)
 {
-    lease_ms = 1000; /* the decode reads for at most 500 ms of it */
-    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
-    lease_ms = 3000;
-    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *pre, *dec;
+    pull_pair(1000, &pre, &dec); /* the decode reads for at most 500 ms of the lease */
     json_t *ps = segments(pre), *ds = segments(dec);
     char *pss = dump(ps), *dss = dump(ds), body[2048];
     /* A first request links the two. */
@@ -906,10 +915,8 @@ Test(server, blocks_of_a_stalled_read_stay_out_of_use_until_settled)
  * end of its lease (20 s here) - a refusing decode would otherwise drain the prefill's pool too. */
 Test(server, refused_decode_gives_the_lease_back)
 {
-    lease_ms = 20000;
-    inst_t *pre = start(KVB_PD_ROLE_PREFILL, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
-    lease_ms = 3000;
-    inst_t *dec = start(KVB_PD_ROLE_DECODE, "tiny-gqa", 0, 1, KVB_PD_KV_PULL, NULL);
+    inst_t *pre, *dec;
+    pull_pair(20000, &pre, &dec);
     json_t *ps = segments(pre), *ds = segments(dec);
     char *pss = dump(ps), *dss = dump(ds), body[2048];
     json_t *r = prefill_lease(pre, "g1", dss);

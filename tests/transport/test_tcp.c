@@ -866,6 +866,29 @@ static int raw_link(int *tcp_fd, int *unix_fd, uint8_t token[16])
     return 0;
 }
 
+/* raw_link, bound: the side channel's HELLO spends the token, so that the connection's same-host
+ * requests may copy into this process. */
+static void raw_bound_link(int *tcp_fd, int *unix_fd)
+{
+    uint8_t token[16];
+    raw_link(tcp_fd, unix_fd, token);
+    static uint64_t probe = 0x1234;
+    cr_assert_eq(unix_call(*unix_fd, 1 /* M_HELLO */, token, (uintptr_t)&probe, probe, -1), 0);
+}
+
+/* The next frame on fd, a same-host READ answer (a header alone). */
+static kvb_frame_hdr_t recv_shm_answer(int fd)
+{
+    uint8_t b[KVB_WIRE_HDR_SIZE];
+    kvb_frame_hdr_t h;
+    cr_assert_eq(recv(fd, b, sizeof b, MSG_WAITALL), (ssize_t)sizeof b);
+    cr_assert_eq(kvb__wire_decode_hdr(b, &h, NULL, 0), KVB_OK);
+    cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+    cr_assert(h.flags & KVB_FRAME_F_SHM);
+    cr_assert_eq(kvb__wire_payload_len(&h), 0, "a same-host answer carries no data");
+    return h;
+}
+
 /* A raw connection to the engine's same-host lane socket: an abstract Unix stream socket named
  * by its incarnation. */
 static int raw_connect_local(void)
@@ -1049,10 +1072,7 @@ Test(hostile, shm_request_past_its_deadline_copies_nothing)
     for (size_t i = 0; i < 128; i++)
         mem[i] = (uint8_t)(i * 7 + 3);
     int tfd, ufd;
-    uint8_t token[16];
-    raw_link(&tfd, &ufd, token);
-    static uint64_t probe = 0x1234;
-    cr_assert_eq(unix_call(ufd, 1 /* M_HELLO */, token, (uintptr_t)&probe, probe, -1), 0);
+    raw_bound_link(&tfd, &ufd);
     static uint8_t dst[128];
     memset(dst, 0, sizeof dst);
     uint8_t f[KVB_WIRE_HDR_SIZE + 2 * KVB_WIRE_SHM_ENTRY];
@@ -1064,12 +1084,7 @@ Test(hostile, shm_request_past_its_deadline_copies_nothing)
     kvb__wire_shm_entry_encode(&late, f + KVB_WIRE_HDR_SIZE);
     cr_assert_eq(send(tfd, f, len, 0), (ssize_t)len);
     for (uint64_t id = 1; id <= 2;) {
-        uint8_t b[KVB_WIRE_HDR_SIZE];
-        kvb_frame_hdr_t h;
-        cr_assert_eq(recv(tfd, b, sizeof b, MSG_WAITALL), (ssize_t)sizeof b);
-        cr_assert_eq(kvb__wire_decode_hdr(b, &h, NULL, 0), KVB_OK);
-        cr_assert_eq(kvb__wire_payload_len(&h), 0, "a same-host answer carries no data");
-        cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+        kvb_frame_hdr_t h = recv_shm_answer(tfd);
         cr_assert_eq(h.id, id);
         cr_assert_eq(h.status, id == 1 ? KVB_ERR_TIMEOUT : KVB_OK, "request %llu: %s",
                      (unsigned long long)id, kvb_status_name(h.status));
@@ -1093,10 +1108,7 @@ Test(hostile, shm_request_runs_by_hand)
     for (size_t i = 0; i < sizeof mem; i++)
         mem[i] = (uint8_t)(i * 13 + 5);
     int tfd, ufd;
-    uint8_t token[16];
-    raw_link(&tfd, &ufd, token);
-    static uint64_t probe = 0x1234;
-    cr_assert_eq(unix_call(ufd, 1 /* M_HELLO */, token, (uintptr_t)&probe, probe, -1), 0);
+    raw_bound_link(&tfd, &ufd);
     enum { N = 300 };
     static uint8_t dst[N * 64];
     memset(dst, 0, sizeof dst);
@@ -1107,16 +1119,10 @@ Test(hostile, shm_request_runs_by_hand)
     usleep(50000); /* read on its own: the fourth entry is split across two reads */
     cr_assert_eq(send(tfd, f + cut, len - cut, 0), (ssize_t)(len - cut));
     for (uint64_t next = 1; next <= N;) {
-        uint8_t b[KVB_WIRE_HDR_SIZE];
-        kvb_frame_hdr_t h;
-        cr_assert_eq(recv(tfd, b, sizeof b, MSG_WAITALL), (ssize_t)sizeof b);
-        cr_assert_eq(kvb__wire_decode_hdr(b, &h, NULL, 0), KVB_OK);
-        cr_assert_eq(h.type, KVB_FRAME_READ_RESP);
+        kvb_frame_hdr_t h = recv_shm_answer(tfd);
         cr_assert_eq(h.status, KVB_OK, "request %llu: %s", (unsigned long long)h.id,
                      kvb_strerror(h.status));
-        cr_assert(h.flags & KVB_FRAME_F_SHM);
         cr_assert_eq(h.id, next, "answers in order");
-        cr_assert_eq(kvb__wire_payload_len(&h), 0);
         next += h.flags & KVB_FRAME_F_RUN ? h.addr : 1;
     }
     cr_assert_eq(memcmp(dst, mem, sizeof dst), 0);
