@@ -147,7 +147,7 @@ class TransferEngine:
         """Waits until no byte of a failed batch can still land in its buffers (the caller
         reuses them as soon as it hears -1): at most the engine's peer timeout and a second, by
         when the connection to a peer that never answered is gone."""
-        limit = self._opts.get("peer_timeout_ms", 5000) / 1000 + _SETTLE_MARGIN_S
+        limit = (self._opts.get("peer_timeout_ms") or 5000) / 1000 + _SETTLE_MARGIN_S
         try:
             if not batch.settle(limit):
                 log.error("%s: the peer has not answered in %.0f s; bytes of the failed transfer "
