@@ -449,15 +449,6 @@ static void split_request(kvb_batch_t *b, const kvb_request_t *r, uint32_t i, kv
     }
 }
 
-/* Whether a held op is a READ over the lanes into host memory: once its request has ended, the
- * lane keeps it until its answer, but drops that answer's bytes (they land under the batch's
- * lock, kvb__op_dst_lock; a device copy, queued before the end, may still run). */
-static bool drops_late_bytes(const kvb_op_t *op)
-{
-    return op->path == KVB_PATH_TCP && op->kind == KVB_OPK_READ &&
-           !(op->pin && op->pin->kind != KVB_MEM_CPU);
-}
-
 /* Gives each op of `ops` (all to peer p) to the first path in the engine's order that reaches it,
  * and starts them, one list per path in their original order. An op no path reaches (device
  * memory that no path to this peer can serve) ends at once with KVB_ERR_UNSUPPORTED. */
@@ -509,7 +500,7 @@ static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
             continue;
         }
         op->path = (uint8_t)path;
-        if (drops_late_bytes(op)) /* before any submit: the batch is not the caller's yet */
+        if (kvb__op_lane_read(op)) /* before any submit: the batch is not the caller's yet */
             b->lane_reads++;
         *tail[path] = op;
         tail[path] = &op->next;
@@ -683,13 +674,16 @@ int kvb_batch_wait(kvb_batch_t *b, int timeout_ms)
     return rc;
 }
 
-/* Whether some op of the batch may still move data. Caller holds b->mu. */
+/* Whether some op of the batch may still move data. A READ over the lanes into host memory
+ * whose request has ended does not, although the lane keeps it until its answer: that answer's
+ * bytes are dropped (a device READ's copy, queued before the end, may still run). Caller holds
+ * b->mu. */
 static bool unsettled(const kvb_batch_t *b)
 {
     size_t n = b->held;
     for (size_t i = 0; i < b->nops && n > 0 && b->lane_reads > 0; i++) {
         const kvb_op_t *op = &b->ops[i]; /* pin is valid while the op has not ended */
-        if (!op->ended && b->reqs[op->req].state != KVB_REQ_PENDING && drops_late_bytes(op))
+        if (!op->ended && b->reqs[op->req].state != KVB_REQ_PENDING && kvb__op_lane_read(op))
             n--;
     }
     return n > 0;

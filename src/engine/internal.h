@@ -54,6 +54,15 @@ typedef struct kvb_op {
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
 
+/* A READ over the lanes into host memory: its answer's bytes go straight into place under the
+ * batch's lock (kvb__op_dst_lock), so they may come in answer runs, and once the request has
+ * ended they are dropped. */
+static inline bool kvb__op_lane_read(const kvb_op_t *op)
+{
+    return op->kind == KVB_OPK_READ && op->path == KVB_PATH_TCP &&
+           !(op->pin && op->pin->kind != KVB_MEM_CPU);
+}
+
 typedef struct {
     kvb_req_state_t state;
     int error;

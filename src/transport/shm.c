@@ -417,11 +417,8 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
     /* Shared until the set is finished: an unshare waits until these copies are done with its
      * mapping. */
     pthread_rwlock_rdlock(&p->lock);
-    uint64_t now = kvb__now_ns();
     for (size_t i = 0; i < n; i++) {
         kvb_shm_job_t *j = &jobs[i];
-        if (j->status == KVB_OK && now >= j->deadline)
-            j->status = KVB_ERR_TIMEOUT; /* the initiator's memory may be in other use by now */
         if (j->status != KVB_OK)
             continue;
         uint64_t span = 0;
@@ -440,7 +437,7 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
                                    .stream = stream,
                                    .deadline = j->deadline,
                                    .status = &j->status},
-                     now);
+                     kvb__now_ns());
     }
     if (nsegs == 0)
         return;

@@ -683,13 +683,6 @@ static void conn_flush(tcp_conn_t *c)
         conn_fail(c, rc, rc == KVB_ERR_SYSTEM ? "epoll_ctl failed" : "send failed");
 }
 
-/* Initiator: a READ whose answer may come in a run - its bytes go straight into host memory. */
-static bool may_run(const kvb_op_t *op)
-{
-    return op->kind == KVB_OPK_READ && op->path == KVB_PATH_TCP &&
-           !(op->pin && op->pin->kind != KVB_MEM_CPU);
-}
-
 /* Moves op in flight, behind the requests already sent or queued. Caller holds c->mu. */
 static void inflight_push(tcp_conn_t *c, kvb_op_t *op)
 {
@@ -749,7 +742,7 @@ static int queue_request(tcp_conn_t *c, kvb_op_t *op)
     static const uint8_t type_of[] = {KVB_FRAME_READ_REQ, KVB_FRAME_WRITE_REQ, KVB_FRAME_NOTIFY};
     op->wire_id = c->next_id++;
     kvb_frame_hdr_t h = {.type = type_of[op->kind],
-                         .flags = may_run(op) ? KVB_FRAME_F_RUN : 0,
+                         .flags = kvb__op_lane_read(op) ? KVB_FRAME_F_RUN : 0,
                          .id = op->wire_id,
                          .addr = op->remote,
                          .len = op->len};
@@ -1225,7 +1218,8 @@ static int check_run(tcp_conn_t *c, const kvb_frame_hdr_t *h)
     kvb_op_t *first = c->inflight_head;
     for (kvb_op_t *op = first; op && k < h->addr; op = op->next, k++) {
         if (op->wire_id != h->id + k || (int)op->kind != want ||
-            (shm ? op->path != KVB_PATH_SHM : !may_run(op)) || kvb__add_u64(total, op->len, &total))
+            (shm ? op->path != KVB_PATH_SHM : !kvb__op_lane_read(op)) ||
+            kvb__add_u64(total, op->len, &total))
             break;
     }
     pthread_mutex_unlock(&c->mu);
