@@ -86,7 +86,21 @@ typedef struct {
      * KVB_TCP_CONGESTION when it is set. See the README's Performance section for what it changes.
      */
     const char *tcp_congestion;
+    /* Busy polling, in microseconds: 0 (default) is off, at most KVB_BUSY_POLL_MAX_US. A
+     * progress thread that took in a peer's requests keeps polling its connections without
+     * sleeping for this long before it sleeps, unless one of them waits for room to send (the
+     * peer reading that socket needs the core then); a thread in kvb_batch_wait whose batch rides
+     * one connection polls that connection for this long, from its wait's start and after each
+     * read, before it sleeps. A round trip then skips the wake-ups of sleeping threads - on some
+     * virtual machines 50-60 us each way - for a core kept busy that long after traffic: for
+     * small and latency-bound transfers where cores are to spare (see the README's Performance
+     * section). kvb_config_init() takes the default from KVB_BUSY_POLL_US when it is set (a value
+     * that is not a number of microseconds up to the maximum fails kvb_engine_create with
+     * KVB_ERR_INVALID_ARG). */
+    uint32_t busy_poll_us;
 } kvb_config_t;
+
+#define KVB_BUSY_POLL_MAX_US 100000u
 
 /* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
  *   "p2p" (default)                 no store: the name is the peer's "host:port"
@@ -159,6 +173,9 @@ KVB_API const char *kvb_engine_fabric_provider(const kvb_engine_t *engine);
 /* The congestion control algorithm this engine's TCP connections use (the configured one, or the
  * system's default as the listening socket took it), such as "cubic". Valid while the engine is. */
 KVB_API const char *kvb_engine_tcp_congestion(const kvb_engine_t *engine);
+
+/* The busy polling this engine's threads do, in microseconds (0: none; see busy_poll_us). */
+KVB_API uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *engine);
 
 /* Access rights granted to peers on a registered region. */
 enum { KVB_ACCESS_READ = 1u, KVB_ACCESS_WRITE = 2u, KVB_ACCESS_RW = 3u };

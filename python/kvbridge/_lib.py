@@ -65,8 +65,16 @@ class ConfigCongestion(Structure):
     _fields_ = ConfigFabric._fields_ + [("tcp_congestion", c_char_p)]
 
 
+class ConfigBusyPoll(Structure):
+    """kvb_config_t of libraries that export kvb_engine_busy_poll_us: busy_poll_us after
+    tcp_congestion."""
+    _fields_ = ConfigCongestion._fields_ + [("busy_poll_us", c_uint32)]
+
+
 def config_type() -> type:
     """The kvb_config_t layout the loaded library knows (the struct only grows at its end)."""
+    if hasattr(load(), "kvb_engine_busy_poll_us"):
+        return ConfigBusyPoll
     if hasattr(load(), "kvb_engine_tcp_congestion"):
         return ConfigCongestion
     return ConfigFabric if has_fabric() else Config
@@ -271,6 +279,9 @@ def load() -> ctypes.CDLL:
                 if hasattr(lib, name):  # optional: newer libraries only
                     getattr(lib, name).restype = c_char_p
                     getattr(lib, name).argtypes = [P]
+            if hasattr(lib, "kvb_engine_busy_poll_us"):
+                lib.kvb_engine_busy_poll_us.restype = c_uint32
+                lib.kvb_engine_busy_poll_us.argtypes = [P]
             _path = getattr(lib, "_name", cand)
             _lib = lib
             return lib

@@ -179,7 +179,7 @@ class Stats:
 
 _CONFIG_INT = ("port", "port_max", "progress_threads", "lanes", "timeout_ms", "connect_timeout_ms",
                "copy_threads", "metadata_ttl_ms", "peer_timeout_ms", "max_connections",
-               "shm_map_max")
+               "shm_map_max", "busy_poll_us")
 _CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster",
                "fabric_provider", "tcp_congestion")
 
@@ -195,8 +195,10 @@ class Engine:
     "shm,tcp", ...), copy_threads, cluster, metadata_ttl_ms, secret (bytes or str, 16..4096 bytes;
     None: the file named by KVB_SECRET_FILE, if set), insecure, peer_timeout_ms, max_connections,
     shm_map_max, fabric_provider where the library has the libfabric path
-    (kvbridge.has_fabric()), and tcp_congestion (the TCP connections' congestion control, such as
-    "cubic"; default KVB_TCP_CONGESTION, else the system's). Unknown keywords raise TypeError.
+    (kvbridge.has_fabric()), tcp_congestion (the TCP connections' congestion control, such as
+    "cubic"; default KVB_TCP_CONGESTION, else the system's) and busy_poll_us (microseconds the
+    engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off).
+    Unknown keywords raise TypeError.
 
     Every method is thread-safe; blocking ones release the GIL. Use as a context manager or call
     close(); the engine must outlive its segments' use, and batches stay valid after close()."""
@@ -268,6 +270,13 @@ class Engine:
         if fn is None:
             return ""
         return (fn(self._handle()) or b"").decode()
+
+    @property
+    def busy_poll_us(self) -> int:
+        """The busy polling of the engine's threads in microseconds (0: off, or an older
+        library)."""
+        fn = getattr(self._lib, "kvb_engine_busy_poll_us", None)
+        return int(fn(self._handle())) if fn is not None else 0
 
     @property
     def closed(self) -> bool:

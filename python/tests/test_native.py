@@ -371,6 +371,27 @@ def test_tcp_congestion():
         Engine(tcp_congestion="no-such-cc")
 
 
+def test_busy_poll():
+    with Engine() as e:
+        assert e.busy_poll_us == 0  # off by default
+    for bad in (100001, -1):
+        with pytest.raises(errors.InvalidArgError):
+            Engine(busy_poll_us=bad)
+    with Engine(busy_poll_us=200) as a, Engine(busy_poll_us=200) as b:
+        assert a.busy_poll_us == 200
+        src, dst = pattern(7, 1 << 20), np.zeros(1 << 20, np.uint8)
+        b.register(src)
+        a.register(dst)
+        with a.open_segment(b.name) as seg:
+            for size in (4096, 1 << 20):  # one connection (polled by the waiting thread), or all
+                dst[:] = 0
+                reqs = [Request(Op.READ, addr(dst) + o, seg, addr(src) + o, size)
+                        for o in range(0, 1 << 20, size)]
+                with a.submit(reqs) as batch:
+                    assert batch.wait(10)
+                assert np.array_equal(dst, src)
+
+
 def _fabric_engine(**kw):
     if not kvbridge.has_fabric():
         pytest.skip("this libkvbridge.so has no libfabric data path")

@@ -27,6 +27,21 @@ static const char *env_or(const char *name, const char *dflt)
     return v && *v ? v : dflt;
 }
 
+/* KVB_BUSY_POLL_US: a decimal number of microseconds. Anything else (or too large) becomes a
+ * value kvb_engine_create refuses, so a typo is an error rather than a silent default. */
+static uint32_t env_busy_poll(void)
+{
+    const char *v = env_or("KVB_BUSY_POLL_US", NULL);
+    if (!v)
+        return 0;
+    char *end;
+    errno = 0;
+    unsigned long long us = strtoull(v, &end, 10);
+    if (errno || end == v || *end || *v == '-' || us > KVB_BUSY_POLL_MAX_US)
+        return UINT32_MAX;
+    return (uint32_t)us;
+}
+
 void kvb_config_init_v(kvb_config_t *cfg, size_t size)
 {
     if (!cfg || size < sizeof cfg->size)
@@ -44,6 +59,7 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
     d.protocol = env_or("KVB_PROTOCOL", "auto");
     d.fabric_provider = env_or("KVB_FABRIC_PROVIDER", NULL);
     d.tcp_congestion = env_or("KVB_TCP_CONGESTION", NULL);
+    d.busy_poll_us = env_busy_poll();
     d.copy_threads = 1;
     d.cluster = "default";
     d.metadata_ttl_ms = 10000;
@@ -193,6 +209,16 @@ static int check_config(const kvb_config_t *c)
         c->connect_timeout_ms == 0 || c->peer_timeout_ms < 100 || c->max_connections == 0) {
         KVB_ERROR("invalid engine configuration (threads %d, lanes %d, ports %u..%u)",
                   c->progress_threads, c->lanes, c->port, c->port_max);
+        return KVB_ERR_INVALID_ARG;
+    }
+    if (c->busy_poll_us > KVB_BUSY_POLL_MAX_US) {
+        const char *env = getenv("KVB_BUSY_POLL_US");
+        if (c->busy_poll_us == UINT32_MAX && env) /* what env_busy_poll makes of a bad value */
+            KVB_ERROR("KVB_BUSY_POLL_US=\"%.32s\" is not a number of microseconds up to %u", env,
+                      KVB_BUSY_POLL_MAX_US);
+        else
+            KVB_ERROR("busy_poll_us %u is over the maximum of %u", c->busy_poll_us,
+                      KVB_BUSY_POLL_MAX_US);
         return KVB_ERR_INVALID_ARG;
     }
     return KVB_OK;
@@ -493,6 +519,11 @@ uint16_t kvb_engine_port(const kvb_engine_t *e)
 const char *kvb_engine_tcp_congestion(const kvb_engine_t *e)
 {
     return e ? e->tcp_congestion : "";
+}
+
+uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *e)
+{
+    return e ? e->cfg.busy_poll_us : 0;
 }
 
 const char *kvb_engine_fabric_provider(const kvb_engine_t *e)

@@ -44,6 +44,7 @@ typedef struct {
     const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
     char congestion[16];         /* the TCP congestion control of the initiator's engine */
+    uint32_t busy_poll_us;       /* the busy polling of the initiator's engine */
     const char *kv_model;        /* --kv: the KV-shaped workload instead */
     const char *metadata;        /* --metadata URI: segments found through a store */
     const char *cluster, *name;
@@ -460,6 +461,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf("  fabric path on libfabric provider %s\n", o->fabric_in_use);
     if (!strcmp(o->path, "tcp"))
         printf("  TCP congestion control %s\n", o->congestion);
+    if (o->busy_poll_us)
+        printf("  busy polling %u us\n", o->busy_poll_us);
     if (o->ceiling_gbps > 0) {
         uint64_t llc = kvb__llc_size();
         double ratio = gbps / o->ceiling_gbps;
@@ -502,6 +505,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         if (o->fabric_in_use[0])
             json_object_set_new(j, "fabric_provider", json_string(o->fabric_in_use));
         json_object_set_new(j, "tcp_congestion", json_string(o->congestion));
+        json_object_set_new(j, "busy_poll_us", json_integer(o->busy_poll_us));
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
             json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
@@ -568,6 +572,7 @@ static int run_initiator(bench_opts_t *o)
     kvb_segment_transport(e, seg, &o->path);
     snprintf(o->fabric_in_use, sizeof o->fabric_in_use, "%s", kvb_engine_fabric_provider(e));
     snprintf(o->congestion, sizeof o->congestion, "%s", kvb_engine_tcp_congestion(e));
+    o->busy_poll_us = kvb_engine_busy_poll_us(e);
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
         goto out;
@@ -689,10 +694,29 @@ static void pin_to(int cpu)
     sched_setaffinity(0, sizeof set, &set);
 }
 
+/* Receives exactly len bytes. With spin_ns, polls the socket without sleeping until that long
+ * passes with nothing read, as an engine's threads do with busy polling (cfg.busy_poll_us), so
+ * that the ping-pong measures what a round trip costs with the same wakes skipped. */
+static bool recv_all(int fd, uint8_t *b, uint64_t len, uint64_t spin_ns)
+{
+    uint64_t got = 0, busy_at = kvb__now_ns();
+    while (got < len) {
+        bool spin = spin_ns && kvb__now_ns() - busy_at < spin_ns;
+        ssize_t r = recv(fd, b + got, len - got, spin ? MSG_DONTWAIT : MSG_WAITALL);
+        if (r > 0) {
+            got += (uint64_t)r;
+            busy_at = kvb__now_ns();
+        } else if (r == 0 || !spin || (errno != EAGAIN && errno != EINTR)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 /* A child that echoes `len`-byte messages; returns the client fd. The socket is the kind the
  * measured requests ride: a Unix socket (local) for same-host peers, whose lanes are Unix sockets,
  * else loopback TCP. */
-static int start_echo(uint64_t len, bool local, pid_t *pid)
+static int start_echo(uint64_t len, bool local, uint64_t spin_ns, pid_t *pid)
 {
     int lfd = -1, sv[2] = {-1, -1}, one = 1;
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -711,7 +735,7 @@ static int start_echo(uint64_t len, bool local, pid_t *pid)
         uint8_t *b = malloc(len);
         if (!local)
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        while (b && recv(fd, b, len, MSG_WAITALL) == (ssize_t)len)
+        while (b && recv_all(fd, b, len, spin_ns))
             if (send(fd, b, len, MSG_NOSIGNAL) != (ssize_t)len)
                 break;
         _exit(0);
@@ -758,7 +782,9 @@ static int run_latency(bench_opts_t *o)
     uint8_t *local = rc ? NULL : engine_buffer(e, o, o->block, false);
     pid_t echo = -1;
     bool unix_lanes = !strcmp(o->path, "shm"); /* a same-host peer's lanes are Unix sockets */
-    int fd = local ? start_echo(o->block, unix_lanes, &echo) : -1;
+    o->busy_poll_us = kvb_engine_busy_poll_us(e);
+    uint64_t spin_ns = (uint64_t)o->busy_poll_us * 1000;
+    int fd = local ? start_echo(o->block, unix_lanes, spin_ns, &echo) : -1;
     enum { ROUNDS = 20, PER = 250 };
     double *kl = calloc(ROUNDS * PER, sizeof *kl), *rl = calloc(ROUNDS * PER, sizeof *rl);
     size_t nk = 0, nr = 0;
@@ -782,7 +808,7 @@ static int run_latency(bench_opts_t *o)
         for (int i = 0; i < PER && !rc; i++) {
             uint64_t t0 = kvb__now_ns();
             if (send(fd, local, o->block, MSG_NOSIGNAL) != (ssize_t)o->block ||
-                recv(fd, local, o->block, MSG_WAITALL) != (ssize_t)o->block)
+                !recv_all(fd, local, o->block, spin_ns))
                 rc = 1;
             if (round >= 0)
                 rl[nr++] = (double)(kvb__now_ns() - t0) / 1e3;
@@ -791,16 +817,19 @@ static int run_latency(bench_opts_t *o)
     if (!rc) {
         double k50 = pct(kl, nk, 0.5), k99 = pct(kl, nk, 0.99);
         double r50 = pct(rl, nr, 0.5), r99 = pct(rl, nr, 0.99);
+        char spun[48] = "";
+        if (o->busy_poll_us)
+            snprintf(spun, sizeof spun, " (both busy-polling %u us)", o->busy_poll_us);
         printf("kvbridge bench --latency: %llu-byte READ round trip over %s: p50 %.1f us, p99 "
-               "%.1f us\n  raw %s ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f\n",
+               "%.1f us\n  raw %s ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f%s\n",
                (unsigned long long)o->block, o->path, k50, k99,
-               unix_lanes ? "Unix-socket" : "TCP loopback", r50, r99, k50 / r50);
+               unix_lanes ? "Unix-socket" : "TCP loopback", r50, r99, k50 / r50, spun);
         if (o->json)
             printf("{\"latency_block\":%llu,\"protocol\":\"%s\",\"lat_p50_us\":%.2f,"
                    "\"lat_p99_us\":%.2f,\"raw_socket\":\"%s\",\"raw_p50_us\":%.2f,"
-                   "\"raw_p99_us\":%.2f,\"ratio_p50\":%.3f}\n",
+                   "\"raw_p99_us\":%.2f,\"ratio_p50\":%.3f,\"busy_poll_us\":%u}\n",
                    (unsigned long long)o->block, o->path, k50, k99, unix_lanes ? "unix" : "tcp",
-                   r50, r99, k50 / r50);
+                   r50, r99, k50 / r50, o->busy_poll_us);
     }
     if (fd >= 0)
         close(fd);
@@ -932,6 +961,9 @@ static void usage(FILE *f)
         "  --tcp-congestion NAME     TCP congestion control of the engines' connections and of\n"
         "                            the raw-stream ceilings (cubic, reno, bbr, ...; default\n"
         "                            KVB_TCP_CONGESTION, else the system's)\n"
+        "  --busy-poll US            engines' busy polling in microseconds (0: off; default\n"
+        "                            KVB_BUSY_POLL_US, else 0); --latency's raw ping-pong\n"
+        "                            then polls as long\n"
         "  --lanes N                 connections per peer (default 2)\n"
         "  --progress-threads N      engine progress threads (default 1)\n"
         "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -967,6 +999,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"protocol", 1, 0, 'P'},
                                           {"fabric-provider", 1, 0, 'W'},
                                           {"tcp-congestion", 1, 0, 'Z'},
+                                          {"busy-poll", 1, 0, 'U'},
                                           {"verify", 0, 0, 'v'},
                                           {"loopback", 0, 0, 'l'},
                                           {"json", 0, 0, 'j'},
@@ -1123,6 +1156,13 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = !*optarg || strlen(optarg) >= sizeof o->congestion ||
                   setenv("KVB_TCP_CONGESTION", optarg, 1) != 0;
             break;
+        case 'U': { /* every engine of this process and its children reads it */
+            char *end;
+            unsigned long us = strtoul(optarg, &end, 10);
+            bad = end == optarg || *end || *optarg == '-' || us > KVB_BUSY_POLL_MAX_US ||
+                  setenv("KVB_BUSY_POLL_US", optarg, 1) != 0;
+            break;
+        }
         case 'h':
             usage(stdout);
             return 1;

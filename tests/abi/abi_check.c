@@ -30,6 +30,7 @@
     X(kvb_engine_port)                                                                             \
     X(kvb_engine_fabric_provider)                                                                  \
     X(kvb_engine_tcp_congestion)                                                                   \
+    X(kvb_engine_busy_poll_us)                                                                     \
     X(kvb_alloc)                                                                                   \
     X(kvb_free)                                                                                    \
     X(kvb_register)                                                                                \
@@ -183,6 +184,7 @@ static kvb_engine_t *make_engine(const char *key)
     CHECK(port != 0);
     CHECK(CALL(kvb_engine_fabric_provider, e) != NULL);   /* "" unless an RDMA NIC is here */
     CHECK(CALL(kvb_engine_tcp_congestion, e)[0] != '\0'); /* the system's default */
+    CHECK(CALL(kvb_engine_busy_poll_us, e) == cfg.busy_poll_us);
     char want[64];
     snprintf(want, sizeof want, "127.0.0.1:%u", (unsigned)port);
     const char *name = CALL(kvb_engine_segment_name, e);

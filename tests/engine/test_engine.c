@@ -202,6 +202,111 @@ Test(engine, tcp_congestion)
     free(dst);
 }
 
+/* CPU time this process used, in ms. */
+static double cpu_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static kvb_engine_t *make_spinning(const char *protocol, uint32_t busy_poll_us)
+{
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.protocol = protocol;
+    c.busy_poll_us = busy_poll_us;
+    kvb_engine_t *e;
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    cr_assert_eq(kvb_engine_busy_poll_us(e), busy_poll_us);
+    return e;
+}
+
+/* Busy polling: checked where it is set; data moves the same on every path and batch shape
+ * (one connection, which the waiting thread polls, or several); threads spin after traffic for
+ * as long as they were told, and not longer. */
+static void busy_polling(const char *protocol)
+{
+    kvb_config_t c;
+    kvb_engine_t *e = NULL;
+    cr_assert_eq(unsetenv("KVB_BUSY_POLL_US"), 0);
+    kvb_config_init(&c);
+    cr_expect_eq(c.busy_poll_us, 0, "off unless asked for");
+    c.busy_poll_us = KVB_BUSY_POLL_MAX_US + 1;
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    static const char *bad[] = {"abc", "-5", "12us", "100001", "99999999999999999999999"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        cr_assert_eq(setenv("KVB_BUSY_POLL_US", bad[i], 1), 0);
+        kvb_config_init(&c);
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "KVB_BUSY_POLL_US=%s", bad[i]);
+    }
+    cr_assert_null(e);
+    cr_assert_eq(setenv("KVB_BUSY_POLL_US", "250", 1), 0);
+    kvb_config_init(&c);
+    cr_expect_eq(c.busy_poll_us, 250);
+    cr_assert_eq(unsetenv("KVB_BUSY_POLL_US"), 0);
+
+    kvb_engine_t *a = make_spinning(protocol, 300), *b = make_spinning(protocol, 300);
+    size_t size = 4 << 20;
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, 11, &src, &dst);
+    const char *path = NULL;
+    cr_assert_eq(kvb_segment_transport(a, s, &path), KVB_OK);
+    cr_expect_str_eq(path, protocol);
+    /* 128 small READs (one lane: the waiting thread polls it), then the whole buffer in 1 MiB
+     * READs (every lane: the progress threads read them). */
+    kvb_request_t r[128];
+    for (int round = 0; round < 20; round++) {
+        memset(dst, 0, size);
+        for (size_t i = 0; i < 128; i++)
+            r[i] = (kvb_request_t){KVB_OP_READ, dst + i * 4096, s, (uintptr_t)src + i * 4096, 4096};
+        move_ok(a, r, 128, 10000);
+        cr_assert_eq(memcmp(dst, src, 128 * 4096), 0, "round %d", round);
+        for (size_t i = 0; i < 4; i++)
+            r[i] = (kvb_request_t){KVB_OP_READ, dst + (i << 20), s, (uintptr_t)src + (i << 20),
+                                   1 << 20};
+        move_ok(a, r, 4, 10000);
+        cr_assert_eq(memcmp(dst, src, size), 0, "round %d", round);
+    }
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(src);
+    free(dst);
+
+    /* The longest spin there is (100 ms): right after a transfer the two engines' progress
+     * threads poll without sleeping - the process burns CPU - and once it has passed they sleep.
+     * Loose bounds: the machine may be loaded. */
+    a = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
+    b = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
+    s = pattern_pair(a, b, 4096, 12, &src, &dst);
+    r[0] = (kvb_request_t){KVB_OP_READ, dst, s, (uintptr_t)src, 4096};
+    move_ok(a, r, 1, 10000);
+    double t0 = cpu_ms();
+    usleep(60000);
+    double spun = cpu_ms() - t0;
+    usleep(400000); /* the spin is over: only the engines' ticks and liveness remain */
+    t0 = cpu_ms();
+    usleep(200000);
+    double idle = cpu_ms() - t0;
+    cr_expect_gt(spun, 20, "%.1f ms of CPU in the 60 ms after a transfer: no busy polling", spun);
+    cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, 0.4 s after the last transfer", idle);
+    cr_assert_eq(memcmp(dst, src, 4096), 0);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(src);
+    free(dst);
+}
+
+Test(engine, busy_polling_tcp)
+{
+    busy_polling("tcp");
+}
+
+Test(engine, busy_polling_shm)
+{
+    busy_polling("shm");
+}
+
 /* Bytes this process received and had acknowledged on its TCP connections to `port` (lanes it
  * dialled): one entry per socket, up to cap; returns the count. */
 static int lane_bytes(uint16_t port, uint64_t *rx, uint64_t *tx, int cap)
