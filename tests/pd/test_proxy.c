@@ -205,12 +205,14 @@ enum {
     FAKE_BUSY_ONCE,
     FAKE_NO_RESERVATION, /* /pd/decode: 404, the reservation is gone */
     FAKE_FOREIGN,        /* /pd/prefill: 400 unknown_segment */
+    FAKE_DECODE_BUSY,    /* /pd/decode: 503 queue_full */
+    FAKE_DECODE_BUSY_ONCE,
 };
 
 static struct {
     struct MHD_Daemon *mhd;
     int mode;
-    atomic_int aborts, reserves, prefills;
+    atomic_int aborts, reserves, prefills, decodes;
     atomic_bool stop;
     char url[64];
 } fake;
@@ -309,6 +311,13 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
                              "{\"t0\":65,\"prompt_tokens\":3,\"blocks\":[1],\"kv_bytes\":4096,"
                              "\"kv_transfer_ms\":0.25,\"prefill_segments\":[\"127.0.0.1:1\"]}");
     }
+    if (!strcmp(url, "/pd/decode")) {
+        int n = atomic_fetch_add(&fake.decodes, 1);
+        if (fake.mode == FAKE_DECODE_BUSY || (fake.mode == FAKE_DECODE_BUSY_ONCE && n == 0))
+            return pd_json_reply(c, 503,
+                                 "{\"error\":{\"message\":\"admission queue full\","
+                                 "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
+    }
     if (!strcmp(url, "/pd/decode") && fake.mode == FAKE_NO_RESERVATION)
         return pd_json_reply(c, 404,
                              "{\"error\":{\"message\":\"no reservation for request r\","
@@ -360,22 +369,29 @@ static void fake_up(int mode, kvb_pd_kv_mode_t kv, uint32_t timeout_ms)
     proxy_up(fake.url, fake.url, kv, timeout_ms);
 }
 
-/* The fake twice in the prefill set: as 127.0.0.1 and as localhost (two instances to the proxy). */
-static void fake_up_two_prefills(int mode, kvb_pd_kv_mode_t kv)
+/* The fake twice in the prefill set, or in the decode set: as 127.0.0.1 and as localhost (two
+ * instances to the proxy). */
+static void fake_up_two(int mode, kvb_pd_kv_mode_t kv, bool decodes)
 {
     fake_up(mode, kv, 5000);
     kvb_pd_proxy_stop(px);
     char other[64];
     snprintf(other, sizeof other, "http://localhost:%s", strrchr(fake.url, ':') + 1);
-    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){fake.url, other},
-                             .n_prefill = 2,
-                             .decode = (const char *const[]){fake.url},
-                             .n_decode = 1,
+    const char *const two[] = {fake.url, other}, *const one[] = {fake.url};
+    kvb_pd_proxy_opts_t o = {.prefill = decodes ? one : two,
+                             .n_prefill = decodes ? 1 : 2,
+                             .decode = decodes ? two : one,
+                             .n_decode = decodes ? 2 : 1,
                              .kv_mode = kv,
                              .timeout_ms = 5000};
     char why[256];
     cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
     snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+}
+
+static void fake_up_two_prefills(int mode, kvb_pd_kv_mode_t kv)
+{
+    fake_up_two(mode, kv, false);
 }
 
 static void fake_fini(void)
@@ -503,6 +519,66 @@ Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
     cr_expect_str_eq(a.reason, "queue_full", "%s", a.body);
     cr_expect(a.retry_after[0], "Retry-After on a 503");
     cr_expect_eq(atomic_load(&fake.prefills), 2, "each prefill tried once");
+}
+
+/* A decode that answers /pd/decode with 503 before producing anything: the request runs again
+ * with the other decode - a new prefill (its KV is granted to the decode it was made for), and in
+ * push mode a new reservation, the first released - and the client sees nothing of it, whole or
+ * streamed. */
+static void busy_decode_tried_past(kvb_pd_kv_mode_t kv, bool stream)
+{
+    atomic_store(&fake.prefills, 0);
+    atomic_store(&fake.decodes, 0);
+    atomic_store(&fake.reserves, 0);
+    atomic_store(&fake.aborts, 0);
+    fake_up_two(FAKE_DECODE_BUSY_ONCE, kv, true);
+    kvb_pd_completion_t c;
+    complete(stream ? "{\"prompt\": \"abc\", \"max_tokens\": 3, \"stream\": true}"
+                    : "{\"prompt\": \"abc\", \"max_tokens\": 3}",
+             &c);
+    cr_expect(c.ok, "status %ld: %s", c.status, c.error);
+    cr_expect_eq(c.n_tokens, 3);
+    cr_expect_eq(atomic_load(&fake.decodes), 2, "the second decode answered");
+    cr_expect_eq(atomic_load(&fake.prefills), 2, "a prefill for each decode");
+    bool push = kv == KVB_PD_KV_PUSH;
+    cr_expect_eq(atomic_load(&fake.reserves), push ? 2 : 0, "a reservation for each push try");
+    cr_expect_eq(atomic_load(&fake.aborts), push ? 1 : 0, "the first push try's is released");
+    kvb_pd_completion_free(&c);
+    /* A decode's refusal is not the client's failure: one request, answered. */
+    char url[128], *body = NULL;
+    snprintf(url, sizeof url, "%s/metrics", px_url);
+    cr_assert_eq(kvb_pd_http(url, NULL, 5000, &body, NULL, 0), 200);
+    cr_expect(strstr(body, "kvbridge_requests_total{role=\"proxy\"} 1\n"), "%s", body);
+    cr_expect(strstr(body, "kvbridge_request_failures_total{role=\"proxy\"} 0\n"), "%s", body);
+    free(body);
+}
+
+Test(proxy, busy_decode_tries_another, .fini = fake_fini)
+{
+    busy_decode_tried_past(KVB_PD_KV_PULL, false);
+}
+
+Test(proxy, busy_decode_tries_another_streamed, .fini = fake_fini)
+{
+    busy_decode_tried_past(KVB_PD_KV_PULL, true);
+}
+
+Test(proxy, busy_decode_tries_another_push, .fini = fake_fini)
+{
+    busy_decode_tried_past(KVB_PD_KV_PUSH, false);
+}
+
+/* Every decode busy: each is tried once, then the client gets the 503 with its reason. */
+Test(proxy, busy_decodes_everywhere_is_503_with_reason, .fini = fake_fini)
+{
+    atomic_store(&fake.decodes, 0);
+    fake_up_two(FAKE_DECODE_BUSY, KVB_PD_KV_PULL, true);
+    answer_t a;
+    post_raw(kvb_pd_proxy_port(px), "/v1/completions", "{\"prompt\": \"abc\"}", &a);
+    cr_expect_eq(a.status, 503, "%s", a.body);
+    cr_expect_str_eq(a.reason, "queue_full", "%s", a.body);
+    cr_expect(a.retry_after[0], "Retry-After on a 503");
+    cr_expect_eq(atomic_load(&fake.decodes), 2, "each decode tried once");
 }
 
 /* An instance that does not answer at all (killed, not yet dropped by discovery) is skipped for

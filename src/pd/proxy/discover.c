@@ -203,7 +203,7 @@ void kvb__pxy_upstream_down(kvb__upstream_t *u)
     atomic_store(&u->down_until, kvb__now_ns() + KVB__PXY_DOWN_MS * 1000000ull);
 }
 
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t *skip)
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *skip_url)
 {
     kvb__upset_t *s = prefill ? &px->prefill : &px->decode;
     atomic_uint_fast64_t *rr = prefill ? &px->rr_prefill : &px->rr_decode;
@@ -213,7 +213,7 @@ kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb
     for (int pass = 0; pass < 2 && !u; pass++) /* first those not marked down */
         for (size_t i = 0; !u && i < s->n; i++) {
             u = s->v[atomic_fetch_add(rr, 1) % s->n];
-            if (u == skip || (skip && !strcmp(u->url, skip->url)) ||
+            if (!strcmp(u->url, skip_url) ||
                 (pass == 0 && atomic_load(&u->down_until) > now))
                 u = NULL;
         }

@@ -108,6 +108,8 @@ int kvb__pxy_parse(const char *body, size_t len, uint32_t default_timeout_ms, kv
         out->max_tokens = (uint32_t)max_tokens;
         out->seed = seed;
         out->timeout_ms = (uint32_t)timeout;
+        out->t_start = kvb__now_ns();
+        out->deadline = kvb__deadline_ms(out->timeout_ms);
         return 0;
     }
     json_decref(root);
@@ -158,6 +160,13 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
     }
 }
 
+long kvb__pxy_busy_of(int rc, const kvb__pxy_res_t *rs)
+{
+    if (!rc && rs->status == 503)
+        return 503;
+    return rc && rs->status == 0 && !rs->timed_out && !rs->canceled ? -1 : 0;
+}
+
 /* POSTs `req` (or GETs when NULL) to u + path and returns its JSON object answer, or NULL with
  * *err set. Takes `req` over. */
 static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, json_t *req,
@@ -178,11 +187,9 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
     kvb__pxy_res_t rs;
     int rc = kvb__pxy_call(&rq, &rs);
     free(text);
-    /* No answer at all (not a timeout, not our own cancel): nothing reached the instance. */
-    bool unreachable = rc && rs.status == 0 && !rs.timed_out && !rs.canceled;
-    if (unreachable)
+    job->busy_status = kvb__pxy_busy_of(rc, &rs);
+    if (job->busy_status == -1) /* no answer at all: pass it over for a while */
         kvb__pxy_upstream_down(u);
-    job->busy_status = !rc && rs.status == 503 ? 503 : unreachable ? -1 : 0;
     job->busy_prefill = u->prefill;
     json_t *ans = !rc && rs.status == 200 && rs.body ? json_loads(rs.body, 0, NULL) : NULL;
     if (!json_is_object(ans)) {
@@ -369,7 +376,7 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
     if (*tried >= n)
         return false;
     kvb__upstream_t **slot = pre ? &job->p : &job->d;
-    kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, *slot);
+    kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, (*slot)->url);
     if (!u)
         return false;
     KVB_INFO("proxy %s: %s %s %s; trying %s", job->rid, pre ? "prefill" : "decode", (*slot)->url,
@@ -389,17 +396,20 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
 }
 
 int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
-                     kvb__pxy_err_t *err)
+                     kvb__pxy_err_t *err, const char *avoid_decode)
 {
     memset(job, 0, sizeof *job);
     job->px = px;
-    job->t_start = kvb__now_ns();
-    job->deadline = kvb__deadline_ms(rq->timeout_ms);
+    job->t_start = rq->t_start; /* an attempt after a busy decode keeps the client's clock */
+    job->deadline = rq->deadline;
     kvb__pxy_fmt(job->rid, sizeof job->rid, "r-%08x-%llu", px->boot,
                  (unsigned long long)atomic_fetch_add(&px->next_id, 1));
     /* References: discovery may drop either from its set while this request runs. */
     job->p = kvb__pxy_pick(px, true);
-    job->d = job->p ? kvb__pxy_pick(px, false) : NULL;
+    if (job->p && avoid_decode)
+        job->d = kvb__pxy_pick_other(px, false, avoid_decode);
+    if (job->p && !job->d)
+        job->d = kvb__pxy_pick(px, false);
     if (!job->d) {
         const char *uri = px->meta ? kvb__meta_uri(px->meta) : NULL;
         set_err(err, 503, "unavailable", "no %s instance available%s%s%s",
@@ -435,6 +445,23 @@ void kvb__pxy_patch_stats(const kvb__pxy_job_t *job, json_t *answer, double ttft
     json_object_set_new(kv, "decode", json_string(job->d->url));
 }
 
+bool kvb__pxy_decode_again(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, const kvb__pxy_err_t *err,
+                           unsigned *tried)
+{
+    /* One that waited in the decode's queue until its deadline has no time for another. */
+    if (!err->busy_decode[0] || !strcmp(err->reason, "deadline") || atomic_load(&px->stopping) ||
+        kvb__now_ns() + 1000000ull >= rq->deadline)
+        return false;
+    pthread_mutex_lock(&px->up_mu);
+    size_t n = px->decode.n;
+    pthread_mutex_unlock(&px->up_mu);
+    if (++*tried >= n) /* each decode instance had its turn */
+        return false;
+    KVB_INFO("proxy: decode %s could not take a request (%s); it goes to another decode",
+             err->busy_decode, err->status == 503 ? "busy, 503" : "no answer");
+    return true;
+}
+
 int kvb__pxy_decode_whole(kvb__pxy_job_t *job, json_t **answer, kvb__pxy_err_t *err)
 {
     json_t *b = json_loads(job->decode_body, 0, NULL);
@@ -443,6 +470,8 @@ int kvb__pxy_decode_whole(kvb__pxy_job_t *job, json_t **answer, kvb__pxy_err_t *
     if (!ans) {
         if (!b)
             set_err(err, 500, "internal_error", "out of memory");
+        else if (job->busy_status) /* nothing was decoded: another decode may take it */
+            kvb__pxy_fmt(err->busy_decode, sizeof err->busy_decode, "%s", job->d->url);
         kvb__pxy_abort(job);
         return -1;
     }

@@ -184,6 +184,9 @@ typedef struct {
     char type[32];
     char reason[32]; /* an instance's admission refusal ("queue_full", "deadline", ...) or "" */
     char msg[KVB_PD_ERR_MAX];
+    /* The decode instance that could not take the request before it produced anything - it
+     * answered 503 or did not answer at all - so another decode may; else "". */
+    char busy_decode[256];
 } kvb__pxy_err_t;
 
 /* A validated POST /v1/completions. */
@@ -195,6 +198,7 @@ typedef struct {
     double temperature;
     uint64_t seed;
     uint32_t timeout_ms;
+    uint64_t t_start, deadline; /* CLOCK_MONOTONIC: when it came, and timeout_ms after that */
 } kvb__pxy_creq_t;
 
 /* One request on its way: the chosen pair, what the prefill step answered, and the decode call
@@ -221,10 +225,19 @@ typedef struct {
 int kvb__pxy_parse(const char *body, size_t len, uint32_t default_timeout_ms, kvb__pxy_creq_t *out,
                    kvb__pxy_err_t *err);
 
-/* Picks a pair and runs everything before the decode call. Returns 0 with *job ready, or -1 with
- * *err set (the job then needs no cleanup beyond kvb__pxy_job_clear). */
+/* Picks a pair - its decode other than avoid_decode (a URL) where the set has another - and runs
+ * everything before the decode call. Returns 0 with *job ready, or -1 with *err set (the job then
+ * needs no cleanup beyond kvb__pxy_job_clear). */
 int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
-                     kvb__pxy_err_t *err);
+                     kvb__pxy_err_t *err, const char *avoid_decode);
+/* After a failed decode call: whether the request goes to another decode instance - the one
+ * called could not take it (err->busy_decode), the set has one not tried yet (*tried counts
+ * them), time is left and the proxy is not stopping. Logs the decision. */
+bool kvb__pxy_decode_again(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, const kvb__pxy_err_t *err,
+                           unsigned *tried);
+/* Whether an instance could not take a call: 503 (it answered so: its admission queue is full, or
+ * the request waited there until its deadline), -1 (no answer at all: nothing reached it) or 0. */
+long kvb__pxy_busy_of(int rc, const kvb__pxy_res_t *rs);
 /* The decode call for a whole answer: returns 0 with the patched answer in *answer, or -1 with
  * *err (and the reservation aborted). */
 int kvb__pxy_decode_whole(kvb__pxy_job_t *job, struct json_t **answer, kvb__pxy_err_t *err);
@@ -266,9 +279,9 @@ int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *r
 kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
 /* Marks an instance down for KVB__PXY_DOWN_MS (it gave no answer at all). */
 void kvb__pxy_upstream_down(kvb__upstream_t *u);
-/* The next instance of a set in turn other than `skip` (compared by URL too), referenced; NULL
- * when the set has no other. */
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const kvb__upstream_t *skip);
+/* The next instance of a set in turn whose URL is not skip_url, referenced; NULL when the set
+ * has no other. */
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *skip_url);
 /* A referenced copy of both sets (prefill first) in a malloc'd array; *n its length. Release
  * with kvb__pxy_snapshot_free. */
 kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n);

@@ -75,26 +75,37 @@ static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c,
     if (kvb__pxy_parse(body, len, px->timeout_ms, &rq, &err))
         return respond_err(c, &err); /* a client's mistake: not an upstream failure */
     enum MHD_Result ret;
-    if (kvb__pxy_prepare(px, &rq, &job, &err)) {
-        kvb__pxy_job_clear(&job);
-        kvb__pxy_record(px, NULL, rq.stream);
-        ret = respond_err(c, &err);
-    } else if (rq.stream) {
-        struct MHD_Response *resp;
-        if (kvb__pxy_stream(&job, &resp, &err)) {
-            kvb__pxy_record(px, NULL, true);
-            ret = respond_err(c, &err);
+    /* A decode instance that could not take the request before producing anything (busy: 503,
+     * or gone) hands it to another decode, with a new prefill for that one: the prefill's KV is
+     * granted to the decode it was made for. */
+    unsigned tried = 0;
+    char avoid[sizeof err.busy_decode] = "";
+    for (;;) {
+        struct MHD_Response *resp = NULL;
+        json_t *ans = NULL;
+        int rc = kvb__pxy_prepare(px, &rq, &job, &err, avoid[0] ? avoid : NULL);
+        if (rc) {
+            kvb__pxy_job_clear(&job);
+        } else if (rq.stream) {
+            rc = kvb__pxy_stream(&job, &resp, &err); /* takes the job over */
         } else {
+            rc = kvb__pxy_decode_whole(&job, &ans, &err);
+            kvb__pxy_job_clear(&job);
+        }
+        if (rc && kvb__pxy_decode_again(px, &rq, &err, &tried)) {
+            kvb__pxy_fmt(avoid, sizeof avoid, "%s", err.busy_decode);
+            memset(&err, 0, sizeof err);
+            continue;
+        }
+        if (resp) { /* a stream: the relay records it when it ends */
             ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
             MHD_destroy_response(resp);
+        } else {
+            kvb__pxy_record(px, rc ? NULL : ans, rq.stream);
+            ret = rc ? respond_err(c, &err) : respond_json(c, 200, ans);
         }
-    } else {
-        json_t *ans = NULL;
-        int rc = kvb__pxy_decode_whole(&job, &ans, &err);
-        kvb__pxy_record(px, rc ? NULL : ans, false);
-        ret = rc ? respond_err(c, &err) : respond_json(c, 200, ans);
         json_decref(ans);
-        kvb__pxy_job_clear(&job);
+        break;
     }
     json_decref(rq.root);
     return ret;
