@@ -25,7 +25,7 @@
 #include "common/log.h"
 
 #define MSG_MAGIC      0x5342564Bu /* "KVBS" */
-#define MSG_VERSION    2
+#define MSG_VERSION    3 /* 3: HELLO_ACK carries the target's CLOCK_MONOTONIC */
 #define MAX_CLIENTS    1024
 #define MAX_MAPPINGS   4096
 #define SPLIT_MIN      (1u << 20) /* copies below this stay on the calling thread */
@@ -806,7 +806,10 @@ static bool ctl_handle(kvb_shm_t *s, int fd, pid_t pid, kvb_shm_peer_t **slot)
     switch (m.type) {
     case M_HELLO:
         rc = on_hello(s, &m, pid, slot);
-        r = (shm_msg_t){.type = M_HELLO_ACK, .status = rc, .a = *slot && (*slot)->cma_ok};
+        r = (shm_msg_t){.type = M_HELLO_ACK,
+                        .status = rc,
+                        .a = *slot && (*slot)->cma_ok,
+                        .b = kvb__now_ns()}; /* the clock our copies' deadlines are read on */
         break;
     case M_BIND:
         rc = on_bind(s, &m, pid, *slot);
@@ -960,6 +963,23 @@ static void token_put(shm_msg_t *m, const uint8_t token[KVB_LINK_TOKEN_LEN])
     memcpy(&m->b, token + 8, 8);
 }
 
+/* The peer copies only until a request's deadline, read on its CLOCK_MONOTONIC, which is ours
+ * unless a time namespace sets it off: then that rule would be read against another clock - a
+ * request refused at once, or copied long after the initiator gave up on it and reused the
+ * memory. Its clock, read while it answered, must fall between our sending and our receiving
+ * (give or take CLOCK_SLACK_NS). */
+#define CLOCK_SLACK_NS 100000000ull
+static bool same_clock(const kvb_hello_t *target, uint64_t theirs, uint64_t sent, uint64_t got)
+{
+    if (theirs + CLOCK_SLACK_NS >= sent && theirs <= got + CLOCK_SLACK_NS)
+        return true;
+    KVB_WARN("segment %s: its CLOCK_MONOTONIC is %+.3f s from ours (another time namespace): "
+             "same-host requests carry deadlines on that clock, so its data goes over the lanes "
+             "instead of shared memory",
+             target->name, ((double)theirs - (double)sent) / 1e9);
+    return false;
+}
+
 int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
                        const uint8_t (*tokens)[KVB_LINK_TOKEN_LEN], size_t ntokens,
                        uint64_t deadline, kvb_shm_link_t **out)
@@ -982,8 +1002,11 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
     pthread_mutex_init(&l->mu, NULL);
     shm_msg_t m = {.type = M_HELLO, .c = (uintptr_t)&s->probe, .d = s->probe};
     token_put(&m, tokens[0]);
+    uint64_t sent = kvb__now_ns();
     rc = link_call(l, &m, -1, deadline);
     l->cma_ok = rc == KVB_OK && m.a != 0;
+    if (rc == KVB_OK && !same_clock(target, m.b, sent, kvb__now_ns()))
+        rc = KVB_ERR_UNSUPPORTED;
     for (size_t i = 1; i < ntokens && rc == KVB_OK; i++) {
         m = (shm_msg_t){.type = M_BIND};
         token_put(&m, tokens[i]);

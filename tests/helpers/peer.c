@@ -7,6 +7,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <signal.h>
 #include <stdio.h>
@@ -166,6 +167,34 @@ int test_peer_start(test_peer_t *p, uint16_t port, uint64_t seed, const char *pr
     return test_peer_start_opts(p, port, seed, &o);
 }
 
+#ifndef CLONE_NEWTIME
+#define CLONE_NEWTIME 0x00000080
+#endif
+
+/* Makes the next exec run in a new time namespace whose CLOCK_MONOTONIC is `s` seconds off ours
+ * (the caller itself stays in its own until it execs). */
+static int time_offset_for_exec(int64_t s)
+{
+    if (unshare(CLONE_NEWTIME))
+        return -1;
+    char line[64];
+    int n = snprintf(line, sizeof line, "monotonic %lld 0\n", (long long)s);
+    int fd = open("/proc/self/timens_offsets", O_WRONLY | O_CLOEXEC);
+    bool ok = fd >= 0 && write(fd, line, (size_t)n) == n;
+    if (fd >= 0)
+        close(fd);
+    return ok ? 0 : -1;
+}
+
+bool test_time_namespaces(void)
+{
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(time_offset_for_exec(1) ? 1 : 0);
+    int st;
+    return pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
 int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const test_peer_opts_t *o)
 {
     int rep[2], life[2];
@@ -188,6 +217,8 @@ int test_peer_start_opts(test_peer_t *p, uint16_t port, uint64_t seed, const tes
         if (n <= 0 || (size_t)n >= sizeof env || fcntl(rep[1], F_SETFD, 0) ||
             fcntl(life[0], F_SETFD, 0) || setenv(PEER_ENV, env, 1))
             _exit(126);
+        if (o->monotonic_offset_s && time_offset_for_exec(o->monotonic_offset_s))
+            _exit(125);
         char *argv[] = {"kvb-test-peer", NULL};
         execv("/proc/self/exe", argv);
         _exit(127);

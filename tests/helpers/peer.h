@@ -4,6 +4,7 @@
 #ifndef KVB_TESTS_PEER_H
 #define KVB_TESTS_PEER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -27,6 +28,9 @@ typedef struct {
     const char *name;     /* segment name; NULL: host:port */
     const char *cluster;
     uint32_t ttl_ms; /* metadata TTL; 0: default */
+    /* Not 0: the peer runs in a time namespace of its own whose CLOCK_MONOTONIC is this many
+     * seconds off ours (needs CAP_SYS_ADMIN; see test_time_namespaces) */
+    int64_t monotonic_offset_s;
 } test_peer_opts_t;
 
 /* Forks a peer engine listening on 127.0.0.1:port (0: any) with the given protocol ("tcp",
@@ -45,6 +49,8 @@ void test_peer_signal(test_peer_t *p, int sig);
  * request or obey a signal sent next. 0, or -1 if the child did not report it. */
 int test_child_signal(pid_t pid, int sig);
 uint16_t test_peer_port(const test_peer_t *p);
+/* Whether this process may make time namespaces (monotonic_offset_s). */
+bool test_time_namespaces(void);
 
 /* Byte i of a buffer that holds the pattern starting at offset `off` of an infinite stream. */
 void test_pattern_fill(uint8_t *buf, uint64_t off, uint64_t len, uint64_t seed);

@@ -228,14 +228,10 @@ Test(shm_peer, a_stalled_peer_copies_nothing_past_the_deadline)
     cr_assert_eq(kvb_free(eng, buf), KVB_OK);
 }
 
-/* The peer runs as another user. The same-host path is for processes of one user only (another
- * user's process could otherwise have us copy into memory it cannot reach itself): the link is
- * refused on both sides (SO_PEERCRED), "shm" says so, and "auto" moves everything over TCP. */
-Test(shm_nobody, another_uid_gets_no_same_host_link, .timeout = 120)
+/* The peer is on this host but may not be linked through shared memory: "shm" says so, and
+ * "auto" moves everything over TCP - every byte of a READ, none through shared memory. */
+static void linked_over_tcp_only(void)
 {
-    if (geteuid() != 0)
-        cr_skip_test("needs root to start a peer under another uid");
-    cr_assert_eq(test_peer_start(&peer, 0, SEED, "shm-nobody"), 0, "peer did not start");
     kvb_config_t cfg;
     kvb_config_init(&cfg);
     cfg.protocol = "shm";
@@ -264,6 +260,38 @@ Test(shm_nobody, another_uid_gets_no_same_host_link, .timeout = 120)
     cr_assert_eq(kvb_unregister(eng, shared), KVB_OK);
     cr_assert_eq(kvb_free(eng, shared), KVB_OK);
     stop();
+}
+
+/* The peer runs as another user. The same-host path is for processes of one user only (another
+ * user's process could otherwise have us copy into memory it cannot reach itself): the link is
+ * refused on both sides (SO_PEERCRED). */
+Test(shm_nobody, another_uid_gets_no_same_host_link, .timeout = 120)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to start a peer under another uid");
+    cr_assert_eq(test_peer_start(&peer, 0, SEED, "shm-nobody"), 0, "peer did not start");
+    linked_over_tcp_only();
+}
+
+/* The peer's CLOCK_MONOTONIC is set off by a time namespace, ahead or behind. It would read the
+ * deadlines of our same-host requests against its own clock - refusing every one, or copying long
+ * after we gave up on it and reused the memory - so it is not linked through shared memory. */
+Test(shm_clock, a_peer_on_another_clock_gets_no_same_host_link, .timeout = 120)
+{
+    if (!test_time_namespaces())
+        cr_skip_test("this process may not make time namespaces (needs CAP_SYS_ADMIN)");
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    /* Behind: at most half our clock, which a namespace's may not go below 0. */
+    int64_t behind = now.tv_sec / 2 < 1000 ? now.tv_sec / 2 : 1000;
+    const int64_t offsets[] = {1000, -behind};
+    for (size_t i = 0; i < 2; i++) {
+        if (offsets[i] > -2 && offsets[i] < 2)
+            continue; /* a machine up for less than 4 s */
+        test_peer_opts_t o = {.protocol = "shm", .monotonic_offset_s = offsets[i]};
+        cr_assert_eq(test_peer_start_opts(&peer, 0, SEED, &o), 0, "peer did not start");
+        linked_over_tcp_only();
+    }
 }
 
 Test(shm_only, peer_elsewhere_is_refused_with_protocol_shm)
