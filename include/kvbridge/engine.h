@@ -334,9 +334,9 @@ KVB_API int kvb_batch_cancel(kvb_batch_t *batch);
  * the bytes of a late answer are dropped. Call it before reusing the local buffers of a batch that
  * failed for other memory (a pool that hands them to another request, say); a batch that
  * COMPLETED is settled already. Same-host peers start no copy past a request's deadline (read
- * on CLOCK_MONOTONIC, which processes share unless time namespaces separate them), so a peer
- * that stalled does not copy when it resumes; once the connection is lost the engine cannot know
- * about a copy that such a peer had already begun. */
+ * on CLOCK_MONOTONIC; a peer whose clock a time namespace sets off is not linked through shared
+ * memory), so a peer that stalled does not copy when it resumes; once the connection is lost the
+ * engine cannot know about a copy that such a peer had already begun. */
 KVB_API int kvb_batch_settle(kvb_batch_t *batch, int timeout_ms);
 
 /* Cancels what is pending (as kvb_batch_cancel) and releases the batch. Safe while requests are in
