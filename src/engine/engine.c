@@ -213,7 +213,7 @@ static int check_config(const kvb_config_t *c)
     }
     if (c->busy_poll_us > KVB_BUSY_POLL_MAX_US) {
         const char *env = getenv("KVB_BUSY_POLL_US");
-        if (c->busy_poll_us == UINT32_MAX && env) /* what env_busy_poll makes of a bad value */
+        if (c->busy_poll_us == UINT32_MAX && env_busy_poll() == UINT32_MAX) /* a bad value */
             KVB_ERROR("KVB_BUSY_POLL_US=\"%.32s\" is not a number of microseconds up to %u", env,
                       KVB_BUSY_POLL_MAX_US);
         else

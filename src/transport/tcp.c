@@ -2562,17 +2562,22 @@ static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
     /* Busy polling (cfg.busy_poll_us): poll without sleeping until spin_ns pass with nothing
      * to read - from the start, since the answers are owed now. */
     uint64_t spin_ns = (uint64_t)b->engine->cfg.busy_poll_us * 1000, busy_at = kvb__now_ns();
+    uint64_t read_at = busy_at;
     while (rc == KVB_OK && !kvb__batch_done(b) && !c->close_req &&
            (ms = kvb__ms_left(deadline)) != 0) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         bool spin = spin_ns && kvb__now_ns() - busy_at < spin_ns;
         bool ready = poll(&p, 1, spin ? 0 : ms < 0 || ms > 10 ? 10 : ms) > 0;
+        uint64_t now = kvb__now_ns();
         if (spin_ns && ready)
-            busy_at = kvb__now_ns();
+            busy_at = now;
         pthread_mutex_lock(&c->rx_mu);
         /* Quiet for 10 ms below the wake threshold: read what there is anyway (LOWAT_MIN). */
-        if ((ready || (!spin && c->rx_lowat != 1)) && !c->close_req && c->fd >= 0)
+        bool quiet = c->rx_lowat != 1 && now - read_at >= 10000000ull;
+        if ((ready || quiet) && !c->close_req && c->fd >= 0) {
             conn_read(c);
+            read_at = now;
+        }
         pthread_mutex_unlock(&c->rx_mu);
     }
     pthread_mutex_lock(&c->mu);

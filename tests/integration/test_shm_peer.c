@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -273,6 +274,15 @@ Test(shm_nobody, another_uid_gets_no_same_host_link, .timeout = 120)
     linked_over_tcp_only();
 }
 
+static bool same_time_namespace(pid_t pid)
+{
+    char path[64];
+    struct stat a, b;
+    snprintf(path, sizeof path, "/proc/%d/ns/time", (int)pid);
+    return stat(path, &a) == 0 && stat("/proc/self/ns/time", &b) == 0 && a.st_ino == b.st_ino &&
+           a.st_dev == b.st_dev;
+}
+
 /* The peer's CLOCK_MONOTONIC is set off by a time namespace, ahead or behind. It would read the
  * deadlines of our same-host requests against its own clock - refusing every one, or copying long
  * after we gave up on it and reused the memory - so it is not linked through shared memory. */
@@ -290,6 +300,10 @@ Test(shm_clock, a_peer_on_another_clock_gets_no_same_host_link, .timeout = 120)
             continue; /* a machine up for less than 4 s */
         test_peer_opts_t o = {.protocol = "shm", .monotonic_offset_s = offsets[i]};
         cr_assert_eq(test_peer_start_opts(&peer, 0, SEED, &o), 0, "peer did not start");
+        if (same_time_namespace(peer.pid)) { /* the peer's exec did not move it (old kernels) */
+            test_peer_stop(&peer);
+            cr_skip_test("this kernel does not move a process into its time namespace on exec");
+        }
         linked_over_tcp_only();
     }
 }

@@ -207,12 +207,14 @@ enum {
     FAKE_FOREIGN,        /* /pd/prefill: 400 unknown_segment */
     FAKE_DECODE_BUSY,    /* /pd/decode: 503 queue_full */
     FAKE_DECODE_BUSY_ONCE,
+    FAKE_DECODE_BUSY_BUT_127_0_0_2, /* /pd/decode: 503 unless called as 127.0.0.2 */
 };
 
 static struct {
     struct MHD_Daemon *mhd;
     int mode;
     atomic_int aborts, reserves, prefills, decodes;
+    char decode_hosts[16][64]; /* the Host header of each /pd/decode call, in turn */
     atomic_bool stop;
     char url[64];
 } fake;
@@ -313,7 +315,12 @@ static enum MHD_Result fake_route(struct MHD_Connection *c, const char *url, con
     }
     if (!strcmp(url, "/pd/decode")) {
         int n = atomic_fetch_add(&fake.decodes, 1);
-        if (fake.mode == FAKE_DECODE_BUSY || (fake.mode == FAKE_DECODE_BUSY_ONCE && n == 0))
+        const char *host = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host");
+        if (n < 16)
+            snprintf(fake.decode_hosts[n], sizeof fake.decode_hosts[n], "%s", host ? host : "");
+        bool elsewhere = !host || strncmp(host, "127.0.0.2:", 10);
+        if (fake.mode == FAKE_DECODE_BUSY || (fake.mode == FAKE_DECODE_BUSY_ONCE && n == 0) ||
+            (fake.mode == FAKE_DECODE_BUSY_BUT_127_0_0_2 && elsewhere))
             return pd_json_reply(c, 503,
                                  "{\"error\":{\"message\":\"admission queue full\","
                                  "\"type\":\"unavailable_error\",\"reason\":\"queue_full\"}}");
@@ -566,6 +573,52 @@ Test(proxy, busy_decode_tries_another_streamed, .fini = fake_fini)
 Test(proxy, busy_decode_tries_another_push, .fini = fake_fini)
 {
     busy_decode_tried_past(KVB_PD_KV_PUSH, false);
+}
+
+/* Three decodes, two of them busy: whichever the proxy offers a request to first, it never
+ * offers it twice to one that refused it, and the third answers. */
+Test(proxy, busy_decodes_are_not_offered_the_request_again, .fini = fake_fini)
+{
+    fake_up(FAKE_DECODE_BUSY_BUT_127_0_0_2, KVB_PD_KV_PULL, 5000);
+    kvb_pd_proxy_stop(px);
+    const char *port = strrchr(fake.url, ':') + 1;
+    char local[64], other[64];
+    snprintf(local, sizeof local, "http://localhost:%s", port);
+    snprintf(other, sizeof other, "http://127.0.0.2:%s", port);
+    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){fake.url},
+                             .n_prefill = 1,
+                             .decode = (const char *const[]){fake.url, local, other},
+                             .n_decode = 3,
+                             .kv_mode = KVB_PD_KV_PULL,
+                             .timeout_ms = 5000};
+    char why[256];
+    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
+    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    for (int i = 0; i < 6; i++) { /* the picks go round: each decode comes first sometimes */
+        atomic_store(&fake.decodes, 0);
+        kvb_pd_completion_t c;
+        complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
+        cr_expect(c.ok, "request %d: status %ld: %s", i, c.status, c.error);
+        kvb_pd_completion_free(&c);
+        int n = atomic_load(&fake.decodes);
+        cr_assert(n >= 1 && n <= 3, "request %d: %d decode calls", i, n);
+        cr_expect(!strncmp(fake.decode_hosts[n - 1], "127.0.0.2:", 10), "request %d ended at %s", i,
+                  fake.decode_hosts[n - 1]);
+        for (int a = 0; a < n; a++)
+            for (int b = a + 1; b < n; b++)
+                cr_expect_str_neq(fake.decode_hosts[a], fake.decode_hosts[b],
+                                  "request %d offered twice to %s", i, fake.decode_hosts[a]);
+    }
+    /* Concurrent requests move the turn between one request's picks: whatever it is, a pick
+     * that skips the two busy ones takes the third. */
+    const char *skip[] = {fake.url, local};
+    for (int i = 0; i < 6; i++) {
+        kvb__upstream_t *u = kvb__pxy_pick_other(px, false, skip, 2);
+        cr_assert(u);
+        cr_expect_str_eq(u->url, other);
+        kvb__pxy_upstream_unref(u);
+        kvb__pxy_upstream_unref(kvb__pxy_pick(px, false)); /* another request's pick */
+    }
 }
 
 /* Every decode busy: each is tried once, then the client gets the 503 with its reason. */

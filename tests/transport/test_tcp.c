@@ -811,7 +811,7 @@ typedef struct {
 static int unix_call(int fd, uint16_t type, const uint8_t *token, uint64_t c, uint64_t d,
                      int pass_fd)
 {
-    shm_msg_t m = {.magic = 0x5342564Bu, .version = 2, .type = type, .c = c, .d = d};
+    shm_msg_t m = {.magic = 0x5342564Bu, .version = 3, .type = type, .c = c, .d = d}; /* MSG_* */
     if (token) {
         memcpy(&m.a, token, 8);
         memcpy(&m.b, token + 8, 8);

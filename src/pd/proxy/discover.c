@@ -203,7 +203,16 @@ void kvb__pxy_upstream_down(kvb__upstream_t *u)
     atomic_store(&u->down_until, kvb__now_ns() + KVB__PXY_DOWN_MS * 1000000ull);
 }
 
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *skip_url)
+static bool skipped(const kvb__upstream_t *u, const char *const *skip, size_t nskip)
+{
+    for (size_t i = 0; i < nskip; i++)
+        if (!strcmp(u->url, skip[i]))
+            return true;
+    return false;
+}
+
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *const *skip,
+                                     size_t nskip)
 {
     kvb__upset_t *s = prefill ? &px->prefill : &px->decode;
     atomic_uint_fast64_t *rr = prefill ? &px->rr_prefill : &px->rr_decode;
@@ -213,7 +222,7 @@ kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const cha
     for (int pass = 0; pass < 2 && !u; pass++) /* first those not marked down */
         for (size_t i = 0; !u && i < s->n; i++) {
             u = s->v[atomic_fetch_add(rr, 1) % s->n];
-            if (!strcmp(u->url, skip_url) ||
+            if (skipped(u, skip, nskip) ||
                 (pass == 0 && atomic_load(&u->down_until) > now))
                 u = NULL;
         }

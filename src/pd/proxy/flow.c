@@ -376,7 +376,12 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
     if (*tried >= n)
         return false;
     kvb__upstream_t **slot = pre ? &job->p : &job->d;
-    kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, (*slot)->url);
+    /* Not this one, and no decode an earlier attempt found busy either. */
+    const char *skip[1 + KVB__PXY_DECODE_TRIES] = {(*slot)->url};
+    size_t nskip = 1;
+    for (size_t i = 0; !pre && i < job->navoid && nskip < sizeof skip / sizeof *skip; i++)
+        skip[nskip++] = job->avoid[i];
+    kvb__upstream_t *u = kvb__pxy_pick_other(px, pre, skip, nskip);
     if (!u)
         return false;
     KVB_INFO("proxy %s: %s %s %s; trying %s", job->rid, pre ? "prefill" : "decode", (*slot)->url,
@@ -396,18 +401,20 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
 }
 
 int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
-                     kvb__pxy_err_t *err, const char *avoid_decode)
+                     kvb__pxy_err_t *err, const char *const *avoid, size_t navoid)
 {
     memset(job, 0, sizeof *job);
     job->px = px;
+    job->avoid = avoid;
+    job->navoid = navoid;
     job->t_start = rq->t_start; /* an attempt after a busy decode keeps the client's clock */
     job->deadline = rq->deadline;
     kvb__pxy_fmt(job->rid, sizeof job->rid, "r-%08x-%llu", px->boot,
                  (unsigned long long)atomic_fetch_add(&px->next_id, 1));
     /* References: discovery may drop either from its set while this request runs. */
     job->p = kvb__pxy_pick(px, true);
-    if (job->p && avoid_decode)
-        job->d = kvb__pxy_pick_other(px, false, avoid_decode);
+    if (job->p && navoid)
+        job->d = kvb__pxy_pick_other(px, false, avoid, navoid);
     if (job->p && !job->d)
         job->d = kvb__pxy_pick(px, false);
     if (!job->d) {
@@ -421,6 +428,8 @@ int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job
     int rc;
     while ((rc = attempt(job, rq, err)) && other_instance(job, &tried_p, &tried_d))
         ;
+    job->avoid = NULL; /* the caller's, valid only during the call */
+    job->navoid = 0;
     return rc;
 }
 
@@ -446,7 +455,7 @@ void kvb__pxy_patch_stats(const kvb__pxy_job_t *job, json_t *answer, double ttft
 }
 
 bool kvb__pxy_decode_again(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, const kvb__pxy_err_t *err,
-                           unsigned *tried)
+                           size_t tried)
 {
     /* One that waited in the decode's queue until its deadline has no time for another. */
     if (!err->busy_decode[0] || !strcmp(err->reason, "deadline") || atomic_load(&px->stopping) ||
@@ -455,7 +464,7 @@ bool kvb__pxy_decode_again(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, const 
     pthread_mutex_lock(&px->up_mu);
     size_t n = px->decode.n;
     pthread_mutex_unlock(&px->up_mu);
-    if (++*tried >= n) /* each decode instance had its turn */
+    if (tried + 1 >= n || tried + 1 >= KVB__PXY_DECODE_TRIES) /* each had its turn */
         return false;
     KVB_INFO("proxy: decode %s could not take a request (%s); it goes to another decode",
              err->busy_decode, err->status == 503 ? "busy, 503" : "no answer");

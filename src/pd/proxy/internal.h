@@ -219,22 +219,31 @@ typedef struct {
     long busy_status;
     bool busy_prefill; /* ... and whether a prefill instance was called */
     unsigned retries;  /* requests sent to another instance after a 503 */
+    /* During kvb__pxy_prepare: the decode instances (URLs) earlier attempts of the client's
+     * request found busy, which no pick of this one takes. */
+    const char *const *avoid;
+    size_t navoid;
 } kvb__pxy_job_t;
+
+/* How many decode instances one client request is offered to at most. */
+#define KVB__PXY_DECODE_TRIES 8
 
 /* Validates a client body; fills *out (whose root the caller frees with json_decref) or *err. */
 int kvb__pxy_parse(const char *body, size_t len, uint32_t default_timeout_ms, kvb__pxy_creq_t *out,
                    kvb__pxy_err_t *err);
 
-/* Picks a pair - its decode other than avoid_decode (a URL) where the set has another - and runs
- * everything before the decode call. Returns 0 with *job ready, or -1 with *err set (the job then
- * needs no cleanup beyond kvb__pxy_job_clear). */
+/* Picks a pair - its decode none of avoid[0..navoid) (URLs of decode instances that earlier
+ * attempts found busy) where the set has another - and runs everything before the decode call.
+ * Returns 0 with *job ready, or -1 with *err set (the job then needs no cleanup beyond
+ * kvb__pxy_job_clear). */
 int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job_t *job,
-                     kvb__pxy_err_t *err, const char *avoid_decode);
+                     kvb__pxy_err_t *err, const char *const *avoid, size_t navoid);
 /* After a failed decode call: whether the request goes to another decode instance - the one
- * called could not take it (err->busy_decode), the set has one not tried yet (*tried counts
- * them), time is left and the proxy is not stopping. Logs the decision. */
+ * called could not take it (err->busy_decode) without having waited out the request's deadline,
+ * `tried` instances did so before, the set has one more (and KVB__PXY_DECODE_TRIES allow it),
+ * time is left and the proxy is not stopping. Logs the decision. */
 bool kvb__pxy_decode_again(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, const kvb__pxy_err_t *err,
-                           unsigned *tried);
+                           size_t tried);
 /* Whether an instance could not take a call: 503 (it answered so: its admission queue is full, or
  * the request waited there until its deadline), -1 (no answer at all: nothing reached it) or 0. */
 long kvb__pxy_busy_of(int rc, const kvb__pxy_res_t *rs);
@@ -279,9 +288,10 @@ int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *r
 kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
 /* Marks an instance down for KVB__PXY_DOWN_MS (it gave no answer at all). */
 void kvb__pxy_upstream_down(kvb__upstream_t *u);
-/* The next instance of a set in turn whose URL is not skip_url, referenced; NULL when the set
- * has no other. */
-kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *skip_url);
+/* The next instance of a set in turn whose URL is none of skip[0..nskip), referenced; NULL when
+ * the set has no other. */
+kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *const *skip,
+                                     size_t nskip);
 /* A referenced copy of both sets (prefill first) in a malloc'd array; *n its length. Release
  * with kvb__pxy_snapshot_free. */
 kvb__upstream_t **kvb__pxy_snapshot(kvb_pd_proxy_t *px, size_t *n);

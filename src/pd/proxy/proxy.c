@@ -78,12 +78,13 @@ static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c,
     /* A decode instance that could not take the request before producing anything (busy: 503,
      * or gone) hands it to another decode, with a new prefill for that one: the prefill's KV is
      * granted to the decode it was made for. */
-    unsigned tried = 0;
-    char avoid[sizeof err.busy_decode] = "";
+    char busy[KVB__PXY_DECODE_TRIES][sizeof err.busy_decode];
+    const char *avoid[KVB__PXY_DECODE_TRIES];
+    size_t nbusy = 0;
     for (;;) {
         struct MHD_Response *resp = NULL;
         json_t *ans = NULL;
-        int rc = kvb__pxy_prepare(px, &rq, &job, &err, avoid[0] ? avoid : NULL);
+        int rc = kvb__pxy_prepare(px, &rq, &job, &err, avoid, nbusy);
         if (rc) {
             kvb__pxy_job_clear(&job);
         } else if (rq.stream) {
@@ -92,8 +93,10 @@ static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c,
             rc = kvb__pxy_decode_whole(&job, &ans, &err);
             kvb__pxy_job_clear(&job);
         }
-        if (rc && kvb__pxy_decode_again(px, &rq, &err, &tried)) {
-            kvb__pxy_fmt(avoid, sizeof avoid, "%s", err.busy_decode);
+        if (rc && kvb__pxy_decode_again(px, &rq, &err, nbusy)) {
+            kvb__pxy_fmt(busy[nbusy], sizeof busy[nbusy], "%s", err.busy_decode);
+            avoid[nbusy] = busy[nbusy];
+            nbusy++;
             memset(&err, 0, sizeof err);
             continue;
         }
