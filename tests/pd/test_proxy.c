@@ -33,18 +33,25 @@
 static kvb_pd_proxy_t *px;
 static char px_url[64];
 
-static void proxy_up(const char *prefill, const char *decode, kvb_pd_kv_mode_t mode,
-                     uint32_t timeout_ms)
+/* A proxy over these instance sets. */
+static void proxy_up_sets(const char *const *prefill, size_t np, const char *const *decode,
+                          size_t nd, kvb_pd_kv_mode_t mode, uint32_t timeout_ms)
 {
-    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){prefill},
-                             .n_prefill = 1,
-                             .decode = (const char *const[]){decode},
-                             .n_decode = 1,
+    kvb_pd_proxy_opts_t o = {.prefill = prefill,
+                             .n_prefill = np,
+                             .decode = decode,
+                             .n_decode = nd,
                              .kv_mode = mode,
                              .timeout_ms = timeout_ms};
     char why[256];
     cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
     snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+}
+
+static void proxy_up(const char *prefill, const char *decode, kvb_pd_kv_mode_t mode,
+                     uint32_t timeout_ms)
+{
+    proxy_up_sets(&prefill, 1, &decode, 1, mode, timeout_ms);
 }
 
 static void fini(void)
@@ -385,15 +392,8 @@ static void fake_up_two(int mode, kvb_pd_kv_mode_t kv, bool decodes)
     char other[64];
     snprintf(other, sizeof other, "http://localhost:%s", strrchr(fake.url, ':') + 1);
     const char *const two[] = {fake.url, other}, *const one[] = {fake.url};
-    kvb_pd_proxy_opts_t o = {.prefill = decodes ? one : two,
-                             .n_prefill = decodes ? 1 : 2,
-                             .decode = decodes ? two : one,
-                             .n_decode = decodes ? 2 : 1,
-                             .kv_mode = kv,
-                             .timeout_ms = 5000};
-    char why[256];
-    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
-    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    proxy_up_sets(decodes ? one : two, decodes ? 1 : 2, decodes ? two : one, decodes ? 2 : 1, kv,
+                  5000);
 }
 
 static void fake_up_two_prefills(int mode, kvb_pd_kv_mode_t kv)
@@ -515,17 +515,24 @@ Test(proxy, busy_prefill_tries_another_push, .fini = fake_fini)
     busy_prefill_tried_past(KVB_PD_KV_PUSH);
 }
 
-/* Every instance busy: the client gets the 503 with its reason and Retry-After, each tried once. */
-Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
+/* Every instance of a role busy (the two prefills, or the two decodes): the client gets the 503
+ * with its reason and Retry-After, each instance tried once. */
+static void busy_everywhere(bool decodes)
 {
     atomic_store(&fake.prefills, 0);
-    fake_up_two_prefills(FAKE_BUSY, KVB_PD_KV_PULL);
+    atomic_store(&fake.decodes, 0);
+    fake_up_two(decodes ? FAKE_DECODE_BUSY : FAKE_BUSY, KVB_PD_KV_PULL, decodes);
     answer_t a;
     post_raw(kvb_pd_proxy_port(px), "/v1/completions", "{\"prompt\": \"abc\"}", &a);
     cr_expect_eq(a.status, 503, "%s", a.body);
     cr_expect_str_eq(a.reason, "queue_full", "%s", a.body);
     cr_expect(a.retry_after[0], "Retry-After on a 503");
-    cr_expect_eq(atomic_load(&fake.prefills), 2, "each prefill tried once");
+    cr_expect_eq(atomic_load(decodes ? &fake.decodes : &fake.prefills), 2, "each tried once");
+}
+
+Test(proxy, busy_everywhere_is_503_with_reason, .fini = fake_fini)
+{
+    busy_everywhere(false);
 }
 
 /* A decode that answers /pd/decode with 503 before producing anything: the request runs again
@@ -585,15 +592,8 @@ Test(proxy, busy_decodes_are_not_offered_the_request_again, .fini = fake_fini)
     char local[64], other[64];
     snprintf(local, sizeof local, "http://localhost:%s", port);
     snprintf(other, sizeof other, "http://127.0.0.2:%s", port);
-    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){fake.url},
-                             .n_prefill = 1,
-                             .decode = (const char *const[]){fake.url, local, other},
-                             .n_decode = 3,
-                             .kv_mode = KVB_PD_KV_PULL,
-                             .timeout_ms = 5000};
-    char why[256];
-    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
-    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    proxy_up_sets((const char *const[]){fake.url}, 1,
+                  (const char *const[]){fake.url, local, other}, 3, KVB_PD_KV_PULL, 5000);
     for (int i = 0; i < 6; i++) { /* the picks go round: each decode comes first sometimes */
         atomic_store(&fake.decodes, 0);
         kvb_pd_completion_t c;
@@ -621,17 +621,9 @@ Test(proxy, busy_decodes_are_not_offered_the_request_again, .fini = fake_fini)
     }
 }
 
-/* Every decode busy: each is tried once, then the client gets the 503 with its reason. */
 Test(proxy, busy_decodes_everywhere_is_503_with_reason, .fini = fake_fini)
 {
-    atomic_store(&fake.decodes, 0);
-    fake_up_two(FAKE_DECODE_BUSY, KVB_PD_KV_PULL, true);
-    answer_t a;
-    post_raw(kvb_pd_proxy_port(px), "/v1/completions", "{\"prompt\": \"abc\"}", &a);
-    cr_expect_eq(a.status, 503, "%s", a.body);
-    cr_expect_str_eq(a.reason, "queue_full", "%s", a.body);
-    cr_expect(a.retry_after[0], "Retry-After on a 503");
-    cr_expect_eq(atomic_load(&fake.decodes), 2, "each decode tried once");
+    busy_everywhere(true);
 }
 
 /* An instance that does not answer at all (killed, not yet dropped by discovery) is skipped for
@@ -643,15 +635,8 @@ Test(proxy, dead_prefill_is_skipped, .fini = fake_fini)
     kvb_pd_proxy_stop(px);
     char dead[64];
     snprintf(dead, sizeof dead, "http://127.0.0.1:%u", (unsigned)free_port());
-    kvb_pd_proxy_opts_t o = {.prefill = (const char *const[]){dead, fake.url},
-                             .n_prefill = 2,
-                             .decode = (const char *const[]){fake.url},
-                             .n_decode = 1,
-                             .kv_mode = KVB_PD_KV_PULL,
-                             .timeout_ms = 5000};
-    char why[256];
-    cr_assert_eq(kvb_pd_proxy_start(&o, &px, why, sizeof why), 0, "proxy: %s", why);
-    snprintf(px_url, sizeof px_url, "http://127.0.0.1:%u", (unsigned)kvb_pd_proxy_port(px));
+    proxy_up_sets((const char *const[]){dead, fake.url}, 2, (const char *const[]){fake.url}, 1,
+                  KVB_PD_KV_PULL, 5000);
     for (int i = 0; i < 4; i++) {
         kvb_pd_completion_t c;
         complete("{\"prompt\": \"abc\", \"max_tokens\": 3}", &c);
