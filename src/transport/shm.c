@@ -25,7 +25,7 @@
 #include "common/log.h"
 
 #define MSG_MAGIC      0x5342564Bu /* "KVBS" */
-#define MSG_VERSION    3 /* 3: HELLO_ACK carries the target's CLOCK_MONOTONIC */
+#define MSG_VERSION    3           /* 3: HELLO_ACK carries the target's CLOCK_MONOTONIC */
 #define MAX_CLIENTS    1024
 #define MAX_MAPPINGS   4096
 #define SPLIT_MIN      (1u << 20) /* copies below this stay on the calling thread */

@@ -87,9 +87,10 @@ typedef struct {
 /* Queues the jobs of one initiator as parts for the copy pool and returns at once, so the caller
  * can read the next requests while the pool copies (a second set may be started before the first
  * is finished). No part of a job is copied once its deadline has passed - checked as each run of
- * copies starts, in the pool or at the finish - and such a job answers KVB_ERR_TIMEOUT. A set of under 256 KiB is
- * not queued: kvb__shm_finish's thread copies it. Copies into memory larger than the last-level
- * cache use streaming stores. The jobs stay the caller's, untouched, until kvb__shm_finish. */
+ * copies starts, in the pool or at the finish - and such a job answers KVB_ERR_TIMEOUT. A set of
+ * under 256 KiB is not queued: kvb__shm_finish's thread copies it. Copies into memory larger than
+ * the last-level cache use streaming stores. The jobs stay the caller's, untouched, until
+ * kvb__shm_finish. */
 void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,
                     kvb_shm_set_t *set);
 /* Copies a small set's copies, or queued parts on this thread too (the oldest first, which may

@@ -592,8 +592,8 @@ Test(proxy, busy_decodes_are_not_offered_the_request_again, .fini = fake_fini)
     char local[64], other[64];
     snprintf(local, sizeof local, "http://localhost:%s", port);
     snprintf(other, sizeof other, "http://127.0.0.2:%s", port);
-    proxy_up_sets((const char *const[]){fake.url}, 1,
-                  (const char *const[]){fake.url, local, other}, 3, KVB_PD_KV_PULL, 5000);
+    proxy_up_sets((const char *const[]){fake.url}, 1, (const char *const[]){fake.url, local, other},
+                  3, KVB_PD_KV_PULL, 5000);
     for (int i = 0; i < 6; i++) { /* the picks go round: each decode comes first sometimes */
         atomic_store(&fake.decodes, 0);
         kvb_pd_completion_t c;

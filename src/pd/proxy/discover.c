@@ -222,8 +222,7 @@ kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const cha
     for (int pass = 0; pass < 2 && !u; pass++) /* first those not marked down */
         for (size_t i = 0; !u && i < s->n; i++) {
             u = s->v[atomic_fetch_add(rr, 1) % s->n];
-            if (skipped(u, skip, nskip) ||
-                (pass == 0 && atomic_load(&u->down_until) > now))
+            if (skipped(u, skip, nskip) || (pass == 0 && atomic_load(&u->down_until) > now))
                 u = NULL;
         }
     if (u)
