@@ -1157,9 +1157,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                   setenv("KVB_TCP_CONGESTION", optarg, 1) != 0;
             break;
         case 'U': { /* every engine of this process and its children reads it */
-            char *end;
-            unsigned long us = strtoul(optarg, &end, 10);
-            bad = end == optarg || *end || *optarg == '-' || us > KVB_BUSY_POLL_MAX_US ||
+            uint64_t us;
+            bad = kvb_cli_parse_uint(optarg, KVB_BUSY_POLL_MAX_US, &us) ||
                   setenv("KVB_BUSY_POLL_US", optarg, 1) != 0;
             break;
         }
