@@ -94,7 +94,7 @@ struct kvb_shm_link {
     struct kvb_shm_link *next;
     pthread_mutex_t mu; /* one request at a time on the socket */
     int fd;
-    bool cma_ok, broken;
+    bool cma_ok, broken, said_broken;
     uint64_t *shared;
     size_t nshared, cap;
     uint64_t hit_base, hit_len; /* the allocation last found shared: most ops fall inside it */
@@ -199,6 +199,19 @@ bool kvb__shm_alloc_of(kvb_shm_t *s, uint64_t addr, uint64_t len, uint64_t *id, 
 
 static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline);
 
+/* Marks a link broken after a share or unshare went wrong, saying so once. Caller holds l->mu.
+ * The peer may then hold a mapping we do not know of - a share it took in after we gave up on it,
+ * an allocation we freed that it did not unmap - at an address a later allocation can take: a copy
+ * through it would land in the old pages and answer success. So nothing more goes to that peer
+ * through shared memory (kvb__shm_link_reaches); its data takes the lanes. */
+static void link_break(kvb_shm_link_t *l, const char *what, int rc)
+{
+    if (!l->said_broken)
+        KVB_WARN("same-host link: %s (%s); this peer's data goes over the lanes from now on",
+                 what, kvb_strerror(rc));
+    l->broken = l->said_broken = true;
+}
+
 int kvb__shm_free(kvb_shm_t *s, void *ptr)
 {
     pthread_mutex_lock(&s->mu);
@@ -220,8 +233,9 @@ int kvb__shm_free(kvb_shm_t *s, void *ptr)
             if (l->shared[i] != a->id)
                 continue;
             shm_msg_t m = {.type = M_UNSHARE, .a = a->id};
-            if (link_call(l, &m, -1, kvb__deadline_ms(2000)) != KVB_OK)
-                l->broken = true; /* the peer is gone or stuck; its mapping goes with it */
+            int rc = link_call(l, &m, -1, kvb__deadline_ms(2000));
+            if (rc != KVB_OK)
+                link_break(l, "the peer did not unmap a freed allocation", rc);
             l->shared[i] = l->shared[--l->nshared];
             l->hit_base = l->hit_len = 0;
             break;
@@ -1078,16 +1092,19 @@ static int share(kvb_shm_link_t *l, uint64_t id)
     int rc = link_call(l, &m, fd, kvb__deadline_ms(2000));
     if (rc == KVB_OK)
         l->shared[l->nshared++] = id;
+    else if (l->broken) /* no answer: the peer may still map it, later */
+        link_break(l, "the peer did not answer a share in time", rc);
     return rc;
 }
 
 bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
 {
     pthread_mutex_lock(&l->mu);
-    bool hit = kvb__range_within(addr, len, l->hit_base, l->hit_len);
+    /* A broken link reaches nothing: the peer may hold stale mappings (link_break). */
+    bool broken = l->broken, hit = kvb__range_within(addr, len, l->hit_base, l->hit_len);
     pthread_mutex_unlock(&l->mu);
-    if (hit)
-        return true;
+    if (broken || hit)
+        return !broken;
     uint64_t id, base, alen;
     if (!l->shm || !kvb__shm_alloc_of(l->shm, addr, len, &id, &base, &alen))
         return l->cma_ok;
@@ -1101,8 +1118,9 @@ bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
         l->hit_base = base;
         l->hit_len = alen;
     }
+    broken = l->broken;
     pthread_mutex_unlock(&l->mu);
-    return ok || l->cma_ok;
+    return !broken && (ok || l->cma_ok);
 }
 
 /* ---- lifecycle --------------------------------------------------------------------------------

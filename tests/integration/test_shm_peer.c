@@ -174,8 +174,9 @@ Test(shm_peer, unregister_waits_for_a_copy_in_flight)
     uint8_t *buf;
     cr_assert_eq(kvb_alloc(eng, BUF, 0, (void **)&buf), KVB_OK);
     cr_assert_eq(kvb_register(eng, buf, BUF, NULL, KVB_ACCESS_RW), KVB_OK);
-    test_peer_signal(&peer, SIGSTOP);
     kvb_request_t r = {KVB_OP_READ, buf, seg, peer.rw_addr, 1 << 20};
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK); /* shared while the peer runs */
+    test_peer_signal(&peer, SIGSTOP);
     kvb_batch_t *b;
     cr_assert_eq(kvb_batch_submit(eng, &r, 1, NULL, &b), KVB_OK);
     cr_assert_eq(kvb_batch_cancel(b), KVB_OK);
@@ -202,9 +203,10 @@ Test(shm_peer, a_stalled_peer_copies_nothing_past_the_deadline)
     uint8_t *buf;
     cr_assert_eq(kvb_alloc(eng, LEN, 0, (void **)&buf), KVB_OK);
     cr_assert_eq(kvb_register(eng, buf, LEN, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_request_t r = {KVB_OP_READ, buf, seg, peer.rw_addr, LEN};
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK); /* shared while the peer runs */
     memset(buf, 0, LEN);
     test_peer_signal(&peer, SIGSTOP);
-    kvb_request_t r = {KVB_OP_READ, buf, seg, peer.rw_addr, LEN};
     kvb_batch_opts_t o = {.timeout_ms = 300};
     kvb_batch_t *b;
     cr_assert_eq(kvb_batch_submit(eng, &r, 1, &o, &b), KVB_OK);
@@ -227,6 +229,62 @@ Test(shm_peer, a_stalled_peer_copies_nothing_past_the_deadline)
     cr_assert_eq(kvb_stats_bytes(&stats, "tcp"), 0, "it went through shared memory");
     cr_assert_eq(kvb_unregister(eng, buf), KVB_OK);
     cr_assert_eq(kvb_free(eng, buf), KVB_OK);
+}
+
+/* A share the peer took in only after we gave up on it (the peer stalled: stopped here, stuck
+ * mapping another peer's memory in life) breaks the same-host link. The peer then maps memory we
+ * believe unshared: freed, it is not unmapped there, and a new allocation at the same address
+ * would have its READs copied into the old pages - reported COMPLETED, its own bytes untouched.
+ * After a broken link nothing goes to that peer through shared memory; with "auto" its data takes
+ * the lanes, every byte where it belongs. */
+Test(shm_broken, a_share_answered_late_sends_nothing_more_through_shared_memory, .timeout = 120)
+{
+    cr_assert_eq(test_peer_start(&peer, 0, SEED, "shm"), 0, "peer did not start");
+    kvb_config_t cfg;
+    kvb_config_init(&cfg);
+    cfg.protocol = "auto";
+    cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
+    cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_OK);
+    const char *path;
+    cr_assert_eq(kvb_segment_transport(eng, seg, &path), KVB_OK);
+    cr_assert_str_eq(path, "shm");
+    enum { LEN = 1 << 20 };
+    uint8_t *x, *y;
+    cr_assert_eq(kvb_alloc(eng, LEN, 0, (void **)&x), KVB_OK);
+    cr_assert_eq(kvb_register(eng, x, LEN, NULL, KVB_ACCESS_RW), KVB_OK);
+    /* The first request on x shares it; the stopped peer answers after the 2 s we wait. */
+    test_peer_signal(&peer, SIGSTOP);
+    kvb_request_t r = {KVB_OP_READ, x, seg, peer.rw_addr, LEN};
+    kvb_batch_opts_t o = {.timeout_ms = 300};
+    kvb_batch_t *b;
+    cr_assert_eq(kvb_batch_submit(eng, &r, 1, &o, &b), KVB_OK);
+    cr_assert_eq(kvb_batch_wait(b, -1), KVB_ERR_TIMEOUT);
+    test_peer_signal(&peer, SIGCONT);
+    cr_assert_eq(kvb_batch_settle(b, 5000), KVB_OK);
+    kvb_batch_free(b);
+    /* The peer has mapped x by now (its control thread took the share in on waking). */
+    cr_assert_eq(kvb_notify_send(eng, seg, "ping", 4, 2000), KVB_OK);
+    expect_reply("pong");
+    usleep(100000);
+    cr_assert_eq(kvb_unregister(eng, x), KVB_OK);
+    cr_assert_eq(kvb_free(eng, x), KVB_OK);
+    cr_assert_eq(kvb_alloc(eng, LEN, 0, (void **)&y), KVB_OK);
+    if (y != x) {
+        kvb_free(eng, y);
+        stop();
+        cr_skip_test("the new allocation did not take the freed one's address");
+    }
+    cr_assert_eq(kvb_register(eng, y, LEN, NULL, KVB_ACCESS_RW), KVB_OK);
+    memset(y, 0, LEN);
+    r.local = y;
+    cr_assert_eq(run_batch(&r, 1, NULL), KVB_OK);
+    cr_assert_eq(test_pattern_check(y, 0, LEN, SEED), -1, "the READ's bytes went elsewhere");
+    kvb_stats_t st;
+    kvb_engine_stats(eng, &st);
+    cr_assert_eq(kvb_stats_bytes(&st, "tcp"), LEN, "over the lanes");
+    cr_assert_eq(kvb_unregister(eng, y), KVB_OK);
+    cr_assert_eq(kvb_free(eng, y), KVB_OK);
+    stop();
 }
 
 /* The peer is on this host but may not be linked through shared memory: "shm" says so, and
