@@ -351,7 +351,7 @@ static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint
         KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
         return rc;
     }
-    chunks = (r->len + KVB_CHUNK_SIZE - 1) / KVB_CHUNK_SIZE;
+    chunks = r->len / KVB_CHUNK_SIZE + (r->len % KVB_CHUNK_SIZE != 0); /* no len + CHUNK - 1 wrap */
     if (kvb__add_u64(*nops, chunks, nops)) {
         kvb__region_unpin(&e->registry, *pin);
         return KVB_ERR_OVERFLOW;

@@ -905,9 +905,13 @@ int kvb_segment_close(kvb_engine_t *e, kvb_segment_t seg)
         return KVB_ERR_INVALID_ARG;
     kvb_peer_t *gone = NULL;
     pthread_mutex_lock(&e->seg_mu);
-    kvb_segment_slot_t *s = slot_of(e, seg);
+    kvb_segment_slot_t *s;
+    /* A lost peer being reconnected in place keeps its handle: wait for that (bounded by the
+     * connect timeout) rather than refuse the close, which would leave the segment open. */
+    while ((s = slot_of(e, seg)) && s->opening)
+        pthread_cond_wait(&e->seg_cv, &e->seg_mu);
     int rc = KVB_ERR_BAD_SEGMENT;
-    if (s && !s->opening) {
+    if (s) {
         rc = KVB_OK;
         if (--s->opens == 0) {
             gone = s->peer;

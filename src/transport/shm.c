@@ -510,7 +510,7 @@ void kvb__shm_abandon(kvb_shm_t *s, kvb_shm_set_t *set)
 
 /* ---- the side channel: messages with an optional descriptor ---------------------------------- */
 
-static int msg_send(int fd, shm_msg_t *m, int pass_fd)
+static int msg_send(int fd, shm_msg_t *m, int pass_fd, int flags)
 {
     m->magic = MSG_MAGIC;
     m->version = MSG_VERSION;
@@ -531,7 +531,7 @@ static int msg_send(int fd, shm_msg_t *m, int pass_fd)
     }
     ssize_t n;
     do
-        n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+        n = sendmsg(fd, &mh, MSG_NOSIGNAL | flags);
     while (n < 0 && errno == EINTR);
     return n == (ssize_t)sizeof *m ? KVB_OK : KVB_ERR_PEER_LOST;
 }
@@ -846,7 +846,9 @@ static bool ctl_handle(kvb_shm_t *s, int fd, pid_t pid, kvb_shm_peer_t **slot)
         KVB_ERROR("shared-memory side channel: malformed message (type %u); closing", m.type);
         return false;
     }
-    if (msg_send(fd, &r, -1) != KVB_OK)
+    /* Never blocking: one thread serves every linked process, and a client that asks without
+     * reading the answers (its socket full) must not stop the others'. */
+    if (msg_send(fd, &r, -1, MSG_DONTWAIT) != KVB_OK)
         return false;
     return rc != KVB_ERR_AUTH; /* a refused token ends the link */
 }
@@ -926,7 +928,7 @@ static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline)
     if (l->broken)
         return KVB_ERR_PEER_LOST;
     uint16_t want = (uint16_t)(m->type + 1);
-    int rc = msg_send(l->fd, m, fd);
+    int rc = msg_send(l->fd, m, fd, 0);
     struct pollfd p = {.fd = l->fd, .events = POLLIN};
     if (rc == KVB_OK && poll(&p, 1, kvb__ms_left(deadline)) != 1)
         rc = KVB_ERR_TIMEOUT;
@@ -1003,9 +1005,16 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
         return KVB_ERR_UNSUPPORTED;
     if (ntokens == 0 || !memcmp(tokens[0], none, sizeof none))
         return KVB_ERR_UNSUPPORTED; /* the target offered no same-host path */
-    int fd, rc = kvb__sock_connect(target, "", SOCK_SEQPACKET, true, &fd);
+    /* Connected non-blocking: a Unix connect to a full backlog (a target whose control thread
+     * is stuck) would otherwise wait without a deadline; then blocking, link_call bounds it. */
+    int fd, rc = kvb__sock_connect(target, "", SOCK_SEQPACKET | SOCK_NONBLOCK, true, &fd);
     if (rc)
         return rc;
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0) {
+        close(fd);
+        return KVB_ERR_CONNECT;
+    }
     kvb_shm_link_t *l = calloc(1, sizeof *l);
     if (!l) {
         close(fd);

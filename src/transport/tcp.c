@@ -2036,6 +2036,9 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
     tp->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     tp->threads = calloc((size_t)e->cfg.progress_threads, sizeof *tp->threads);
     if (!tp->threads) {
+        if (tp->reserve_fd >= 0)
+            close(tp->reserve_fd);
+        pthread_mutex_destroy(&tp->targets_mu);
         free(tp);
         return KVB_ERR_NOMEM;
     }

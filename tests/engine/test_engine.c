@@ -3,6 +3,7 @@
  * several lanes and progress threads, notifications and their limits. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <linux/tcp.h> /* struct tcp_info with its byte counts (glibc's lacks them) */
 #include <pthread.h>
@@ -992,6 +993,52 @@ Test(engine, a_dead_host_does_not_stall_other_opens)
     cr_assert_eq(slow.rc, KVB_ERR_TIMEOUT);
     kvb_engine_destroy(e);
     kvb_engine_destroy(good);
+    close(lfd);
+}
+
+/* A close while another thread reconnects a lost peer in place (same handle) waits for that to
+ * end rather than refuse: refused, the caller thought the segment closed while it stayed open. */
+Test(engine, close_during_a_reconnect_in_place_closes)
+{
+    kvb_config_t c;
+    kvb_config_init(&c);
+    c.protocol = "tcp";
+    c.connect_timeout_ms = 1000;
+    kvb_engine_t *e, *b = make_proto(1, 1, "tcp");
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    char name[64];
+    snprintf(name, sizeof name, "%s", kvb_engine_segment_name(b));
+    uint16_t port = kvb_engine_port(b);
+    kvb_segment_t s;
+    cr_assert_eq(kvb_segment_open(e, name, &s), KVB_OK);
+    /* The peer goes; its port then answers the next handshake with silence. */
+    kvb_engine_destroy(b);
+    int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof sa), 0, "port %u: %s", port,
+                 strerror(errno));
+    cr_assert_eq(listen(lfd, 8), 0);
+    uint8_t buf[64];
+    cr_assert_eq(kvb_register(e, buf, sizeof buf, NULL, KVB_ACCESS_RW), KVB_OK);
+    kvb_request_t r = {KVB_OP_READ, buf, s, 4096, sizeof buf};
+    kvb_batch_t *batch;
+    int rc = kvb_batch_submit(e, &r, 1, NULL, &batch);
+    if (rc == KVB_OK) {
+        rc = kvb_batch_wait(batch, 3000);
+        kvb_batch_free(batch);
+    }
+    cr_assert(KVB_IS_PEER_ERROR(rc), "the peer is gone: %s", kvb_status_name(rc));
+    opener_t again = {.e = e, .name = name};
+    pthread_t t;
+    pthread_create(&t, NULL, open_it, &again);
+    usleep(200000); /* inside the handshake with the silent port */
+    cr_assert_eq(kvb_segment_close(e, s), KVB_OK);
+    pthread_join(t, NULL);
+    cr_assert_eq(again.rc, KVB_ERR_TIMEOUT);
+    cr_assert_eq(kvb_segment_close(e, s), KVB_ERR_BAD_SEGMENT, "the segment stayed open");
+    kvb_engine_destroy(e);
     close(lfd);
 }
 
