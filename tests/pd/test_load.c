@@ -383,21 +383,35 @@ Test(load, admission_refusals)
     cr_expect(strstr(a.body, "never"), "%s", a.body);
     cr_expect_lt(kvb__now_ns() - t, 500000000ull, "too large is answered at once");
 
-    /* r1 is aborted, r5 holds 6 blocks for 300 ms; r6 (4 blocks) waits until r5 expires. (An
-     * aborted or expired id drains until its expectations' deadline: short timeouts keep the
-     * final check short.) */
-    cr_expect_eq(kvb_pd_http(strcat(strcpy(url, dec.url), "/pd/abort"), "{\"request_id\":\"r1\"}",
-                             2000, &info, NULL, 0),
+    /* r1 is aborted by a caller that says no prefill was told of it ("writers_done"): its
+     * blocks are free at once. r5 holds 6 blocks for 300 ms and expires unused: a prefill told of
+     * it could still be writing into them, so they stay out of use for another second
+     * (KVB__SRV_WRITE_SETTLE_MS), and r6 (4 blocks) is admitted only then. */
+    cr_expect_eq(kvb_pd_http(strcat(strcpy(url, dec.url), "/pd/abort"),
+                             "{\"request_id\":\"r1\",\"writers_done\":true}", 2000, &info, NULL, 0),
                  200);
     free(info);
     reserve(&dec, "r5", 95, 300, &a);
     cr_assert_eq(a.status, 200, "%s", a.body);
-    bg_t b6 = {.dec = &dec, .id = "r6", .bytes = 60, .timeout_ms = 1500};
+    bg_t b6 = {.dec = &dec, .id = "r6", .bytes = 60, .timeout_ms = 4000};
     bg_reserve(&b6);
     cr_expect_eq(b6.a.status, 200, "%s", b6.a.body);
-    cr_expect(b6.ms >= 200 && b6.ms < 2000, "admitted after %.0f ms (r5 expires at 300)", b6.ms);
-    cr_expect_eq(kvb_pd_http(url, "{\"request_id\":\"r6\"}", 2000, &info, NULL, 0), 200);
+    cr_expect(b6.ms >= 1200 && b6.ms < 3900, "admitted after %.0f ms (r5 expires at 300, its "
+              "blocks are free a second later)", b6.ms);
+    cr_expect_eq(kvb_pd_http(url, "{\"request_id\":\"r6\",\"writers_done\":true}", 2000, &info,
+                             NULL, 0),
+                 200);
     free(info);
+    /* Aborted without "writers_done" (a prefill that was told may not have finished): the blocks
+     * stay out of use until the writers say so or a second past the reservation's end. */
+    reserve(&dec, "r7", 10, 500, &a);
+    cr_assert_eq(a.status, 200, "%s", a.body);
+    cr_expect_eq(kvb_pd_http(url, "{\"request_id\":\"r7\"}", 2000, &info, NULL, 0), 200);
+    free(info);
+    json_t *h = health(&dec);
+    cr_expect_lt(json_integer_value(json_object_get(h, "free_blocks")), 8,
+                 "an aborted reservation's blocks went back while a writer could still land");
+    json_decref(h);
     expect_idle(&dec, "the decode");
 }
 

@@ -188,6 +188,7 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
     int rc = kvb__pxy_call(&rq, &rs);
     free(text);
     job->busy_status = kvb__pxy_busy_of(rc, &rs);
+    job->last_http = rs.status;
     if (job->busy_status == -1) /* no answer at all: pass it over for a while */
         kvb__pxy_upstream_down(u);
     job->busy_prefill = u->prefill;
@@ -290,7 +291,9 @@ static bool valid_t0(json_t *ans)
 static int prefill(kvb__pxy_job_t *job, json_t *b, kvb__pxy_err_t *err)
 {
     uint64_t t = kvb__now_ns();
+    job->prefill_called = b != NULL;
     job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
+    job->prefill_answered = b && job->last_http != 0;
     job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
     if (!job->prefill_reply)
         return -1;
@@ -344,6 +347,7 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
 static int attempt(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, kvb__pxy_err_t *err)
 {
     kvb_pd_proxy_t *px = job->px;
+    job->prefill_called = job->prefill_answered = false;
     json_t *pinfo = info_of(job, job->p, err);
     json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
     int rc = -1;
@@ -497,7 +501,10 @@ void kvb__pxy_abort(kvb__pxy_job_t *job)
     if (!job->reserved)
         return;
     job->reserved = false;
-    json_t *b = json_pack("{s:s}", "request_id", job->rid);
+    /* Without "writers_done" the decode keeps the blocks until the prefill's ranks say they
+     * finished (or past the reservation's end): a prefill that did not answer may still push. */
+    bool done = !job->prefill_called || job->prefill_answered;
+    json_t *b = json_pack("{s:s, s:b}", "request_id", job->rid, "writers_done", done);
     kvb__pxy_err_t err;
     /* Whether another instance is tried (other_instance) depends on the call that failed, not
      * on this one: keep what that call left. */

@@ -218,7 +218,12 @@ typedef struct {
      * not answer at all (connection refused): another instance may take the request. */
     long busy_status;
     bool busy_prefill; /* ... and whether a prefill instance was called */
-    unsigned retries;  /* requests sent to another instance after a 503 */
+    long last_http;    /* the last upstream call's HTTP status (0: no answer at all) */
+    /* This attempt's /pd/prefill call, and whether an answer came: a pushing prefill answers
+     * only once its writes into the decode's blocks are in (or settled), so /pd/abort may then
+     * say the writers are done. */
+    bool prefill_called, prefill_answered;
+    unsigned retries; /* requests sent to another instance after a 503 */
     /* During kvb__pxy_prepare: the decode instances (URLs) earlier attempts of the client's
      * request found busy, which no pick of this one takes. */
     const char *const *avoid;

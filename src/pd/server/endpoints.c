@@ -515,7 +515,7 @@ static json_t *hand_over(pdreq_t *q, json_t *ok, int kind, uint64_t mask, uint32
     uint64_t deadline = kvb__deadline_ms(ms);
     pthread_mutex_lock(&srv->mu);
     if (q->status || !ok || kvb__srv_ent_set_segs(q->ent, q->segs, q->nsegs)) {
-        kvb__srv_ent_drain(srv, q->ent, mask, deadline);
+        kvb__srv_ent_drain(srv, q->ent, mask, deadline, true, 0); /* no writer was told */
         json_decref(ok);
         ok = NULL;
     } else {
@@ -667,8 +667,9 @@ enum MHD_Result kvb__srv_abort(kvb_pd_server_t *srv, struct MHD_Connection *conn
         req_fail(&q, 404, "no reservation for request %s", q.id);
     else if (e->kind == KVB__SRV_ENT_ACTIVE)
         req_fail(&q, 409, "request %s is being served", q.id);
-    else if (e->kind == KVB__SRV_ENT_RESERVED)
-        kvb__srv_ent_drain(srv, e, e->pending_mask, e->deadline_ns);
+    else if (e->kind == KVB__SRV_ENT_RESERVED) /* see docs/pd-protocol.md, /pd/abort */
+        kvb__srv_ent_drain(srv, e, e->pending_mask, e->deadline_ns,
+                           json_is_true(json_object_get(body, "writers_done")), 0);
     pthread_mutex_unlock(&srv->mu);
     return req_answer(&q, conn, json_pack("{s:s,s:b}", "request_id", q.id, "aborted", 1));
 }
@@ -773,8 +774,10 @@ static int claim(pdreq_t *q)
     return q->status ? -1 : 0;
 }
 
-/* Waits for every rank's notices; on a failure the other ranks are left to the reaper and the
- * blocks are freed at once. */
+/* Waits for every rank's notices; on a failure the other ranks are left to the reaper, and the
+ * blocks stay out of use while a prefill rank may still write into them: until every rank has
+ * heard from its writers (each says so only once its bytes are in, or a second past its deadline),
+ * and past the reservation's end when one never said (KVB__SRV_WRITE_SETTLE_MS). */
 static int wait_pushed(pdreq_t *q)
 {
     kvb_pd_server_t *srv = q->srv;
@@ -790,8 +793,11 @@ static int wait_pushed(pdreq_t *q)
                  e->nsegs ? e->segs[0] : "?", kvb_strerror(rc),
                  rc == KVB_ERR_PEER_LOST ? " (the prefill instance was lost)" : "");
         uint64_t rest = (srv->tp >= 64 ? ~0ull : (1ull << srv->tp) - 1) & ~((2ull << r) - 1);
+        uint64_t hold = rc == KVB_ERR_TIMEOUT /* rank r's writers never said they finished */
+                            ? e->deadline_ns + KVB__SRV_WRITE_SETTLE_MS * 1000000ull
+                            : 0;
         pthread_mutex_lock(&srv->mu);
-        kvb__srv_ent_drain(srv, e, rest, e->deadline_ns);
+        kvb__srv_ent_drain(srv, e, rest, e->deadline_ns, false, hold);
         pthread_mutex_unlock(&srv->mu);
         q->ent = NULL;
         return -1;

@@ -102,18 +102,29 @@ int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n)
     return KVB_OK;
 }
 
-void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline)
+void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline,
+                        bool writers_done, uint64_t hold_until)
 {
-    if (!mask) {
+    if (!mask && (writers_done || !hold_until)) {
         kvb__srv_ent_remove(srv, e);
         return;
     }
-    kvb_pd_seq_release(&e->seq, srv->pool);
-    kvb__srv_admit_wake(srv);
+    if (writers_done) {
+        kvb_pd_seq_release(&e->seq, srv->pool);
+        kvb__srv_admit_wake(srv);
+    }
     e->kind = KVB__SRV_ENT_DRAIN;
     e->pending_mask = mask;
     e->deadline_ns = deadline;
+    e->hold_until_ns = writers_done ? 0 : hold_until;
     pthread_cond_broadcast(&srv->cv);
+}
+
+/* A drained reservation's blocks, held while a pushing prefill may still write into them. */
+static void hold_blocks(kvb__srv_ent_t *e, uint64_t until)
+{
+    if (e->seq.num_blocks && e->hold_until_ns < until)
+        e->hold_until_ns = until;
 }
 
 /* ---- the reaper -------------------------------------------------------------------------------
@@ -132,10 +143,12 @@ static size_t collect(kvb_pd_server_t *srv, job_t *jobs)
     size_t n = 0;
     for (kvb__srv_ent_t *e = srv->ents; e; e = e->next) {
         if (e->kind == KVB__SRV_ENT_RESERVED && now >= e->deadline_ns) {
-            KVB_WARN("reservation of request %s expired unused; freeing its blocks", e->id);
-            kvb_pd_seq_release(&e->seq, srv->pool);
-            kvb__srv_admit_wake(srv);
+            /* A prefill told of it may still be writing (its decode call never came): the
+             * blocks go back once that cannot be any more. */
+            KVB_WARN("reservation of request %s expired unused; its blocks are free in %d ms",
+                     e->id, KVB__SRV_WRITE_SETTLE_MS);
             e->kind = KVB__SRV_ENT_DRAIN;
+            hold_blocks(e, e->deadline_ns + KVB__SRV_WRITE_SETTLE_MS * 1000000ull);
         }
         bool waits = e->kind == KVB__SRV_ENT_LEASE || e->kind == KVB__SRV_ENT_DRAIN;
         if (waits && e->pending_mask && n < JOBS_MAX) {
@@ -163,6 +176,8 @@ static void rank_done(kvb_pd_server_t *srv, job_t *j, uint32_t r, int rc)
             kvb__srv_links_drop(srv, j->e->segs[i]);
     pthread_mutex_lock(&srv->mu);
     j->e->pending_mask &= ~(1ull << r);
+    if (!lease && rc == KVB_ERR_TIMEOUT) /* its writers never said they finished */
+        hold_blocks(j->e, j->e->deadline_ns + KVB__SRV_WRITE_SETTLE_MS * 1000000ull);
     pthread_mutex_unlock(&srv->mu);
 }
 
@@ -194,7 +209,9 @@ static void sweep(kvb_pd_server_t *srv)
     for (; e; e = next) {
         next = e->next;
         bool waits = e->kind == KVB__SRV_ENT_LEASE || e->kind == KVB__SRV_ENT_DRAIN;
-        if ((waits && !e->pending_mask) || (e->kind == KVB__SRV_ENT_SETTLE && settled(e))) {
+        bool held = e->kind == KVB__SRV_ENT_DRAIN && kvb__now_ns() < e->hold_until_ns;
+        if ((waits && !e->pending_mask && !held) ||
+            (e->kind == KVB__SRV_ENT_SETTLE && settled(e))) {
             if (e->kind == KVB__SRV_ENT_SETTLE)
                 KVB_INFO("request %s: its failed transfers have settled; %zu blocks free again",
                          e->id, e->seq.num_blocks);

@@ -51,7 +51,8 @@ typedef enum {
     KVB__SRV_ENT_ACTIVE = 1, /* a request in a handler: nothing for the reaper */
     KVB__SRV_ENT_LEASE,      /* prefill, pull: blocks kept until every routed decode rank read */
     KVB__SRV_ENT_RESERVED,   /* decode, push: blocks reserved, notices expected */
-    KVB__SRV_ENT_DRAIN,      /* blocks gone; the agents' expectations still to be released */
+    KVB__SRV_ENT_DRAIN,      /* the agents' expectations still to be released; the blocks
+                              * kept too while a writer may still land bytes in them */
     KVB__SRV_ENT_SETTLE,     /* a failed transfer's blocks, kept out of use until no byte of
                               * it can land any more (kvb_kv_xfer_settle) */
     KVB__SRV_ENT_KINDS
@@ -65,6 +66,7 @@ typedef struct kvb__srv_ent {
     uint32_t n_prompt;              /* RESERVED: tokens of the prompt */
     uint32_t *toks;                 /* RESERVED: the prompt's tokens */
     uint64_t deadline_ns;           /* LEASE / RESERVED / DRAIN: when the agents give up */
+    uint64_t hold_until_ns;         /* DRAIN: its blocks stay out of use until then as well */
     uint64_t pending_mask;          /* ranks whose kvb_kv_wait has not returned (bit r) */
     char (*segs)[KVB_NAME_MAX + 1]; /* the peer's segments, to relink if it is lost */
     size_t nsegs;
@@ -170,9 +172,17 @@ void kvb__srv_ent_remove(kvb_pd_server_t *srv, kvb__srv_ent_t *e);
 void kvb__srv_ent_done(kvb_pd_server_t *srv, const char *id);
 /* Copies segs[0..n) into the entry (KVB_ERR_NOMEM). Caller holds srv->mu or owns the entry. */
 int kvb__srv_ent_set_segs(kvb__srv_ent_t *e, char *const *segs, size_t n);
-/* Turns the entry into DRAIN for the ranks in `mask` (releasing its blocks now), or removes it
- * when mask is 0. Caller holds srv->mu. */
-void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline);
+/* How long past a reservation's end a pushing prefill's bytes may still land: its writes end
+ * GRANT_MARGIN_MS (500 ms) before that end, and a failed transfer settles for up to 1 s past its
+ * deadline before it says so (kvb_kv_xfer_finish). Half a second to spare. */
+#define KVB__SRV_WRITE_SETTLE_MS 1000
+/* Turns the entry into DRAIN for the ranks in `mask`, or removes it when mask is 0 and nothing is
+ * held. `writers_done`: no byte of a writer can land in its blocks any more (none was told of
+ * them, or each one that was has finished) - they go back to the pool now. Otherwise they stay out
+ * of use until every rank in `mask` has heard from its writers and, when `hold_until` (monotonic
+ * ns) is not 0, until then (a writer that never said it finished). Caller holds srv->mu. */
+void kvb__srv_ent_drain(kvb_pd_server_t *srv, kvb__srv_ent_t *e, uint64_t mask, uint64_t deadline,
+                        bool writers_done, uint64_t hold_until);
 void *kvb__srv_reaper_main(void *arg);
 /* Counts the entries by kind: counts[KVB__SRV_ENT_ACTIVE] ... counts[KVB__SRV_ENT_SETTLE]. */
 void kvb__srv_ents_count(kvb_pd_server_t *srv, uint64_t counts[KVB__SRV_ENT_KINDS]);
