@@ -207,8 +207,8 @@ static int link_call(kvb_shm_link_t *l, shm_msg_t *m, int fd, uint64_t deadline)
 static void link_break(kvb_shm_link_t *l, const char *what, int rc)
 {
     if (!l->said_broken)
-        KVB_WARN("same-host link: %s (%s); this peer's data goes over the lanes from now on",
-                 what, kvb_strerror(rc));
+        KVB_WARN("same-host link: %s (%s); this peer's data goes over the lanes from now on", what,
+                 kvb_strerror(rc));
     l->broken = l->said_broken = true;
 }
 

@@ -396,11 +396,12 @@ Test(load, admission_refusals)
     bg_t b6 = {.dec = &dec, .id = "r6", .bytes = 60, .timeout_ms = 4000};
     bg_reserve(&b6);
     cr_expect_eq(b6.a.status, 200, "%s", b6.a.body);
-    cr_expect(b6.ms >= 1200 && b6.ms < 3900, "admitted after %.0f ms (r5 expires at 300, its "
-              "blocks are free a second later)", b6.ms);
-    cr_expect_eq(kvb_pd_http(url, "{\"request_id\":\"r6\",\"writers_done\":true}", 2000, &info,
-                             NULL, 0),
-                 200);
+    cr_expect(b6.ms >= 1200 && b6.ms < 3900,
+              "admitted after %.0f ms (r5 expires at 300, its blocks are free a second later)",
+              b6.ms);
+    cr_expect_eq(
+        kvb_pd_http(url, "{\"request_id\":\"r6\",\"writers_done\":true}", 2000, &info, NULL, 0),
+        200);
     free(info);
     /* Aborted without "writers_done" (a prefill that was told may not have finished): the blocks
      * stay out of use until the writers say so or a second past the reservation's end. */

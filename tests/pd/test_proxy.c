@@ -864,6 +864,55 @@ Test(proxy, prefill_killed_push_stream, .timeout = 30)
     prefill_killed("push", true);
 }
 
+/* A static instance restarted on its URL listens with new engines (new segments): with the
+ * proxy's cached /pd/info of it, the other instance would link to the old ones, request after
+ * request (502). After such a failure the pair's info is fetched again and the request runs once
+ * more. Pull: the decode restarts (the prefill links to its segments); push: the prefill restarts
+ * (the decode links to its). */
+static void restarted_instance(const char *mode)
+{
+    need_serve();
+    inst_t ref, pre, dec;
+    serve(&ref, "both", "tiny-gqa", 1, mode);
+    serve(&pre, "prefill", "tiny-gqa", 1, mode);
+    serve(&dec, "decode", "tiny-gqa", 1, mode);
+    kvb_pd_kv_mode_t m;
+    kvb_pd_kv_mode_parse(mode, &m);
+    proxy_up(pre.url, dec.url, m, 20000);
+    char text[256];
+    prompt_text(N_PROMPTS - 1, text);
+    char *b = request_body(text, false, 4);
+    kvb_pd_completion_t c, r;
+    kvb_pd_complete(ref.url, b, 20000, &r);
+    kvb_pd_complete(px_url, b, 20000, &c);
+    same_answer(&c, &r, 0);
+    kvb_pd_completion_free(&c);
+    bool pull = m == KVB_PD_KV_PULL;
+    inst_t *gone = pull ? &dec : &pre;
+    char port[8];
+    snprintf(port, sizeof port, "%u", gone->port);
+    stop_pid(gone->pid);
+    serve_with(gone, pull ? "decode" : "prefill", "tiny-gqa", 1, mode,
+               (const char *const[]){"--port", port, NULL});
+    for (unsigned i = 1; i <= 3; i++) {
+        kvb_pd_complete(px_url, b, 20000, &c);
+        same_answer(&c, &r, i);
+        kvb_pd_completion_free(&c);
+    }
+    kvb_pd_completion_free(&r);
+    free(b);
+}
+
+Test(proxy, restarted_decode_is_learned_again_pull, .timeout = 60)
+{
+    restarted_instance("pull");
+}
+
+Test(proxy, restarted_prefill_is_learned_again_push, .timeout = 60)
+{
+    restarted_instance("push");
+}
+
 Test(proxy, incompatible_pair_refused, .timeout = 30)
 {
     need_serve();

@@ -201,6 +201,17 @@ kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill)
 void kvb__pxy_upstream_down(kvb__upstream_t *u)
 {
     atomic_store(&u->down_until, kvb__now_ns() + KVB__PXY_DOWN_MS * 1000000ull);
+    kvb__pxy_info_forget(u, NULL); /* if it comes back it may be another process */
+}
+
+void kvb__pxy_info_forget(kvb__upstream_t *u, const struct json_t *info)
+{
+    pthread_mutex_lock(&u->mu);
+    json_t *old = u->info && (!info || u->info == info) ? u->info : NULL;
+    if (old)
+        u->info = NULL;
+    pthread_mutex_unlock(&u->mu);
+    json_decref(old);
 }
 
 static bool skipped(const kvb__upstream_t *u, const char *const *skip, size_t nskip)

@@ -343,23 +343,71 @@ static int run_push(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, json_t *pinf
     return decode_body(job, rq, psegs, NULL, err);
 }
 
+/* Readies the job for another attempt: a new request id (an aborted push reservation keeps the
+ * old one on its decode until it drains), nothing of the last attempt's answers. */
+static void job_again(kvb__pxy_job_t *job)
+{
+    job->retries++;
+    json_decref(job->prefill_reply);
+    job->prefill_reply = NULL;
+    free(job->decode_body);
+    job->decode_body = NULL;
+    size_t k = strcspn(job->rid, ".");
+    kvb__pxy_fmt(job->rid + k, sizeof job->rid - k, ".%u", job->retries);
+}
+
+/* The segments an instance's /pd/info lists. */
+static json_t *segs_of(json_t *info)
+{
+    return json_object_get(info, "segments");
+}
+
+bool kvb__pxy_pair_changed(kvb__pxy_job_t *job, const kvb__pxy_err_t *err)
+{
+    if (job->refetched || err->status != 502 || !job->pinfo || !job->dinfo ||
+        kvb__now_ns() + 1000000ull >= job->deadline)
+        return false;
+    job->refetched = true;
+    kvb__pxy_info_forget(job->p, job->pinfo);
+    kvb__pxy_info_forget(job->d, job->dinfo);
+    long busy_status = job->busy_status; /* what the failed call left, as kvb__pxy_abort keeps */
+    bool busy_prefill = job->busy_prefill;
+    kvb__pxy_err_t e2;
+    json_t *p2 = info_of(job, job->p, &e2), *d2 = p2 ? info_of(job, job->d, &e2) : NULL;
+    bool changed = d2 && (!json_equal(segs_of(job->pinfo), segs_of(p2)) ||
+                          !json_equal(segs_of(job->dinfo), segs_of(d2)));
+    json_decref(p2);
+    json_decref(d2);
+    job->busy_status = busy_status;
+    job->busy_prefill = busy_prefill;
+    if (changed)
+        KVB_INFO("proxy %s: %s; an instance of the pair has new segments (restarted): the "
+                 "request runs again",
+                 job->rid, err->msg);
+    return changed;
+}
+
 /* One attempt with the job's pair: the pull or push sequence up to the decode call. */
-static int attempt(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, kvb__pxy_err_t *err)
+static int attempt(kvb__pxy_job_t *job, const kvb__pxy_creq_t *rq, kvb__pxy_err_t *err, bool *again)
 {
     kvb_pd_proxy_t *px = job->px;
     job->prefill_called = job->prefill_answered = false;
-    json_t *pinfo = info_of(job, job->p, err);
-    json_t *dinfo = pinfo ? info_of(job, job->d, err) : NULL;
+    json_decref(job->pinfo);
+    json_decref(job->dinfo);
+    job->pinfo = info_of(job, job->p, err);
+    job->dinfo = job->pinfo ? info_of(job, job->d, err) : NULL;
     int rc = -1;
-    if (dinfo) {
-        job->mode = mode_of(px, pinfo);
-        rc = job->mode == KVB_PD_KV_PUSH ? run_push(job, rq, pinfo, dinfo, err)
-                                         : run_pull(job, rq, pinfo, dinfo, err);
+    if (job->dinfo) {
+        job->mode = mode_of(px, job->pinfo);
+        rc = job->mode == KVB_PD_KV_PUSH ? run_push(job, rq, job->pinfo, job->dinfo, err)
+                                         : run_pull(job, rq, job->pinfo, job->dinfo, err);
     }
-    json_decref(pinfo);
-    json_decref(dinfo);
     if (rc)
         kvb__pxy_abort(job);
+    /* The other instance could not link to segments the proxy passed on from its cache. */
+    *again = rc && kvb__pxy_pair_changed(job, err);
+    if (*again)
+        job_again(job);
     return rc;
 }
 
@@ -393,14 +441,7 @@ static bool other_instance(kvb__pxy_job_t *job, uint32_t *tried_p, uint32_t *tri
     kvb__pxy_upstream_unref(*slot);
     *slot = u;
     (*tried)++;
-    job->retries++;
-    json_decref(job->prefill_reply);
-    job->prefill_reply = NULL;
-    free(job->decode_body);
-    job->decode_body = NULL;
-    /* A new id: an aborted push reservation keeps the old one on its decode until it drains. */
-    size_t k = strcspn(job->rid, ".");
-    kvb__pxy_fmt(job->rid + k, sizeof job->rid - k, ".%u", job->retries);
+    job_again(job);
     return true;
 }
 
@@ -430,7 +471,9 @@ int kvb__pxy_prepare(kvb_pd_proxy_t *px, const kvb__pxy_creq_t *rq, kvb__pxy_job
     }
     uint32_t tried_p = 1, tried_d = 1;
     int rc;
-    while ((rc = attempt(job, rq, err)) && other_instance(job, &tried_p, &tried_d))
+    bool again;
+    while ((rc = attempt(job, rq, err, &again)) &&
+           (again || other_instance(job, &tried_p, &tried_d)))
         ;
     job->avoid = NULL; /* the caller's, valid only during the call */
     job->navoid = 0;
@@ -485,6 +528,8 @@ int kvb__pxy_decode_whole(kvb__pxy_job_t *job, json_t **answer, kvb__pxy_err_t *
             set_err(err, 500, "internal_error", "out of memory");
         else if (job->busy_status) /* nothing was decoded: another decode may take it */
             kvb__pxy_fmt(err->busy_decode, sizeof err->busy_decode, "%s", job->d->url);
+        else /* a push decode waiting on a restarted prefill's old segments, say */
+            err->stale_pair = kvb__pxy_pair_changed(job, err);
         kvb__pxy_abort(job);
         return -1;
     }
@@ -519,6 +564,9 @@ void kvb__pxy_abort(kvb__pxy_job_t *job)
 
 void kvb__pxy_job_clear(kvb__pxy_job_t *job)
 {
+    json_decref(job->pinfo);
+    json_decref(job->dinfo);
+    job->pinfo = job->dinfo = NULL;
     json_decref(job->prefill_reply);
     free(job->decode_body);
     kvb__pxy_upstream_unref(job->p);

@@ -115,7 +115,7 @@ typedef struct {
     char key[KVB_META_KEY_MAX + 1];            /* discovered: its store key */
     char incarnation[KVB__PXY_INCARN_MAX + 1]; /* discovered: its value's ("" if none) */
     pthread_mutex_t mu;
-    struct json_t *info; /* NULL until fetched; immutable once set (readers take a reference) */
+    struct json_t *info; /* NULL until fetched (again, once forgotten); readers take a reference */
     /* CLOCK_MONOTONIC ns until which picks pass it over: it did not answer at all (refused the
      * connection - killed, say - until discovery drops it or it is back). */
     atomic_uint_fast64_t down_until;
@@ -187,6 +187,9 @@ typedef struct {
     /* The decode instance that could not take the request before it produced anything - it
      * answered 503 or did not answer at all - so another decode may; else "". */
     char busy_decode[256];
+    /* The decode failed (502) before it produced anything, and an instance of the pair has new
+     * segments since its /pd/info was cached (restarted): the request may run again. */
+    bool stale_pair;
 } kvb__pxy_err_t;
 
 /* A validated POST /v1/completions. */
@@ -223,6 +226,8 @@ typedef struct {
      * only once its writes into the decode's blocks are in (or settled), so /pd/abort may then
      * say the writers are done. */
     bool prefill_called, prefill_answered;
+    struct json_t *pinfo, *dinfo; /* the /pd/info of the pair this attempt used */
+    bool refetched;   /* the pair's /pd/info was fetched again after a failure (once a job) */
     unsigned retries; /* requests sent to another instance after a 503 */
     /* During kvb__pxy_prepare: the decode instances (URLs) earlier attempts of the client's
      * request found busy, which no pick of this one takes. */
@@ -263,6 +268,10 @@ void kvb__pxy_upstream_error(const kvb__upstream_t *u, const char *path, int rc,
 void kvb__pxy_patch_stats(const kvb__pxy_job_t *job, struct json_t *answer, double ttft_ms);
 /* Push mode: releases the decode's reservation after a failure (best effort, short deadline). */
 void kvb__pxy_abort(kvb__pxy_job_t *job);
+/* After a 502 (err->status): whether an instance of the job's pair has new segments since the
+ * attempt fetched its /pd/info (it restarted on its URL) - the cache is dropped and fetched
+ * again, once per job. */
+bool kvb__pxy_pair_changed(kvb__pxy_job_t *job, const kvb__pxy_err_t *err);
 void kvb__pxy_job_clear(kvb__pxy_job_t *job);
 /* Records one finished request in the metrics (answer NULL: a failure). */
 void kvb__pxy_record(kvb_pd_proxy_t *px, struct json_t *answer, bool stream);
@@ -291,8 +300,12 @@ void kvb__pxy_upstream_unref(kvb__upstream_t *u);
 int kvb__pxy_sets_init(kvb_pd_proxy_t *px, const kvb_pd_proxy_opts_t *o, char *reason, size_t cap);
 /* The next instance of a set in turn, with a reference for the caller; NULL when it is empty. */
 kvb__upstream_t *kvb__pxy_pick(kvb_pd_proxy_t *px, bool prefill);
-/* Marks an instance down for KVB__PXY_DOWN_MS (it gave no answer at all). */
+/* Marks an instance down for KVB__PXY_DOWN_MS (it gave no answer at all), and forgets its
+ * /pd/info. */
 void kvb__pxy_upstream_down(kvb__upstream_t *u);
+/* Forgets u's cached /pd/info if it is still `info` (any, when NULL), so that the next use
+ * fetches it again: a static instance restarted on its URL has new engine segments. */
+void kvb__pxy_info_forget(kvb__upstream_t *u, const struct json_t *info);
 /* The next instance of a set in turn whose URL is none of skip[0..nskip), referenced; NULL when
  * the set has no other. */
 kvb__upstream_t *kvb__pxy_pick_other(kvb_pd_proxy_t *px, bool prefill, const char *const *skip,

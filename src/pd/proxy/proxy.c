@@ -81,6 +81,7 @@ static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c,
     char busy[KVB__PXY_DECODE_TRIES][sizeof err.busy_decode];
     const char *avoid[KVB__PXY_DECODE_TRIES];
     size_t nbusy = 0;
+    bool relearned = false;
     for (;;) {
         struct MHD_Response *resp = NULL;
         json_t *ans = NULL;
@@ -92,6 +93,11 @@ static enum MHD_Result completions(kvb_pd_proxy_t *px, struct MHD_Connection *c,
         } else {
             rc = kvb__pxy_decode_whole(&job, &ans, &err);
             kvb__pxy_job_clear(&job);
+        }
+        if (rc && err.stale_pair && !relearned) { /* the pair's infos are fetched anew */
+            relearned = true;
+            memset(&err, 0, sizeof err);
+            continue;
         }
         if (rc && kvb__pxy_decode_again(px, &rq, &err, nbusy)) {
             kvb__pxy_fmt(busy[nbusy], sizeof busy[nbusy], "%s", err.busy_decode);

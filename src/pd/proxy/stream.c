@@ -152,13 +152,16 @@ static void *relay_main(void *arg)
         long busy = kvb__pxy_busy_of(rc, &rs);
         if (busy == -1) /* no answer at all: pass it over for a while */
             kvb__pxy_upstream_down(r->job.d);
-        pthread_mutex_lock(&r->mu);
-        kvb__pxy_upstream_error(r->job.d, "/pd/decode", rc, &rs, &r->err);
+        kvb__pxy_err_t e = {0};
+        kvb__pxy_upstream_error(r->job.d, "/pd/decode", rc, &rs, &e);
         if (!rc && rs.status == 200)
-            kvb__pxy_fmt(r->err.msg, sizeof r->err.msg, "decode %s/pd/decode: empty answer",
-                         r->job.d->url);
+            kvb__pxy_fmt(e.msg, sizeof e.msg, "decode %s/pd/decode: empty answer", r->job.d->url);
         if (busy) /* nothing was streamed: another decode may take it */
-            kvb__pxy_fmt(r->err.busy_decode, sizeof r->err.busy_decode, "%s", r->job.d->url);
+            kvb__pxy_fmt(e.busy_decode, sizeof e.busy_decode, "%s", r->job.d->url);
+        else /* a push decode waiting on a restarted prefill's old segments, say */
+            e.stale_pair = kvb__pxy_pair_changed(&r->job, &e);
+        pthread_mutex_lock(&r->mu);
+        r->err = e;
         r->state = FAILED;
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
