@@ -146,9 +146,11 @@ struct kvb_pd_server {
     uint16_t port;
     kvb__pd_auth_t *auth; /* signed /pd/ calls, tickets, API keys */
 
-    /* Registration with a metadata store (reg.c); meta is NULL without one. */
+    /* Registration with a metadata store (reg.c); meta is NULL without one. reg_mu guards meta
+     * once HTTP serves (/health reads it while a stop closes it). */
     char metadata[KVB_META_URI_MAX + 1];
     char cluster[64];
+    pthread_mutex_t reg_mu;
     kvb_meta_t *meta;
     char inst_key[KVB_META_KEY_MAX + 1]; /* our key, once registered */
     char incarnation[17];                /* 16 hex digits, new at every start */

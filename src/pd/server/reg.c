@@ -152,18 +152,24 @@ int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
 
 void kvb__srv_reg_health(kvb_pd_server_t *srv, json_t *health)
 {
-    if (!srv->meta || !health)
-        return;
-    json_object_set_new(health, "metadata",
-                        json_pack("{s:s, s:s, s:s, s:s, s:b}", "store", kvb__meta_uri(srv->meta),
-                                  "cluster", srv->cluster, "key", srv->inst_key, "incarnation",
-                                  srv->incarnation, "reachable", kvb__meta_reachable(srv->meta)));
+    pthread_mutex_lock(&srv->reg_mu);
+    if (srv->meta && health)
+        json_object_set_new(health, "metadata",
+                            json_pack("{s:s, s:s, s:s, s:s, s:b}", "store",
+                                      kvb__meta_uri(srv->meta), "cluster", srv->cluster, "key",
+                                      srv->inst_key, "incarnation", srv->incarnation, "reachable",
+                                      kvb__meta_reachable(srv->meta)));
+    pthread_mutex_unlock(&srv->reg_mu);
 }
 
 void kvb__srv_reg_close(kvb_pd_server_t *srv)
 {
     /* Closing deletes the owned key: proxies drop us on their next round instead of after the
-     * TTL, and, since this runs before HTTP stops, never pick us while we refuse connections. */
-    kvb__meta_close(srv->meta);
+     * TTL, and, since this runs before HTTP stops, never pick us while we refuse connections -
+     * while /health may still read the store's state: it is taken out under reg_mu first. */
+    pthread_mutex_lock(&srv->reg_mu);
+    kvb_meta_t *m = srv->meta;
     srv->meta = NULL;
+    pthread_mutex_unlock(&srv->reg_mu);
+    kvb__meta_close(m);
 }

@@ -425,6 +425,7 @@ int kvb_pd_server_create(const kvb_pd_server_opts_t *opts, kvb_pd_server_t **out
     pthread_mutex_init(&srv->links_mu, NULL);
     pthread_mutex_init(&srv->mu, NULL);
     pthread_mutex_init(&srv->bat_mu, NULL);
+    pthread_mutex_init(&srv->reg_mu, NULL);
     pthread_cond_init(&srv->bat_cv, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -482,5 +483,6 @@ void kvb_pd_server_destroy(kvb_pd_server_t *srv)
     pthread_mutex_destroy(&srv->fwd_mu);
     pthread_cond_destroy(&srv->bat_cv);
     pthread_mutex_destroy(&srv->bat_mu);
+    pthread_mutex_destroy(&srv->reg_mu);
     free(srv);
 }
