@@ -242,14 +242,24 @@ static int fetch_layout(kvb_kv_link_t *l, char *reason, size_t cap)
         rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, NULL, 0, &len);
     if (rc)
         return kvb__fail(reason, cap, rc, "the peer publishes no KV layout: %s", kvb_strerror(rc));
-    char *json = malloc(len ? len : 1);
-    if (!json)
-        return KVB_ERR_NOMEM;
-    rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, json, len, &len);
-    if (!rc)
-        rc = kvb_kv_layout_decode(json, len, &l->remote, reason, cap);
-    free(json);
-    return rc;
+    /* A refresh of the shared segment (another link, the application) may swap in a longer
+     * descriptor between the two reads: the length the second read reports then exceeds the
+     * buffer, and the buffer holds only its start - read again into one as long. */
+    for (int tries = 0; tries < 4; tries++) {
+        char *json = malloc(len ? len : 1);
+        if (!json)
+            return KVB_ERR_NOMEM;
+        size_t got = 0;
+        rc = kvb_segment_attr(e, l->seg, KVB_KV_LAYOUT_ATTR, json, len, &got);
+        if (!rc && got <= len)
+            rc = kvb_kv_layout_decode(json, got, &l->remote, reason, cap);
+        free(json);
+        if (rc || got <= len)
+            return rc;
+        len = got;
+    }
+    return kvb__fail(reason, cap, KVB_ERR_PROTOCOL,
+                     "the peer's KV layout kept changing as it was read");
 }
 
 static int check_pair(kvb_kv_link_t *l, char *reason, size_t cap)
@@ -661,18 +671,20 @@ static void check_senders(kvb_kv_agent_t *a, const char *id)
     }
 }
 
-/* Reads one notification without a->mu held, if nobody else is; else sleeps a slice. */
-static void pump_once(kvb_kv_agent_t *a)
+/* Reads the notifications that come within `ms` (0: those already queued) without a->mu held, if
+ * nobody else is reading; else sleeps a slice (0: returns). */
+static void pump_once(kvb_kv_agent_t *a, int ms)
 {
     if (a->pumping) {
         struct timespec ts = kvb__timespec_of(kvb__now_ns() + PUMP_SLICE_MS * 1000000ull);
-        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        if (ms)
+            pthread_cond_timedwait(&a->cv, &a->mu, &ts);
         return;
     }
     a->pumping = true;
     pthread_mutex_unlock(&a->mu);
     kvb_notification_t *n = malloc(sizeof *n);
-    int rc = n ? kvb_notify_recv(a->engine, n, PUMP_SLICE_MS) : KVB_ERR_NOMEM;
+    int rc = n ? kvb_notify_recv(a->engine, n, ms) : KVB_ERR_NOMEM;
     pthread_mutex_lock(&a->mu);
     a->pumping = false;
     while (rc == KVB_OK) { /* drain what is already queued */
@@ -693,7 +705,15 @@ int kvb_kv_wait(kvb_kv_agent_t *a, const char *req_id, int timeout_ms)
     int rc;
     pthread_mutex_lock(&a->mu);
     for (;;) {
-        check_senders(a, req_id);
+        /* What is queued first - a notice a peer sent just before its engine went is in the
+         * queue by the time its loss shows - and the losses only with nobody else reading (who
+         * may hold such a notice, not yet handled). Also with timeout 0: a caller that polls
+         * must see the notices come in. */
+        if (!a->pumping) {
+            pump_once(a, 0);
+            if (!a->pumping)
+                check_senders(a, req_id);
+        }
         int err = KVB_OK, st = kvb__agg_poll(a->agg, req_id, kvb__now_ns(), &err);
         if (st < 0) {
             rc = st;
@@ -709,7 +729,7 @@ int kvb_kv_wait(kvb_kv_agent_t *a, const char *req_id, int timeout_ms)
             rc = KVB_ERR_AGAIN;
             break;
         }
-        pump_once(a);
+        pump_once(a, PUMP_SLICE_MS);
     }
     pthread_mutex_unlock(&a->mu);
     return rc;
@@ -722,7 +742,9 @@ int kvb_kv_agent_notify_recv(kvb_kv_agent_t *a, kvb_notification_t *out, int tim
     uint64_t until = kvb__deadline_ms(timeout_ms);
     int rc = KVB_ERR_AGAIN;
     pthread_mutex_lock(&a->mu);
-    for (;;) {
+    for (bool drained = false;; drained = true) {
+        if (!drained)
+            pump_once(a, 0); /* what is queued already, timeout 0 too */
         if (a->other_count) {
             *out = a->other[a->other_head];
             a->other_head = (a->other_head + 1) % OTHER_MAX;
@@ -734,7 +756,7 @@ int kvb_kv_agent_notify_recv(kvb_kv_agent_t *a, kvb_notification_t *out, int tim
             rc = timeout_ms == 0 ? KVB_ERR_AGAIN : KVB_ERR_TIMEOUT;
             break;
         }
-        pump_once(a);
+        pump_once(a, PUMP_SLICE_MS);
     }
     pthread_mutex_unlock(&a->mu);
     return rc;

@@ -529,3 +529,39 @@ Test(kv_peer, killed_sender_fails_its_request_only)
     }
     rank_fini(&d);
 }
+
+/* A receiver that polls (kvb_kv_wait with timeout 0) sees the notices come in - it used to
+ * return AGAIN without ever reading them, until the request timed out although every byte had
+ * landed; and a notice the sender sent just before its engine went counts: the sender's loss
+ * used to be applied before the queue was read, failing a complete transfer as PEER_LOST. */
+Test(kv_peer, notices_reach_a_poller_and_outlive_their_sender)
+{
+    child_t c;
+    child_start(&c, false);
+    rank_t d;
+    kvb_kv_link_t *links[1][2];
+    rank_init(&d, false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
+    link_all(&d, 1, &c, links);
+    cr_assert_eq(kvb_kv_expect(d.agent, "polled", links[0], 2, 10000), KVB_OK);
+    cr_assert_eq(kvb_kv_expect(d.agent, "orphan", links[0], 2, 10000), KVB_OK);
+    char cmd[1024], reply[256];
+    push_cmd(cmd, sizeof cmd, "polled", -1);
+    child_cmd(&c, cmd, reply, sizeof reply);
+    cr_assert_str_eq(reply, "pushed 0\n");
+    int rc = KVB_ERR_AGAIN;
+    uint64_t dl = kvb__deadline_ms(3000);
+    while ((rc = kvb_kv_wait(d.agent, "polled", 0)) == KVB_ERR_AGAIN && kvb__now_ns() < dl)
+        usleep(10000);
+    cr_assert_eq(rc, KVB_OK, "polling: %s", kvb_status_name(rc));
+    push_cmd(cmd, sizeof cmd, "orphan", -1);
+    child_cmd(&c, cmd, reply, sizeof reply);
+    cr_assert_str_eq(reply, "pushed 0\n"); /* both notices queued here: kvb_notify_send waits */
+    child_stop(&c);                        /* and the sender's engines go */
+    usleep(200000);                        /* long enough for the loss to show */
+    rc = kvb_kv_wait(d.agent, "orphan", 5000);
+    cr_assert_eq(rc, KVB_OK, "after the sender left: %s", kvb_status_name(rc));
+    check_dest(&d.fx.l, SRC, DST, NB);
+    for (int p = 0; p < 2; p++)
+        kvb_kv_link_close(links[0][p]);
+    rank_fini(&d);
+}
