@@ -18,6 +18,7 @@ typedef struct {
     unsigned db;
     redisContext *c;
     bool no_script; /* EVAL was refused: renew by plain SET */
+    char err[128];  /* the last error reply */
 } redis_be_t;
 
 static void drop(redis_be_t *r)
@@ -82,6 +83,7 @@ static int command(kvb_meta_t *m, int argc, const char **argv, const size_t *len
     }
     if (rep->type == REDIS_REPLY_ERROR) {
         KVB_WARN("redis %s refused %s: %s", m->uri, argv[0], rep->str);
+        snprintf(r->err, sizeof r->err, "%s", rep->str ? rep->str : "");
         freeReplyObject(rep);
         return KVB_ERR_PROTOCOL;
     }
@@ -123,9 +125,13 @@ static int r_renew(kvb_meta_t *m, const char *key, const char *val, size_t len)
     const char *a[6] = {"EVAL", renew_script, "1", key, val, ttl};
     size_t l[6] = {4, sizeof renew_script - 1, 1, strlen(key), len, strlen(ttl)};
     redisReply *rep = NULL;
+    r->err[0] = '\0';
     int rc = command(m, 6, a, l, &rep);
-    if (rc == KVB_ERR_PROTOCOL) {
-        /* A server without scripting, or an ACL that forbids EVAL (command() logged its words). */
+    /* A server without scripting, or an ACL that forbids EVAL (command() logged its words) - not
+     * a passing refusal (LOADING, OOM, READONLY, BUSY), which the next round tries again: once
+     * set, the plain SET stays. */
+    bool never = !strncmp(r->err, "NOPERM", 6) || strstr(r->err, "unknown command");
+    if (rc == KVB_ERR_PROTOCOL && never) {
         KVB_WARN("redis %s: renewing owned keys by plain SET from now on, which overwrites a key "
                  "that another process took over",
                  m->uri);

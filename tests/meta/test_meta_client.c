@@ -4,6 +4,10 @@
  * left to a process that took them over, and re-created after an outage, and the URI parser. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -217,4 +221,56 @@ Test(meta_client, uris)
     cr_assert_str_eq(key, "kvbridge/prod/segments/p0");
     cr_assert_eq(kvb__meta_key(key, sizeof key, "a/b", "segments", "p0"), KVB_ERR_INVALID_ARG);
     cr_assert_eq(kvb__meta_key(key, sizeof key, "", "segments", "p0"), KVB_ERR_INVALID_ARG);
+}
+
+/* One raw command to the test's redis-server (RESP); its first reply line. */
+static void redis_raw(const test_store_t *s, const char *const *argv, int argc, char *out,
+                      size_t cap)
+{
+    char req[512];
+    int len = snprintf(req, sizeof req, "*%d\r\n", argc);
+    for (int i = 0; i < argc; i++)
+        len += snprintf(req + len, sizeof req - (size_t)len, "$%zu\r\n%s\r\n", strlen(argv[i]),
+                        argv[i]);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(s->port)};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(send(fd, req, (size_t)len, MSG_NOSIGNAL), len);
+    ssize_t n = recv(fd, out, cap - 1, 0);
+    cr_assert_gt(n, 0);
+    out[n] = '\0';
+    close(fd);
+}
+
+/* A passing refusal of the renewal script (here OOM: the server over its maxmemory for a moment)
+ * does not turn renewals into plain SETs for good - which would write our value back over a key
+ * that another process took over since. Only a server that can never run it (no EVAL, an ACL
+ * that forbids it) gets those. */
+Test(meta_client, redis_passing_refusal_keeps_renewals_conditional, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, TEST_STORE_REDIS), 0);
+    kvb_meta_t *old = client(&s, 900), *reader = client(&s, 0);
+    cr_assert_eq(kvb__meta_own(old, "kvbridge/t/owned", "old", 3), KVB_OK);
+    char r[256];
+    redis_raw(&s, (const char *[]){"CONFIG", "SET", "maxmemory-policy", "noeviction"}, 4, r,
+              sizeof r);
+    cr_assert_str_eq(r, "+OK\r\n");
+    redis_raw(&s, (const char *[]){"CONFIG", "SET", "maxmemory", "1"}, 4, r, sizeof r);
+    cr_assert_str_eq(r, "+OK\r\n");
+    usleep(700000); /* two renewal rounds (every 300 ms), refused */
+    redis_raw(&s, (const char *[]){"CONFIG", "SET", "maxmemory", "0"}, 4, r, sizeof r);
+    cr_assert_str_eq(r, "+OK\r\n");
+    cr_assert_eq(kvb__meta_put(reader, "kvbridge/t/owned", "new", 3, 0), KVB_OK); /* taken over */
+    char buf[64];
+    uint64_t end = kvb__deadline_ms(1500); /* five more rounds */
+    while (kvb__now_ns() < end) {
+        cr_assert_eq(get_str(reader, "kvbridge/t/owned", buf, sizeof buf), KVB_OK);
+        cr_assert_str_eq(buf, "new", "the old owner wrote its value back over the new one");
+        usleep(50000);
+    }
+    kvb__meta_close(old);
+    kvb__meta_close(reader);
+    test_store_stop(&s);
 }
