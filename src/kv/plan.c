@@ -252,6 +252,11 @@ static int emit(plan_t *p, const kvb_kv_slot_t *ss, const kvb_kv_slot_t *ds, uin
                 uint64_t db, uint64_t n)
 {
     uint64_t soff = 0, doff = 0, len, sa = 0, da = 0; /* sa, da: set when rc is 0 */
+    if (ss->num_heads && p->partial &&
+        (ss->order != KVB_KV_ORDER_HND || ds->order != KVB_KV_ORDER_HND))
+        return kvb__kv_slot_fail(p->reason, p->cap, KVB_ERR_INVALID_ARG, ss,
+                                 "a route over part of the heads needs HND blocks on both sides "
+                                 "(in NHD blocks a head range is no contiguous byte range)");
     if (ss->num_heads && p->partial) {
         uint64_t stride = (uint64_t)p->dst_l->tokens_per_block * ss->head_bytes;
         const kvb_kv_layout_t *s = p->src_l, *d = p->dst_l;

@@ -319,6 +319,24 @@ Test(plan, gqa_pull_tp2_to_tp4_head_range)
     kvb_kv_plan_free(q);
 }
 
+/* The same route over NHD blocks: a head range is not one byte range there, and the plan used to
+ * move the range's bytes as if it were (the wrong bytes, in bounds). The guard refuses such a pair
+ * at link time; a direct caller of kvb_kv_plan is refused here. */
+Test(plan, a_partial_head_route_over_nhd_blocks_is_refused)
+{
+    fx_gqa(&loc, 8, 4, 1, 1, 16, 0x100000000ull);
+    fx_gqa(&rem, 8, 2, 0, 1, 16, 0x200000000ull);
+    for (size_t i = 0; i < loc.l.num_slots; i++)
+        loc.slots[i].order = KVB_KV_ORDER_NHD;
+    for (size_t i = 0; i < rem.l.num_slots; i++)
+        rem.slots[i].order = KVB_KV_ORDER_NHD;
+    uint64_t src[] = {5}, dst[] = {0};
+    kvb_kv_route_t rt = {.src_rank = 0, .dst_rank = 1, .head_begin = 2, .head_end = 4};
+    kvb_kv_plan_args_t a = args_of(KVB_OP_READ, src, 1, dst, 1);
+    a.route = &rt;
+    plan_fails(&a, KVB_ERR_INVALID_ARG, "HND");
+}
+
 Test(plan, gqa_push_tp4_to_tp1_only_first_sender_moves_unsplit_slots)
 {
     /* Prefill rank 2 (local, heads [4,6)) writes into decode rank 0 (remote, all 8 heads). */
