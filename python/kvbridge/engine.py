@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -63,6 +64,29 @@ def _b(s: Optional[Union[str, bytes]]) -> Optional[bytes]:
 
 
 BufferLike = Any  # an int address, a buffer-protocol object, or an object with data_ptr()
+
+
+def _readonly(obj: Any) -> bool:
+    """Whether a buffer-protocol object is read-only (addresses and tensors are not)."""
+    if isinstance(obj, int) or hasattr(obj, "data_ptr"):
+        return False
+    try:
+        return memoryview(obj).readonly
+    except TypeError:
+        return False
+
+
+def _set_int(struct: Any, key: str, value: Any) -> None:
+    """Sets an integer field of a ctypes structure, refusing a value its type cannot hold
+    (ctypes would wrap it silently: port 70000 as 4464, a timeout of -1 as 49 days)."""
+    t = dict(struct._fields_)[key]
+    v = int(value)
+    bits = 8 * ctypes.sizeof(t)
+    signed = t(-1).value < 0 if t is not ctypes.c_bool else False
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    if not lo <= v <= hi:
+        raise ValueError(f"{key}={v} is out of range ({lo}..{hi})")
+    setattr(struct, key, v)
 
 
 def buffer_info(obj: BufferLike, length: Optional[int] = None) -> Tuple[int, int, Any, Optional[str]]:
@@ -222,7 +246,7 @@ class Engine:
                 keep.append(b)
                 setattr(cfg, key, b)
             else:
-                setattr(cfg, key, int(value))
+                _set_int(cfg, key, value)
         if secret is not None:
             sb = _b(secret)
             buf = ctypes.create_string_buffer(sb, len(sb))
@@ -239,6 +263,9 @@ class Engine:
         self._h: Optional[int] = h.value
         self._lock = threading.Lock()
         self._regions: Dict[int, Any] = {}  # registered address -> keep-alive
+        # KV agents on this engine (kvbridge.kv): closed first, since an agent's C object uses
+        # the engine until it is destroyed.
+        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.name: str = lib.kvb_engine_segment_name(h).decode()
         self.port: int = int(lib.kvb_engine_port(h))
 
@@ -284,7 +311,10 @@ class Engine:
 
     def close(self) -> None:
         """Destroys the engine (kvb_engine_destroy): requests in flight end FAILED with
-        ERR_SHUTDOWN, blocked notification receivers return. Idempotent."""
+        ERR_SHUTDOWN, blocked notification receivers return. KV agents made on it are closed
+        first. Idempotent. Not while another thread is inside a call on this engine."""
+        for child in list(self._children):
+            child.close()
         with self._lock:
             h, self._h = self._h, None
         if h is not None:
@@ -308,15 +338,23 @@ class Engine:
 
     # ---- memory ------------------------------------------------------------------------------
     def register(self, buf: BufferLike, length: Optional[int] = None, *,
-                 location: Optional[str] = None, access: int = ACCESS_RW) -> Tuple[int, int]:
+                 location: Optional[str] = None, access: Optional[int] = None) -> Tuple[int, int]:
         """Registers memory so peers may READ/WRITE it as `access` allows and local requests may
         use it (kvb_register). `buf` is an address (with `length`), a buffer-protocol object or
         an object with data_ptr(); the object is kept alive until unregister(). `location`: "cpu",
-        "cpu:N", "cuda:N", "*" (detect); default "cpu", or "cuda:N" for a CUDA tensor.
+        "cpu:N", "cuda:N", "*" (detect); default "cpu", or "cuda:N" for a CUDA tensor. `access`:
+        default ACCESS_RW, but ACCESS_READ for a read-only buffer (a numpy array not writeable),
+        which refuses ACCESS_WRITE (ValueError): a peer's WRITE would change memory Python holds
+        immutable. (Do not READ into such a buffer either: local requests are not checked.)
         Returns (address, length). Raises OverlapError if the range overlaps a registration."""
         addr, n, keep, loc = buffer_info(buf, length)
         if location is None:
             location = loc
+        readonly = _readonly(buf)
+        if access is None:
+            access = ACCESS_READ if readonly else ACCESS_RW
+        elif readonly and access & ACCESS_WRITE:
+            raise ValueError("a read-only buffer cannot be registered for peers' WRITEs")
         check(self._lib.kvb_register(self._handle(), addr, n, _b(location), access),
               f"kvb_register({addr:#x}, {n})")
         with self._lock:
@@ -515,10 +553,15 @@ class Segment:
         if rc == -7:  # ERR_NOT_FOUND
             return None
         check(rc, f"kvb_segment_attr({key!r})")
-        buf = ctypes.create_string_buffer(max(n.value, 1))
-        check(lib.kvb_segment_attr(h, self.handle, _b(key), buf, n.value, ctypes.byref(n)),
-              f"kvb_segment_attr({key!r})")
-        return buf.raw[:n.value]
+        while True:  # a refresh on another thread may lengthen it between the two calls
+            cap = n.value
+            buf = ctypes.create_string_buffer(max(cap, 1))
+            rc = lib.kvb_segment_attr(h, self.handle, _b(key), buf, cap, ctypes.byref(n))
+            if rc == -7:
+                return None
+            check(rc, f"kvb_segment_attr({key!r})")
+            if n.value <= cap:
+                return buf.raw[:n.value]
 
     def refresh(self) -> None:
         """Fetches the region list and attributes again (PeerRestartedError: reopen)."""

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
-from .engine import Engine, Notification, Op, Request, _b, _ms, _notification, _settle
-from .errors import check, make_error
+from .engine import (Engine, Notification, Op, Request, _b, _ms, _notification, _set_int,
+                     _settle)
+from .errors import Error, check, make_error
 
 LAYOUT_ATTR = "kvbridge.kv.layout"
 
@@ -94,16 +97,24 @@ class Layout:
     def _c(self) -> Tuple[Any, Any]:
         """The C struct and its slot array (keep both alive while the struct is used)."""
         arr = (_lib.KvSlot * max(len(self.slots), 1))()
-        for i, s in enumerate(self.slots):
-            arr[i] = _lib.KvSlot(s.layer, int(s.kind), s.base, s.len, s.block_bytes, s.num_blocks,
-                                 s.num_heads, s.head_bytes, int(s.order))
+        for i, s in enumerate(self.slots):  # each field checked: ctypes would wrap it silently
+            for name, v in (("layer", s.layer), ("kind", int(s.kind)), ("base", s.base),
+                            ("len", s.len), ("block_bytes", s.block_bytes),
+                            ("num_blocks", s.num_blocks), ("num_heads", s.num_heads),
+                            ("head_bytes", s.head_bytes), ("order", int(s.order))):
+                _set_int(arr[i], name, v)
         m = self.model.encode()
         if len(m) > _lib.KV_MODEL_MAX:
             raise make_error(-1, f"model id longer than {_lib.KV_MODEL_MAX} bytes")
-        c = _lib.KvLayout(m, int(self.dtype), self.tokens_per_block, int(self.attn),
-                          self.num_kv_heads, self.dp_size, self.dp_rank, self.tp_size,
-                          self.tp_rank, self.num_layers,
-                          ctypes.cast(arr, ctypes.POINTER(_lib.KvSlot)), len(self.slots))
+        c = _lib.KvLayout(m)
+        for name, v in (("dtype", int(self.dtype)), ("tokens_per_block", self.tokens_per_block),
+                        ("attn", int(self.attn)), ("num_kv_heads", self.num_kv_heads),
+                        ("dp_size", self.dp_size), ("dp_rank", self.dp_rank),
+                        ("tp_size", self.tp_size), ("tp_rank", self.tp_rank),
+                        ("num_layers", self.num_layers)):
+            _set_int(c, name, v)
+        c.slots = ctypes.cast(arr, ctypes.POINTER(_lib.KvSlot))
+        c.num_slots = len(self.slots)
         return c, arr
 
     @classmethod
@@ -254,11 +265,22 @@ def plan(local: Layout, remote: Layout, op: Op, segment: int, src_blocks: Sequen
         lib.kvb_kv_plan_free(reqs)
 
 
+def _close_handle(obj: Any, destroy: Any) -> None:
+    """Closes obj's children, then takes its handle (under its lock: two threads closing it
+    free it once) and destroys it."""
+    for child in list(obj._children):
+        child.close()
+    with obj._close_lock:
+        h, obj._h = obj._h, None
+    if h is not None:
+        destroy(h)
+
+
 class Agent:
     """One TP rank's KV agent (kvb_kv_agent_create): validates `layout`, registers its buffers
     with `engine` and publishes the layout descriptor. From then on it consumes the engine's
-    notifications (others: notify_recv()). Close links and transfers before the agent, and the
-    agent before the engine. The buffers' memory must outlive the agent."""
+    notifications (others: notify_recv()). Closing it closes its links first (and theirs, their
+    transfers); closing the engine closes it. The buffers' memory must outlive the agent."""
 
     def __init__(self, engine: Engine, layout: Layout, role: Role):
         self.engine = engine
@@ -273,6 +295,9 @@ class Agent:
               why.value)
         self._lib = lib
         self._h: Optional[int] = out.value
+        self._close_lock = threading.Lock()
+        self._children: "weakref.WeakSet[Link]" = weakref.WeakSet()
+        engine._children.add(self)
 
     def _handle(self) -> int:
         if self._h is None:
@@ -280,10 +305,9 @@ class Agent:
         return self._h
 
     def close(self) -> None:
-        """Unregisters the buffers, withdraws the descriptor, frees the agent. Idempotent."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._lib.kvb_kv_agent_destroy(h)
+        """Closes its links, unregisters the buffers, withdraws the descriptor, frees the agent.
+        Idempotent."""
+        _close_handle(self, self._lib.kvb_kv_agent_destroy)
 
     def __enter__(self) -> "Agent":
         return self
@@ -333,6 +357,9 @@ class Link:
         self.segment = segment
         self._h: Optional[int] = handle
         self._lib = agent._lib
+        self._close_lock = threading.Lock()
+        self._children: "weakref.WeakSet[Transfer]" = weakref.WeakSet()
+        agent._children.add(self)
 
     def _handle(self) -> int:
         if self._h is None:
@@ -340,9 +367,8 @@ class Link:
         return self._h
 
     def close(self) -> None:
-        h, self._h = self._h, None
-        if h is not None:
-            self._lib.kvb_kv_link_close(h)
+        """Frees its transfers (cancelling what is pending), then the link. Idempotent."""
+        _close_handle(self, self._lib.kvb_kv_link_close)
 
     def __enter__(self) -> "Link":
         return self
@@ -379,15 +405,16 @@ class Link:
         check(self._lib.kvb_kv_xfer_begin(self._handle(), _b(req_id), int(op), src, dst,
                                           len(src_blocks), _ms(timeout), ctypes.byref(out), why,
                                           len(why)), f"kvb_kv_xfer_begin({req_id!r})", why.value)
-        return Transfer(self._lib, int(out.value))
+        x = Transfer(self._lib, int(out.value))
+        self._children.add(x)
+        return x
 
     def pull(self, req_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
              timeout: float = 30.0) -> None:
         """Decode side: reads the request's blocks from the prefill rank, then tells it they
         landed. Raises the first error."""
         with self.begin(req_id, Op.READ, src_blocks, dst_blocks, timeout) as x:
-            x.all()
-            x.finish()
+            _all_then_finish(x)
 
     def give_up(self, req_id: str, timeout: float = 5.0) -> None:
         """Tells the other side that `req_id` will not be transferred over this link at all: its
@@ -400,8 +427,22 @@ class Link:
         """Prefill side: writes the request's blocks to the decode rank (all layers), then
         tells it they landed. For layer-wise push use begin(..., Op.WRITE, ...) and layer()."""
         with self.begin(req_id, Op.WRITE, src_blocks, dst_blocks, timeout) as x:
-            x.all()
+            _all_then_finish(x)
+
+
+def _all_then_finish(x: "Transfer") -> None:
+    """Starts every layer and finishes the transfer - finished also when a layer could not
+    start, so that the other side hears of the failure now rather than at its deadline (a
+    transfer freed unfinished tells it nothing). Raises the first error."""
+    try:
+        x.all()
+    except Error:
+        try:
             x.finish()
+        except Error:
+            pass
+        raise
+    x.finish()
 
 
 class Transfer:
@@ -410,6 +451,8 @@ class Transfer:
     def __init__(self, lib: Any, handle: int):
         self._lib = lib
         self._h: Optional[int] = handle
+        self._close_lock = threading.Lock()
+        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()  # none
 
     def _handle(self) -> int:
         if self._h is None:
@@ -437,9 +480,7 @@ class Transfer:
 
     def close(self) -> None:
         """Frees the transfer, cancelling what is pending. Idempotent."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._lib.kvb_kv_xfer_free(h)
+        _close_handle(self, self._lib.kvb_kv_xfer_free)
 
     def __enter__(self) -> "Transfer":
         return self

@@ -133,11 +133,13 @@ class TransferEngine:
         self._engine: Optional[Engine] = None
         self._lock = threading.RLock()
         self._segments: Dict[str, Segment] = {}
-        self._batches: Dict[int, Tuple[Batch, int]] = {}
+        # batch id -> (batch, requests, target, segment): a peer error forgets the segment
+        self._batches: Dict[int, Tuple[Batch, int, str, Segment]] = {}
         self._next_id = 1
         self._free: Dict[int, List[int]] = {}  # size class -> free addresses
         self._slabs: List[int] = []
         self._large: Dict[int, int] = {}  # address -> length
+        self._out: Dict[int, int] = {}  # small buffers handed out: address -> size class
         timeout = os.environ.get("MC_TRANSFER_TIMEOUT")
         self._timeout_ns = max(5, int(timeout)) * 10**9 if timeout else 30 * 10**9
         if transfer_timeout is not None:
@@ -315,7 +317,9 @@ class TransferEngine:
                         raise
                     self._slabs.append(slab)
                     free.extend(range(slab + _SLAB - _CLASSES[cls], slab - 1, -_CLASSES[cls]))
-                return free.pop()
+                addr = free.pop()
+                self._out[addr] = cls
+                return addr
         except (Error, RuntimeError) as ex:
             log.error("allocate_managed_buffer(%d) failed: %s", length, ex)
             return 0
@@ -326,14 +330,23 @@ class TransferEngine:
             e = self._eng()
             with self._lock:
                 if buffer_addr in self._large:
+                    e.unregister(buffer_addr)  # BusyError: still in use, kept (call again)
                     del self._large[buffer_addr]
-                    e.unregister(buffer_addr)
                     e.free(buffer_addr)
                     return 0
+                # Only a buffer handed out and not yet returned, with a length of its size
+                # class: a second free (two later allocations would share it) or a larger length
+                # (it would be handed out as a larger buffer, past its slab) is refused.
                 cls = next((i for i, c in enumerate(_CLASSES) if length <= c), None)
-                if cls is None:
-                    log.error("free_managed_buffer(%#x): not a managed buffer", buffer_addr)
+                if self._out.get(buffer_addr) is None:
+                    log.error("free_managed_buffer(%#x): not a managed buffer in use",
+                              buffer_addr)
                     return -1
+                if cls != self._out[buffer_addr]:
+                    log.error("free_managed_buffer(%#x, %d): it was allocated with a length of "
+                              "another size class", buffer_addr, length)
+                    return -1
+                del self._out[buffer_addr]
                 self._free.setdefault(cls, []).append(buffer_addr)
                 return 0
         except (Error, RuntimeError) as ex:
@@ -466,14 +479,14 @@ class TransferEngine:
     def _async(self, target: str, buffers: Sequence[int], peers: Sequence[int],
                lengths: Sequence[int], op: int, what: str) -> int:
         try:
-            batch, _seg = self._submit(target, buffers, peers, lengths, op)
+            batch, seg = self._submit(target, buffers, peers, lengths, op)
         except (Error, ValueError, RuntimeError) as e:
             log.error("%s to %s failed: %s", what, target, e)
             return 0
         with self._lock:
             bid = self._next_id
             self._next_id += 1
-            self._batches[bid] = (batch, len(buffers))
+            self._batches[bid] = (batch, len(buffers), target, seg)
         return bid
 
     def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[int],
@@ -503,48 +516,61 @@ class TransferEngine:
         return self._async(target_hostname, [buffer], [peer_buffer_address], [length], Op.WRITE,
                            "transfer_submit_write")
 
-    def _take(self, bid: int) -> Optional[Batch]:
+    def _take(self, bid: int) -> Optional[Tuple[Batch, int, str, Segment]]:
         with self._lock:
-            entry = self._batches.pop(int(bid), None)
-        return entry[0] if entry else None
+            return self._batches.pop(int(bid), None)
+
+    def _peer_failed(self, entry: Tuple[Batch, int, str, Segment], peer_lost: bool) -> None:
+        """A batch of `entry` failed; a lost peer's segment is forgotten, so the next transfer
+        to it reconnects (a restarted peer) rather than fail on the dead connection forever."""
+        if peer_lost:
+            self._drop_segment(entry[2], entry[3])
 
     def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int:
         """Waits until every batch has finished and frees them: 0 if all completed, -1 if any
         failed or timed out (or an id is unknown)."""
-        batches = []
+        entries = []
         rc = 0
         for bid in batch_ids:
-            b = self._take(bid)
-            if b is None:
+            entry = self._take(bid)
+            if entry is None:
                 log.error("get_batch_transfer_status: unknown batch id %r", bid)
                 rc = -1
             else:
-                batches.append(b)
-        for b in batches:
+                entries.append(entry)
+        for entry in entries:
+            b = entry[0]
             with b:
                 try:
                     b.wait()
                 except Error as e:
                     log.error("batch transfer failed: %s", e)
+                    self._peer_failed(entry, isinstance(e, PeerError))
                     self._settle(b, "batch transfer")
                     rc = -1
         return rc
 
     def transfer_check_status(self, batch_id: int) -> int:
-        """Polls the first request of a batch: 1 completed, 0 pending, -1 failed, -2 timed out.
-        A batch that ended is freed (the id is then unknown: -1), a failed one once settled."""
+        """Polls a batch: 1 every request completed, 0 one is still pending, -1 one failed, -2
+        one timed out (and none failed otherwise). Mooncake polls the first request only, which
+        for a batch of several would report one that failed as done. A batch that ended is
+        freed (the id is then unknown: -1), a failed one once settled."""
         with self._lock:  # held while polling: another thread may free the batch otherwise
             entry = self._batches.get(int(batch_id))
             if entry is None:
                 return -1
-            st = entry[0].status(0).state
-            if st == ReqState.PENDING:
+            sts = entry[0].statuses()
+            if any(x.state == ReqState.PENDING for x in sts):
                 return 0
             del self._batches[int(batch_id)]
-        if st != ReqState.COMPLETED:  # outside the lock: other transfers go on meanwhile
+        bad = [x for x in sts if x.state != ReqState.COMPLETED]
+        if bad:  # outside the lock: other transfers go on meanwhile
+            self._peer_failed(entry, any(-200 < x.error <= -100 for x in bad))
             self._settle(entry[0], "transfer")
         entry[0].close()
-        return 1 if st == ReqState.COMPLETED else -2 if st == ReqState.TIMEOUT else -1
+        if not bad:
+            return 1
+        return -2 if all(x.state == ReqState.TIMEOUT for x in bad) else -1
 
     # ---- peers -------------------------------------------------------------------------------
     def get_first_buffer_address(self, segment_name: str) -> int:
@@ -622,10 +648,16 @@ class TransferEngine:
         does this in its destructor). Idempotent."""
         with self._lock:
             e, self._engine = self._engine, None
-            batches = [b for b, _ in self._batches.values()]
+            batches = [entry[0] for entry in self._batches.values()]
             self._batches.clear()
             segs = list(self._segments.values())
             self._segments.clear()
+            # The engine's memory goes with it: no buffer of it may be handed out after a new
+            # initialize().
+            self._free.clear()
+            self._slabs.clear()
+            self._large.clear()
+            self._out.clear()
         for b in batches:
             b.close()
         if e is None:

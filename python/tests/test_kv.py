@@ -3,6 +3,11 @@
 agents between a prefill and a decode process - pull, push, layer-wise push, every block's bytes
 checked and every other block checked untouched, a refused link, a peer killed mid-request."""
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -125,8 +130,54 @@ except errors.CanceledError:
         with pytest.raises(errors.InvalidArgError):
             link.begin("r4", Op.READ, [BLOCKS + 1], [3])
         assert agent.notify_recv(0) is None
+        # a push whose layers cannot start (a slot unregistered under the prefill's agent): the
+        # decode hears of the failure at once - push() used to leave without finish(), and the
+        # decode waited until its deadline
+        agent.expect("r6", [link], 30)
+        assert p.run("""
+eng.unregister(int(arrays[(0, 0)].__array_interface__['data'][0]))
+try:
+    plink.push('r6', [1], [1], 10)
+    result = 'pushed'
+except errors.Error as e:
+    result = type(e).__name__
+""") != "pushed"
+        t0 = time.monotonic()
+        with pytest.raises(errors.Error):
+            agent.wait("r6", 20)
+        assert time.monotonic() - t0 < 5
         link.close()
         agent.close()
+
+
+def test_closing_out_of_order_is_safe(tmp_path):
+    """Closing an engine first closes its agents, theirs links and their transfers; closing
+    them afterwards does nothing (it used to free the agent against a destroyed engine)."""
+    code = """
+import kvbridge
+from kvbridge import errors, kv
+from helpers import kv_cache
+e1, e2 = kvbridge.Engine(), kvbridge.Engine()
+l1, a1 = kv_cache(1)
+l2, a2 = kv_cache(None)
+p = kv.Agent(e1, l1, kv.Role.PREFILL)
+d = kv.Agent(e2, l2, kv.Role.DECODE)
+link = d.link(e1.name)
+x = link.begin("r", kvbridge.Op.READ, [0], [0], 5)
+e2.close()
+x.close(); link.close(); d.close()
+try:
+    link.begin("r2", kvbridge.Op.READ, [0], [0], 5)
+    raise SystemExit("a closed link took a transfer")
+except errors.Error:
+    pass
+p.close(); e1.close(); p.close()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_incompatible_link_and_peer_killed(spawn):

@@ -158,6 +158,12 @@ def test_async_and_status(te, peer):
     assert peer["peer"].run("result = digest(buf[:8192])") == digest(np.concatenate([src, src]))
     bid = te.transfer_submit_write(name, addr(src), raddr - 4096, 4096)
     assert wait_for(lambda: te.transfer_check_status(bid) == -1)
+    # Every request of a batch counts: its first completing is not the batch completing.
+    two = te.batch_transfer_async_write(name, [addr(src), addr(src)], [raddr, raddr - 4096],
+                                        [4096, 4096])
+    seen = []
+    assert wait_for(lambda: seen.append(te.transfer_check_status(two)) or seen[-1] != 0)
+    assert seen[-1] == -1, seen
 
 
 def test_pending_timeout_and_peer_killed(spawn):
@@ -182,13 +188,16 @@ def test_pending_timeout_and_peer_killed(spawn):
     t0 = time.monotonic()
     assert te.get_batch_transfer_status([bid]) == -1
     assert time.monotonic() - t0 < 3
-    assert te.send_probe(name) == -1
-    # a new process on the same port: the next call reconnects
+    # a new process on the same port: the next call reconnects - an asynchronous one too, with
+    # no probe or synchronous call between (the lost peer's segment was kept, and every
+    # asynchronous transfer to it failed)
     p2 = spawn()
     code = MOONCAKE_TARGET.replace('"127.0.0.1", "P2PHANDSHAKE"',
                                    f'"127.0.0.1:{port}", "P2PHANDSHAKE"')
     info = p2.run(code.format(size=1 << 20))
     assert info["name"] == name, "the old port was taken by another process meanwhile"
+    bid = te.batch_transfer_async_read(name, [addr(local)], [info["addr"]], [4096])
+    assert bid and te.get_batch_transfer_status([bid]) == 0
     assert te.send_probe(name) == 0
     assert te.get_first_buffer_address(name) == info["addr"]
     assert te.transfer_sync_read(name, addr(local), info["addr"], 1 << 20) == 0
@@ -280,6 +289,14 @@ def test_managed_buffers(te):
     assert te.read_bytes_from_buffer(big + (80 << 20) - 3, 3) == b"xyz"
     assert te.free_managed_buffer(big, 80 << 20) == 0
     assert te.free_managed_buffer(b, 1 << 40) == -1
+    # Only a buffer in use, with a length of its size class: a second free would hand it out
+    # twice, a larger length as a larger buffer running past its slab.
+    assert te.free_managed_buffer(b, 1 << 20) == -1
+    assert te.free_managed_buffer(b, 100) == 0
+    assert te.free_managed_buffer(b, 100) == -1  # freed already
+    assert te.free_managed_buffer(12345, 100) == -1  # never handed out
+    c, d = te.allocate_managed_buffer(100), te.allocate_managed_buffer(100)
+    assert c and d and c != d
 
 
 def test_managed_buffer_transfer(te, peer):

@@ -42,6 +42,9 @@ def test_engine_config_and_lifetime():
         Engine(bind_addr="0.0.0.0")  # not loopback and no secret
     with pytest.raises(errors.InvalidArgError):
         Engine(lanes=99)
+    for bad in ({"port": 70000}, {"port": -1}, {"timeout_ms": -1}, {"lanes": 1 << 40}):
+        with pytest.raises(ValueError):  # ctypes would wrap it: port 70000 as 4464
+            Engine(**bad)
 
 
 def test_register_forms():
@@ -70,7 +73,9 @@ def test_register_forms():
         e.unregister(addr(t.a))
         ro = np.zeros(100, np.uint8)
         ro.setflags(write=False)
-        assert e.register(ro)[1] == 100
+        with pytest.raises(ValueError):  # a peer's WRITE would change it
+            e.register(ro, access=kvbridge.ACCESS_RW)
+        assert e.register(ro)[1] == 100  # for peers' READs only
         e.unregister(ro)
         with pytest.raises(ValueError):
             e.register(b"read-only bytes")
@@ -374,9 +379,10 @@ def test_tcp_congestion():
 def test_busy_poll():
     with Engine() as e:
         assert e.busy_poll_us == 0  # off by default
-    for bad in (100001, -1):
-        with pytest.raises(errors.InvalidArgError):
-            Engine(busy_poll_us=bad)
+    with pytest.raises(errors.InvalidArgError):
+        Engine(busy_poll_us=100001)
+    with pytest.raises(ValueError):  # not a uint32_t
+        Engine(busy_poll_us=-1)
     with Engine(busy_poll_us=200) as a, Engine(busy_poll_us=200) as b:
         assert a.busy_poll_us == 200
         src, dst = pattern(7, 1 << 20), np.zeros(1 << 20, np.uint8)
