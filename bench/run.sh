@@ -44,7 +44,8 @@ LANES=2          # kvbridge bench's default, and the TCP ceiling's connection co
 # The TCP congestion control of every TCP run, ceiling and iperf3 cross-check alike: cubic where
 # the kernel has it, unless KVB_TCP_CONGESTION names another (`KVB_TCP_CONGESTION=bbr make
 # bench`). BBR on TCP's own pacing (no fq qdisc here) cost kvbridge's batches 20-30% across a
-# veth pair against 5-10% for the raw stream; the README's "Congestion control" has the pairs.
+# veth pair against 5-10% for the raw stream (the pairs: docs/performance-notes.md, "Congestion
+# control").
 CC_SYSTEM=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
 if [ -z "${KVB_TCP_CONGESTION:-}" ] &&
     grep -qw cubic /proc/sys/net/ipv4/tcp_available_congestion_control 2>/dev/null; then
@@ -149,7 +150,8 @@ goal_pair tcp-4k "TCP 4 KiB blocks batch 128 READ" 2.5 abs - - -- --protocol tcp
 goal_pair shm-64k "shm 64 KiB blocks batch 128 READ" 0.90 ratio copy 64K -- --protocol shm --operation read --block-size 64K --batch-size 128
 goal_pair shm-1m "shm 1 MiB blocks batch 32 WRITE" 0.90 ratio copy 1M -- --protocol shm --operation write --block-size 1M --batch-size 32
 # With busy polling (busy_poll_us, off by default): the 4 KiB batches pay a round trip each, and
-# on a host whose sleeping threads wake slowly the wakes are most of it (README, "Busy polling").
+# on a host whose sleeping threads wake slowly the wakes are most of it (README, "Busy
+# polling").
 BUSY_US=${BUSY_US:-200}
 goal_pair tcp-4k-busy "TCP 4 KiB blocks batch 128 READ busy polling $BUSY_US us" 2.5 abs - - -- --protocol tcp --operation read --block-size 4K --batch-size 128 --busy-poll "$BUSY_US"
 
@@ -196,7 +198,7 @@ veth_goals() {
     # sending thread's, or the one where the peer's ACKs are processed - and one flow sent from
     # two CPUs arrives out of order: 2026-11-24 (about 20:20), a 2 s WRITE of 1 MiB blocks retransmitted
     # 2500-11000 segments (84600 of them reported spurious by DSACK), at 1.3-1.7 GB/s; with RPS
-    # 0-1 segments, at 3.3-4.5 (README, "TCP over veth: reordering").
+    # 0-1 segments, at 3.3-4.5 (docs/performance-notes.md, "TCP over veth: reordering").
     local cpus mask
     cpus=$(nproc)
     [ "$cpus" -gt 31 ] && cpus=31 # one 32-bit word of the mask: enough to spread the flows
@@ -290,7 +292,7 @@ say ""
     if [ -n "$(damon_pids)" ]; then
         echo "DAMON's kdamond ran beside it: $(awk -v t=$(( $(damon_ticks) - DAMON_START )) \
             -v hz="$(getconf CLK_TCK)" -v s=$((SECONDS - START)) 'BEGIN {printf "%.1f", s ? 100 * t / hz / s : 0}')% of one"
-        echo "CPU over the run (its accessed-bit sampling; see the README's \"Reading the numbers\")."
+        echo "CPU over the run (its accessed-bit sampling; see docs/performance-notes.md, \"KV over TCP\")."
     fi
     echo
     echo "## Goals ($REPS interleaved pairs of ${GOAL_SECS} s runs: kvbridge, then its ceiling)"

@@ -18,7 +18,7 @@
  * BATCH_CACHE_BYTES, and the next batch that fits takes one: a KV pull submits a batch per layer
  * and frees them all at its end, and with plain malloc/free the heap gave those megabytes back to
  * the kernel and the next pull faulted them in again - a quarter of the CPU a same-host pull's
- * submits took (see the README's "Same-host KV pulls"). */
+ * submits took (see docs/performance-notes.md, "Same-host KV pulls"). */
 #define BATCH_CACHE_BYTES (16u << 20)
 #define BATCH_CACHE_SLACK 4 /* a kept block serves batches down to a quarter of its size */
 

@@ -32,7 +32,8 @@
 #define SPLIT_PART_MIN (256u << 10)
 /* A set of fewer bytes is copied by the thread that finishes it, alone: waking a pool thread
  * (a futex wake, and 7-8 us before it copies on the VMs measured) costs more than the half of
- * such a set it would take (README, "Same-host copies"). */
+ * such a set it would take (docs/performance-notes.md, "Same-host copies: parts and small sets").
+ */
 #define POOL_MIN (256u << 10)
 
 /* HELLO opens a link with the token of one authenticated connection, BIND adds another's. */
@@ -326,8 +327,8 @@ static bool pool_take(kvb_shm_t *s)
  * (a part is 1/(2 x threads) of the bytes not yet queued, at least SPLIT_PART_MIN), so the
  * threads run out of work close together: with two shares per thread of equal size, the last
  * thread to end finished 13-92 us after the other in 2 ms sets of 32 1 MiB copies (median 56
- * over 4 runs), with shrinking parts 14-16 us (README, "Same-host copies"). Caller holds
- * s->pool_mu; if the queue is full the caller copies. */
+ * over 4 runs), with shrinking parts 14-16 us (docs/performance-notes.md, "Same-host copies: parts
+ * and small sets"). Caller holds s->pool_mu; if the queue is full the caller copies. */
 static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t total,
                      atomic_int *left)
 {
@@ -1158,7 +1159,7 @@ static int start_pool(kvb_shm_t *s, int n)
     /* Adaptive: a thread that finds the pool lock taken spins a moment before it sleeps. The lock
      * is held for a queue step only, but the copying threads meet at it at every set's start and
      * end - and a sleeping waiter on a VM's halted vCPU took 60-75 us to wake and run, 0.15 of a
-     * 64 KiB x 128 set's copy time (README, "A host with slow wakes"). */
+     * 64 KiB x 128 set's copy time (docs/performance-notes.md, "A host with slow wakes"). */
     pthread_mutexattr_t ma;
     pthread_mutexattr_init(&ma);
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);

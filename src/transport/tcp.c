@@ -1085,7 +1085,7 @@ static void answer_set(tcp_conn_t *c, job_set_t *js)
  * started before it, and fills the other set next. The pool thus copies one set while this
  * thread answers the one before and reads the requests of the next: with the sets run one after
  * the other, the pool sat idle while each set's requests were read (about a tenth of a
- * same-host KV pull, see the README's "Same-host KV pulls"). */
+ * same-host KV pull, see docs/performance-notes.md, "Same-host KV pulls"). */
 static void start_jobs(tcp_conn_t *c)
 {
     job_set_t *js = &c->jsets[c->jfill];
@@ -2410,7 +2410,7 @@ static int handshake(kvb_transport_t *tp, kvb_peer_t *p, uint32_t lane, bool loc
 /* Same-host lanes, for a peer on our host that we reach with the same-host path: its requests are
  * small frames both ways, and a loopback TCP send runs the whole TCP receive path (and the peer's
  * wake-up) in the sender - a 64 B same-host READ round trip took p50 39-40 us on TCP lanes,
- * 24-27 us on Unix ones (README, "Same-host lanes"). */
+ * 24-27 us on Unix ones (docs/performance-notes.md, "Same-host lanes"). */
 static bool wants_local(const kvb_transport_t *tp, const kvb_peer_t *p)
 {
     const kvb_engine_t *e = tp->engine;
@@ -2609,7 +2609,7 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
      * meanwhile (the kernel's backlog), and appending each LANE_SPREAD share on its own kept a
      * submit of 128 64 KiB READs busy 80-160 us on loopback, the receiving thread waiting for a
      * core behind it. One send per lane: 35-55 us, the first answers read 90 us after the
-     * submit instead of 200-1000 (README, "64 KiB READ at batch 128"). */
+     * submit instead of 200-1000 (docs/performance-notes.md, "64 KiB READ at batch 128"). */
     unsigned first = atomic_fetch_add(&tpp->rr, 1) % (unsigned)tpp->nlanes, lane = first;
     kvb_op_t *head[MAX_LANES] = {NULL}, **tail[MAX_LANES];
     for (int i = 0; i < tpp->nlanes; i++)
