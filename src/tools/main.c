@@ -56,9 +56,11 @@ int kvb_cli_secret_file(const char *cmd, const char *path)
     return setenv("KVB_SECRET_FILE", path, 1) == 0 ? 0 : -1;
 }
 
+/* Digits only from the first character: strtoull would skip leading blanks and take " -1" as
+ * UINT64_MAX. */
 int kvb_cli_parse_uint(const char *s, uint64_t max, uint64_t *out)
 {
-    if (!s || !*s || *s == '-' || *s == '+')
+    if (!s || *s < '0' || *s > '9')
         return -1;
     char *end;
     errno = 0;
@@ -71,7 +73,7 @@ int kvb_cli_parse_uint(const char *s, uint64_t max, uint64_t *out)
 
 int kvb_cli_parse_size(const char *s, uint64_t *out)
 {
-    if (!s || !*s || *s == '-' || *s == '+')
+    if (!s || *s < '0' || *s > '9')
         return -1;
     char *end;
     errno = 0;

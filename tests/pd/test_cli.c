@@ -125,6 +125,7 @@ Test(cli, bad_command_lines)
         {{"init", "--preset", "tiny-gqa"}, "needs --preset and --out"},
         {{"init", "--preset", "huge", "--out", "/tmp/x"}, "unknown preset"},
         {{"init", "--preset", "tiny-gqa", "--seed", "abc", "--out", "/tmp/x"}, "bad value"},
+        {{"init", "--preset", "tiny-gqa", "--seed", " -1", "--out", "/tmp/x"}, "bad value"},
         {{"init", "--preset", "tiny-gqa", "--prompt", "x", "--out", "/tmp/x"}, "unknown option"},
         {{"info"}, "needs a preset or a file"},
         {{"info", "a", "b"}, "unexpected argument"},
