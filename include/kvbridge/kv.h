@@ -352,9 +352,11 @@ KVB_API int kvb_kv_give_up(kvb_kv_link_t *link, const char *req_id, int timeout_
 KVB_API int kvb_kv_expect(kvb_kv_agent_t *agent, const char *req_id, kvb_kv_link_t *const *links,
                           size_t n, int timeout_ms);
 /* Waits for `req_id`: KVB_OK once every expected rank reported success; the first error one
- * reported; KVB_ERR_PEER_LOST as soon as an expected rank's engine is gone; KVB_ERR_TIMEOUT at the
- * request's deadline; KVB_ERR_AGAIN if `timeout_ms` (-1: the deadline) passed first. Except
- * for KVB_ERR_AGAIN, the id is released. Several threads may wait for different ids. */
+ * reported; KVB_ERR_PEER_LOST once an expected rank's engine is gone and the notices it sent before
+ * going are read (a rank that finished and then exited counts as finished); KVB_ERR_TIMEOUT at the
+ * request's deadline; KVB_ERR_AGAIN if `timeout_ms` (-1: the deadline; 0 polls, reading what is
+ * queued) passed first. Except for KVB_ERR_AGAIN, the id is released. Several threads may wait
+ * for different ids. */
 KVB_API int kvb_kv_wait(kvb_kv_agent_t *agent, const char *req_id, int timeout_ms);
 
 /* Takes a notification that was not the agent's (see kvb_kv_agent_create); like

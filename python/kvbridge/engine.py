@@ -84,8 +84,8 @@ def _set_int(struct: Any, key: str, value: Any) -> None:
     bits = 8 * ctypes.sizeof(t)
     signed = t(-1).value < 0 if t is not ctypes.c_bool else False
     lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-    if not lo <= v <= hi:
-        raise ValueError(f"{key}={v} is out of range ({lo}..{hi})")
+    if not lo <= v <= hi:  # InvalidArgError, also a ValueError
+        raise make_error(-1, f"{key}={v} is out of range ({lo}..{hi})")
     setattr(struct, key, v)
 
 
@@ -353,8 +353,8 @@ class Engine:
         readonly = _readonly(buf)
         if access is None:
             access = ACCESS_READ if readonly else ACCESS_RW
-        elif readonly and access & ACCESS_WRITE:
-            raise ValueError("a read-only buffer cannot be registered for peers' WRITEs")
+        elif readonly and access & ACCESS_WRITE:  # InvalidArgError, also a ValueError
+            raise make_error(-1, "a read-only buffer cannot be registered for peers' WRITEs")
         check(self._lib.kvb_register(self._handle(), addr, n, _b(location), access),
               f"kvb_register({addr:#x}, {n})")
         with self._lock:

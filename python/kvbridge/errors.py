@@ -72,6 +72,8 @@ def _make_classes() -> None:
         bases: tuple = (base,)
         if name == "ERR_TIMEOUT":
             bases = (base, TimeoutError)  # `except TimeoutError` catches it too
+        elif name == "ERR_INVALID_ARG":
+            bases = (base, ValueError)  # `except ValueError` catches it too
         cls = type(_class_name(name), bases, {
             "__doc__": f"Status {name} ({value}).", "__module__": "kvbridge.errors"})
         g[cls.__name__] = cls

@@ -333,9 +333,9 @@ class Agent:
 
     def wait(self, req_id: str, timeout: Optional[float] = None) -> bool:
         """Waits for `req_id`: True once every expected rank reported success, False if
-        `timeout` seconds (None: the request's deadline) passed first; raises the first error a
-        rank reported, PeerLostError as soon as an expected rank's engine is gone, TimedOutError
-        at the deadline."""
+        `timeout` seconds (None: the request's deadline; 0 polls) passed first; raises the first
+        error a rank reported, PeerLostError once an expected rank's engine is gone (and the
+        notices it sent before going are read), TimedOutError at the deadline."""
         rc = self._lib.kvb_kv_wait(self._handle(), _b(req_id), _ms(timeout))
         if rc == -6:
             return False

@@ -38,12 +38,13 @@ def test_engine_config_and_lifetime():
         e.register(1, 1)
     with pytest.raises(TypeError):
         Engine(no_such_option=1)
+    assert issubclass(errors.InvalidArgError, ValueError)
     with pytest.raises(errors.InvalidArgError):
         Engine(bind_addr="0.0.0.0")  # not loopback and no secret
     with pytest.raises(errors.InvalidArgError):
         Engine(lanes=99)
     for bad in ({"port": 70000}, {"port": -1}, {"timeout_ms": -1}, {"lanes": 1 << 40}):
-        with pytest.raises(ValueError):  # ctypes would wrap it: port 70000 as 4464
+        with pytest.raises(errors.InvalidArgError):  # ctypes would wrap it: port 70000 as 4464
             Engine(**bad)
 
 
@@ -73,7 +74,7 @@ def test_register_forms():
         e.unregister(addr(t.a))
         ro = np.zeros(100, np.uint8)
         ro.setflags(write=False)
-        with pytest.raises(ValueError):  # a peer's WRITE would change it
+        with pytest.raises(errors.InvalidArgError):  # a peer's WRITE would change it
             e.register(ro, access=kvbridge.ACCESS_RW)
         assert e.register(ro)[1] == 100  # for peers' READs only
         e.unregister(ro)
@@ -381,7 +382,7 @@ def test_busy_poll():
         assert e.busy_poll_us == 0  # off by default
     with pytest.raises(errors.InvalidArgError):
         Engine(busy_poll_us=100001)
-    with pytest.raises(ValueError):  # not a uint32_t
+    with pytest.raises(errors.InvalidArgError):  # not a uint32_t
         Engine(busy_poll_us=-1)
     with Engine(busy_poll_us=200) as a, Engine(busy_poll_us=200) as b:
         assert a.busy_poll_us == 200

@@ -54,6 +54,9 @@ struct kvb_kv_agent {
     pthread_mutex_t mu; /* everything below */
     pthread_cond_t cv;
     bool pumping; /* one waiter at a time reads the engine's notifications */
+    /* Reads of the notifications begun (each takes the next number) and the highest number of
+     * one that ended, having handled everything queued when it began. */
+    uint64_t pump_started, pump_done;
     kvb_agg_t *agg;
     expect_t *expects;
     size_t nexpects, cap_expects;
@@ -75,6 +78,10 @@ struct kvb_kv_link {
     kvb_kv_verdict_t verdict;
     bool has_route;
     kvb_kv_route_t route;
+    /* Its engine seen gone (kvb__segment_state), and a->pump_started then: the loss counts once
+     * a read of the notifications that began after it has ended (check_senders). */
+    bool lost_seen;
+    uint64_t lost_ticket;
 };
 
 struct kvb_kv_xfer {
@@ -659,14 +666,26 @@ static void handle_notification(kvb_kv_agent_t *a, const kvb_notification_t *n)
     KVB_WARN("KV notice for %s from %s, which is not linked here", id, n->from);
 }
 
-/* Fails the expected ranks of `id` whose engines are gone. Caller holds a->mu. */
+/* Fails the expected ranks of `id` whose engines are gone - but only once every notice they
+ * sent before going has been handled: a peer that finishes a transfer and exits at once has its
+ * notice queued here before its loss shows, and its transfer must not fail. So a loss counts once
+ * a read of the notifications that began after the loss was first seen has ended (it read all
+ * that was queued); a rank that reported by then makes it a duplicate, ignored. Caller holds
+ * a->mu. */
 static void check_senders(kvb_kv_agent_t *a, const char *id)
 {
     expect_t *x = find_expect(a, id);
     for (size_t i = 0; x && i < x->n; i++) {
         kvb_kv_link_t *l = link_by_id(a, x->links[i]);
-        int lost = l ? kvb__segment_state(a->engine, l->seg) : KVB_ERR_PEER_LOST;
-        if (lost) /* a rank that already reported makes this a duplicate, ignored */
+        if (l && !kvb__segment_state(a->engine, l->seg)) {
+            l->lost_seen = false; /* there (again: a peer reconnected in place) */
+            continue;
+        }
+        if (l && !l->lost_seen) {
+            l->lost_seen = true;
+            l->lost_ticket = a->pump_started;
+        }
+        if (!l || a->pump_done > l->lost_ticket)
             kvb__agg_add(a->agg, id, x->links[i], KVB_ERR_PEER_LOST, kvb__now_ns());
     }
 }
@@ -682,6 +701,7 @@ static void pump_once(kvb_kv_agent_t *a, int ms)
         return;
     }
     a->pumping = true;
+    uint64_t ticket = ++a->pump_started;
     pthread_mutex_unlock(&a->mu);
     kvb_notification_t *n = malloc(sizeof *n);
     int rc = n ? kvb_notify_recv(a->engine, n, ms) : KVB_ERR_NOMEM;
@@ -694,6 +714,8 @@ static void pump_once(kvb_kv_agent_t *a, int ms)
         pthread_mutex_lock(&a->mu);
     }
     free(n);
+    if (rc != KVB_ERR_NOMEM && ticket > a->pump_done)
+        a->pump_done = ticket; /* what was queued when it began is handled */
     pthread_cond_broadcast(&a->cv);
 }
 
@@ -705,14 +727,13 @@ int kvb_kv_wait(kvb_kv_agent_t *a, const char *req_id, int timeout_ms)
     int rc;
     pthread_mutex_lock(&a->mu);
     for (;;) {
-        /* What is queued first - a notice a peer sent just before its engine went is in the
-         * queue by the time its loss shows - and the losses only with nobody else reading (who
-         * may hold such a notice, not yet handled). Also with timeout 0: a caller that polls
-         * must see the notices come in. */
+        /* Losses first seen now count after a read that begins after them (check_senders):
+         * then what is queued, unless another thread is reading (its end wakes us) - also with
+         * timeout 0, so that a caller that polls sees the notices come in. */
+        check_senders(a, req_id);
         if (!a->pumping) {
             pump_once(a, 0);
-            if (!a->pumping)
-                check_senders(a, req_id);
+            check_senders(a, req_id);
         }
         int err = KVB_OK, st = kvb__agg_poll(a->agg, req_id, kvb__now_ns(), &err);
         if (st < 0) {

@@ -17,8 +17,9 @@ typedef struct {
     char user[128], password[256];
     unsigned db;
     redisContext *c;
-    bool no_script; /* EVAL was refused: renew by plain SET */
-    char err[128];  /* the last error reply */
+    bool no_script;   /* EVAL was refused: renew by plain SET */
+    char err[128];    /* the last error reply */
+    char err_cmd[16]; /* ... to this command */
 } redis_be_t;
 
 static void drop(redis_be_t *r)
@@ -84,6 +85,7 @@ static int command(kvb_meta_t *m, int argc, const char **argv, const size_t *len
     if (rep->type == REDIS_REPLY_ERROR) {
         KVB_WARN("redis %s refused %s: %s", m->uri, argv[0], rep->str);
         snprintf(r->err, sizeof r->err, "%s", rep->str ? rep->str : "");
+        snprintf(r->err_cmd, sizeof r->err_cmd, "%s", argv[0]);
         freeReplyObject(rep);
         return KVB_ERR_PROTOCOL;
     }
@@ -130,7 +132,8 @@ static int r_renew(kvb_meta_t *m, const char *key, const char *val, size_t len)
     /* A server without scripting, or an ACL that forbids EVAL (command() logged its words) - not
      * a passing refusal (LOADING, OOM, READONLY, BUSY), which the next round tries again: once
      * set, the plain SET stays. */
-    bool never = !strncmp(r->err, "NOPERM", 6) || strstr(r->err, "unknown command");
+    bool never = !strcmp(r->err_cmd, "EVAL") && /* not a reconnect's AUTH or SELECT */
+                 (!strncmp(r->err, "NOPERM", 6) || strstr(r->err, "unknown command"));
     if (rc == KVB_ERR_PROTOCOL && never) {
         KVB_WARN("redis %s: renewing owned keys by plain SET from now on, which overwrites a key "
                  "that another process took over",

@@ -956,9 +956,11 @@ int kvb__sock_connect(const kvb_hello_t *target, const char *kind, int type, boo
     int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) != 0) {
         /* Not on our host after all, or another network namespace; non-blocking, a full backlog
-         * (a Unix connect does not go on in the background). */
+         * (a Unix connect does not go on in the background: errno EAGAIN, kept for the caller). */
+        int err = errno;
         if (fd >= 0)
             close(fd);
+        errno = err;
         return KVB_ERR_CONNECT;
     }
     struct ucred cr = {0};
@@ -1008,7 +1010,11 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
         return KVB_ERR_UNSUPPORTED; /* the target offered no same-host path */
     /* Connected non-blocking: a Unix connect to a full backlog (a target whose control thread
      * is stuck) would otherwise wait without a deadline; then blocking, link_call bounds it. */
-    int fd, rc = kvb__sock_connect(target, "", SOCK_SEQPACKET | SOCK_NONBLOCK, true, &fd);
+    int fd, rc;
+    while ((rc = kvb__sock_connect(target, "", SOCK_SEQPACKET | SOCK_NONBLOCK, true, &fd)) ==
+               KVB_ERR_CONNECT &&
+           errno == EAGAIN && kvb__now_ns() < deadline)
+        usleep(1000); /* its backlog is full: the control thread is behind, for now */
     if (rc)
         return rc;
     int fl = fcntl(fd, F_GETFL);

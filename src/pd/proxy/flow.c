@@ -189,6 +189,7 @@ static json_t *call(kvb__pxy_job_t *job, kvb__upstream_t *u, const char *path, j
     free(text);
     job->busy_status = kvb__pxy_busy_of(rc, &rs);
     job->last_http = rs.status;
+    job->last_unreached = rs.unreached;
     if (job->busy_status == -1) /* no answer at all: pass it over for a while */
         kvb__pxy_upstream_down(u);
     job->busy_prefill = u->prefill;
@@ -293,7 +294,8 @@ static int prefill(kvb__pxy_job_t *job, json_t *b, kvb__pxy_err_t *err)
     uint64_t t = kvb__now_ns();
     job->prefill_called = b != NULL;
     job->prefill_reply = b ? call(job, job->p, "/pd/prefill", b, job->deadline, err) : NULL;
-    job->prefill_answered = b && job->last_http != 0;
+    /* An answer (any status), or a call that never reached it: no write of it can be running. */
+    job->prefill_answered = b && (job->last_http != 0 || job->last_unreached);
     job->prefill_ms = (double)(kvb__now_ns() - t) / 1e6;
     if (!job->prefill_reply)
         return -1;

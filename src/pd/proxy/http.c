@@ -425,6 +425,7 @@ int kvb__pxy_call(const kvb__pxy_req_t *rq, kvb__pxy_res_t *rs)
     if (rc == CURLE_OK)
         return 0;
     rs->timed_out = rc == CURLE_OPERATION_TIMEDOUT;
+    rs->unreached = rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST;
     if (rs->canceled)
         kvb__pxy_fmt(rs->error, sizeof rs->error, "canceled");
     else

@@ -45,6 +45,7 @@ typedef struct {
     size_t len;
     bool timed_out;             /* the deadline passed */
     bool canceled;              /* the cancel flag or the sink stopped it */
+    bool unreached;             /* no connection was made: the request never left */
     bool content_sse;           /* Content-Type was text/event-stream */
     char error[KVB_PD_ERR_MAX]; /* transport error text when status is 0 or the call broke */
 } kvb__pxy_res_t;
@@ -220,8 +221,9 @@ typedef struct {
     /* The last upstream call's 503 (the instance could not admit it) or -1 when the instance did
      * not answer at all (connection refused): another instance may take the request. */
     long busy_status;
-    bool busy_prefill; /* ... and whether a prefill instance was called */
-    long last_http;    /* the last upstream call's HTTP status (0: no answer at all) */
+    bool busy_prefill;   /* ... and whether a prefill instance was called */
+    long last_http;      /* the last upstream call's HTTP status (0: no answer at all) */
+    bool last_unreached; /* ... and whether it never reached the instance (nothing was sent) */
     /* This attempt's /pd/prefill call, and whether an answer came: a pushing prefill answers
      * only once its writes into the decode's blocks are in (or settled), so /pd/abort may then
      * say the writers are done. */

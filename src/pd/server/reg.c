@@ -129,7 +129,13 @@ int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
     char host[256], name[300], key[KVB_META_KEY_MAX + 1];
     advertised_host(srv, host, sizeof host);
     snprintf(name, sizeof name, "%s:%u", host, (unsigned)srv->port);
-    new_incarnation(srv->incarnation);
+    /* /health may be reading these under reg_mu: HTTP serves already (a re-publication after a
+     * store outage, too). This thread alone writes them. */
+    char inc[sizeof srv->incarnation];
+    new_incarnation(inc);
+    pthread_mutex_lock(&srv->reg_mu);
+    memcpy(srv->incarnation, inc, sizeof inc);
+    pthread_mutex_unlock(&srv->reg_mu);
     int rc = kvb__meta_key(key, sizeof key, srv->cluster, "instances", name);
     if (rc)
         return kvb__fail(reason, cap, rc, "instance key for %s does not fit", name);
@@ -144,7 +150,9 @@ int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
     if (rc)
         return kvb__fail(reason, cap, rc, "metadata store %s refused %s: %s",
                          kvb__meta_uri(srv->meta), key, kvb_strerror(rc));
+    pthread_mutex_lock(&srv->reg_mu);
     snprintf(srv->inst_key, sizeof srv->inst_key, "%s", key);
+    pthread_mutex_unlock(&srv->reg_mu);
     KVB_INFO("registered %s in %s (incarnation %s)", key, kvb__meta_uri(srv->meta),
              srv->incarnation);
     return KVB_OK;
