@@ -706,13 +706,15 @@ static void pump_once(kvb_kv_agent_t *a, int ms)
     kvb_notification_t *n = malloc(sizeof *n);
     int rc = n ? kvb_notify_recv(a->engine, n, ms) : KVB_ERR_NOMEM;
     pthread_mutex_lock(&a->mu);
-    a->pumping = false;
-    while (rc == KVB_OK) { /* drain what is already queued */
+    /* Still the one reader while draining what is queued: a second one could take a notice
+     * this one has not handled yet, end, and let a waiter count its sender's loss first. */
+    while (rc == KVB_OK) {
         handle_notification(a, n);
         pthread_mutex_unlock(&a->mu);
         rc = kvb_notify_recv(a->engine, n, 0);
         pthread_mutex_lock(&a->mu);
     }
+    a->pumping = false;
     free(n);
     if (rc != KVB_ERR_NOMEM && ticket > a->pump_done)
         a->pump_done = ticket; /* what was queued when it began is handled */

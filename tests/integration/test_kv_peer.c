@@ -427,6 +427,14 @@ Test(kv_peer, mismatched_layout_is_refused_at_link_time)
     rank_fini(&d);
 }
 
+/* A GQA prefill process (TP 2) and one decode rank (TP 1) here, linked both ways. */
+static void one_decode(child_t *c, rank_t *d, kvb_kv_link_t *links[][2])
+{
+    child_start(c, false);
+    rank_init(d, false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
+    link_all(d, 1, c, links);
+}
+
 /* A transfer's timeout bounds the whole transfer, from its begin: a layer started after it has
  * passed does not move (it used to get a fresh timeout of its own, overrunning whatever grant of
  * the blocks the timeout stood for), and the transfer fails on both sides (a layer that could
@@ -434,11 +442,9 @@ Test(kv_peer, mismatched_layout_is_refused_at_link_time)
 Test(kv_peer, a_layer_started_past_the_timeout_fails_the_transfer)
 {
     child_t c;
-    child_start(&c, false);
     rank_t d;
     kvb_kv_link_t *links[1][2];
-    rank_init(&d, false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
-    link_all(&d, 1, &c, links);
+    one_decode(&c, &d, links);
     char reply[256];
     child_cmd(&c, "expect late-1", reply, sizeof reply);
     for (int p = 0; p < 2; p++) {
@@ -537,11 +543,9 @@ Test(kv_peer, killed_sender_fails_its_request_only)
 Test(kv_peer, notices_reach_a_poller_and_outlive_their_sender)
 {
     child_t c;
-    child_start(&c, false);
     rank_t d;
     kvb_kv_link_t *links[1][2];
-    rank_init(&d, false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
-    link_all(&d, 1, &c, links);
+    one_decode(&c, &d, links);
     cr_assert_eq(kvb_kv_expect(d.agent, "polled", links[0], 2, 10000), KVB_OK);
     cr_assert_eq(kvb_kv_expect(d.agent, "orphan", links[0], 2, 10000), KVB_OK);
     char cmd[1024], reply[256];

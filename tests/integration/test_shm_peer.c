@@ -22,12 +22,14 @@ static test_peer_t peer;
 static kvb_engine_t *eng;
 static kvb_segment_t seg;
 
-static void start_with(const char *peer_protocol)
+/* A peer serving `peer_protocol`, and our engine (`protocol`) linked to it through shared
+ * memory. */
+static void start_with(const char *peer_protocol, const char *protocol)
 {
     cr_assert_eq(test_peer_start(&peer, 0, SEED, peer_protocol), 0, "peer did not start");
     kvb_config_t cfg;
     kvb_config_init(&cfg);
-    cfg.protocol = "shm";
+    cfg.protocol = protocol;
     cfg.timeout_ms = 1000;
     cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
     cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_OK);
@@ -38,7 +40,7 @@ static void start_with(const char *peer_protocol)
 
 static void start(void)
 {
-    start_with("shm");
+    start_with("shm", "shm");
 }
 
 static void stop(void)
@@ -239,15 +241,7 @@ Test(shm_peer, a_stalled_peer_copies_nothing_past_the_deadline)
  * the lanes, every byte where it belongs. */
 Test(shm_broken, a_share_answered_late_sends_nothing_more_through_shared_memory, .timeout = 120)
 {
-    cr_assert_eq(test_peer_start(&peer, 0, SEED, "shm"), 0, "peer did not start");
-    kvb_config_t cfg;
-    kvb_config_init(&cfg);
-    cfg.protocol = "auto";
-    cr_assert_eq(kvb_engine_create(&cfg, &eng), KVB_OK);
-    cr_assert_eq(kvb_segment_open(eng, peer.name, &seg), KVB_OK);
-    const char *path;
-    cr_assert_eq(kvb_segment_transport(eng, seg, &path), KVB_OK);
-    cr_assert_str_eq(path, "shm");
+    start_with("shm", "auto");
     enum { LEN = 1 << 20 };
     uint8_t *x, *y;
     cr_assert_eq(kvb_alloc(eng, LEN, 0, (void **)&x), KVB_OK);
