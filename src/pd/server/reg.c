@@ -129,8 +129,9 @@ int kvb__srv_reg_publish(kvb_pd_server_t *srv, char *reason, size_t cap)
     char host[256], name[300], key[KVB_META_KEY_MAX + 1];
     advertised_host(srv, host, sizeof host);
     snprintf(name, sizeof name, "%s:%u", host, (unsigned)srv->port);
-    /* /health may be reading these under reg_mu: HTTP serves already (a re-publication after a
-     * store outage, too). This thread alone writes them. */
+    /* /health may be reading these under reg_mu: HTTP serves already when the server publishes
+     * (once, at start; the store client itself keeps the key alive after). This thread alone
+     * writes them. */
     char inc[sizeof srv->incarnation];
     new_incarnation(inc);
     pthread_mutex_lock(&srv->reg_mu);
