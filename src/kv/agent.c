@@ -728,12 +728,13 @@ int kvb_kv_wait(kvb_kv_agent_t *a, const char *req_id, int timeout_ms)
     uint64_t until = kvb__deadline_ms(timeout_ms);
     int rc;
     pthread_mutex_lock(&a->mu);
-    for (;;) {
-        /* Losses first seen now count after a read that begins after them (check_senders):
-         * then what is queued, unless another thread is reading (its end wakes us) - also with
-         * timeout 0, so that a caller that polls sees the notices come in. */
+    for (bool first = true;; first = false) {
+        /* Losses first seen now count after a read that begins after them (check_senders). On
+         * the first pass, what is queued is read at once, unless another thread is reading (its
+         * end wakes us) - also with timeout 0, so that a caller that polls sees the notices come
+         * in; later passes follow a read of their own or another's. */
         check_senders(a, req_id);
-        if (!a->pumping) {
+        if (first && !a->pumping) {
             pump_once(a, 0);
             check_senders(a, req_id);
         }
