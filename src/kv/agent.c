@@ -27,10 +27,12 @@ typedef struct {
 } expect_t;
 
 /* A notice that came before its kvb_kv_expect(): kept (bounded) and replayed then, so that the
- * order of expect and notice between two processes does not matter. */
+ * order of expect and notice between two processes does not matter. It is kept by its sender's
+ * engine, not by a link: which link it counts for is known only once the request names its
+ * links (see credit()). */
 typedef struct {
     char id[KVB_AGG_ID_MAX + 1];
-    uint32_t link;
+    char from[KVB_NAME_MAX + 1];
     int status;
 } early_t;
 
@@ -568,6 +570,29 @@ static expect_t *find_expect(kvb_kv_agent_t *a, const char *id)
     return NULL;
 }
 
+/* Counts a notice that engine `from` sent for request `id` for the first of this agent's links to
+ * that engine which the request expects and which has not reported yet. A notice names the
+ * sending engine, not a link, and two links can lead to one engine (one still open from before
+ * that engine reconnected, say): counting it for the first link of that name lost it whenever
+ * the request expected another, and the request timed out with every byte in place. Sets
+ * *linked to whether any link leads to `from`; returns what kvb__agg_add() said for the last link
+ * tried: KVB_ERR_NOT_FOUND while `id` is not expected (yet), KVB_ERR_INVALID_ARG or
+ * KVB_AGG_DUPLICATE if no link to `from` is left to report. Caller holds a->mu. */
+static int credit(kvb_kv_agent_t *a, const char *id, const char *from, int status, bool *linked)
+{
+    int rc = KVB_ERR_INVALID_ARG;
+    *linked = false;
+    for (size_t i = 0; i < a->nlinks; i++) {
+        if (strcmp(a->links[i]->peer_name, from) != 0)
+            continue;
+        *linked = true;
+        rc = kvb__agg_add(a->agg, id, a->links[i]->id, status, kvb__now_ns());
+        if (rc != KVB_ERR_INVALID_ARG && rc != KVB_AGG_DUPLICATE)
+            break;
+    }
+    return rc;
+}
+
 static void drop_expect(kvb_kv_agent_t *a, const char *id)
 {
     expect_t *x = find_expect(a, id);
@@ -611,7 +636,8 @@ int kvb_kv_expect(kvb_kv_agent_t *a, const char *req_id, kvb_kv_link_t *const *l
         for (size_t i = 0; i < a->early_count; i++) {
             early_t *e = &a->early[(a->early_head + i) % EARLY_MAX];
             if (!strcmp(e->id, req_id)) {
-                kvb__agg_add(a->agg, e->id, e->link, e->status, kvb__now_ns());
+                bool linked;
+                credit(a, e->id, e->from, e->status, &linked);
                 e->id[0] = '\0'; /* consumed */
             }
         }
@@ -621,7 +647,7 @@ int kvb_kv_expect(kvb_kv_agent_t *a, const char *req_id, kvb_kv_link_t *const *l
     return rc;
 }
 
-static void keep_early(kvb_kv_agent_t *a, const char *id, uint32_t link, int status)
+static void keep_early(kvb_kv_agent_t *a, const char *id, const char *from, int status)
 {
     if (a->early_count == EARLY_MAX) { /* forget the oldest */
         a->early_head = (a->early_head + 1) % EARLY_MAX;
@@ -629,7 +655,7 @@ static void keep_early(kvb_kv_agent_t *a, const char *id, uint32_t link, int sta
     }
     early_t *e = &a->early[(a->early_head + a->early_count++) % EARLY_MAX];
     snprintf(e->id, sizeof e->id, "%s", id);
-    e->link = link;
+    snprintf(e->from, sizeof e->from, "%s", from);
     e->status = status;
 }
 
@@ -656,14 +682,14 @@ static void handle_notification(kvb_kv_agent_t *a, const kvb_notification_t *n)
         KVB_WARN("malformed KV notice from %s", n->from);
         return;
     }
-    for (size_t i = 0; i < a->nlinks; i++)
-        if (!strcmp(a->links[i]->peer_name, n->from)) {
-            if (kvb__agg_add(a->agg, id, a->links[i]->id, status, kvb__now_ns()) ==
-                KVB_ERR_NOT_FOUND)
-                keep_early(a, id, a->links[i]->id, status);
-            return;
-        }
-    KVB_WARN("KV notice for %s from %s, which is not linked here", id, n->from);
+    bool linked;
+    int rc = credit(a, id, n->from, status, &linked);
+    if (!linked)
+        KVB_WARN("KV notice for %s from %s, which is not linked here", id, n->from);
+    else if (rc == KVB_ERR_NOT_FOUND)
+        keep_early(a, id, n->from, status);
+    else if (rc == KVB_ERR_INVALID_ARG)
+        KVB_WARN("KV notice for %s from %s, which it does not expect to report", id, n->from);
 }
 
 /* Fails the expected ranks of `id` whose engines are gone - but only once every notice they

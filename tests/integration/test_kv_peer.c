@@ -569,3 +569,40 @@ Test(kv_peer, notices_reach_a_poller_and_outlive_their_sender)
         kvb_kv_link_close(links[0][p]);
     rank_fini(&d);
 }
+
+/* A notice names the sending engine, not a link, and two links can lead to one engine (one still
+ * open from before that engine reconnected, say). It used to count for the first link of that
+ * name, so a request that expected the second one never heard it and timed out with every byte
+ * in place - whether the notice came before kvb_kv_expect or after. */
+Test(kv_peer, a_notice_counts_for_the_link_its_request_expects)
+{
+    child_t c;
+    rank_t d;
+    kvb_kv_link_t *old[1][2], *links[1][2];
+    one_decode(&c, &d, old);
+    char why[KVB_KV_REASON_MAX];
+    for (int p = 0; p < 2; p++)
+        cr_assert_eq(kvb_kv_link_open(d.agent, c.seg[p], &links[0][p], why, sizeof why), KVB_OK,
+                     "%s", why);
+    cr_assert_eq(kvb_kv_expect(d.agent, "expected-first", links[0], 2, 10000), KVB_OK);
+    char cmd[1024], reply[256];
+    push_cmd(cmd, sizeof cmd, "expected-first", -1);
+    child_cmd(&c, cmd, reply, sizeof reply);
+    cr_assert_str_eq(reply, "pushed 0\n");
+    int rc = kvb_kv_wait(d.agent, "expected-first", 3000);
+    cr_assert_eq(rc, KVB_OK, "notice after expect: %s", kvb_status_name(rc));
+    push_cmd(cmd, sizeof cmd, "expected-late", -1);
+    child_cmd(&c, cmd, reply, sizeof reply);
+    cr_assert_str_eq(reply, "pushed 0\n"); /* both notices are here before the expect */
+    cr_assert_eq(kvb_kv_agent_notify_recv(d.agent, &(kvb_notification_t){0}, 0), KVB_ERR_AGAIN);
+    cr_assert_eq(kvb_kv_expect(d.agent, "expected-late", links[0], 2, 10000), KVB_OK);
+    rc = kvb_kv_wait(d.agent, "expected-late", 3000);
+    cr_assert_eq(rc, KVB_OK, "notice before expect: %s", kvb_status_name(rc));
+    check_dest(&d.fx.l, SRC, DST, NB);
+    child_stop(&c);
+    for (int p = 0; p < 2; p++) {
+        kvb_kv_link_close(old[0][p]);
+        kvb_kv_link_close(links[0][p]);
+    }
+    rank_fini(&d);
+}
