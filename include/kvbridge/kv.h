@@ -273,8 +273,10 @@ typedef struct kvb_kv_xfer kvb_kv_xfer_t;
 
 typedef enum { KVB_KV_ROLE_PREFILL = 1, KVB_KV_ROLE_DECODE = 2 } kvb_kv_role_t;
 
-/* The segment attribute under which an agent publishes its layout descriptor. */
+/* The segment attributes under which an agent publishes its layout descriptor and its role
+ * ("prefill" or "decode"; published first, withdrawn last). */
 #define KVB_KV_LAYOUT_ATTR "kvbridge.kv.layout"
+#define KVB_KV_ROLE_ATTR   "kvbridge.kv.role"
 
 /* Creates the agent of one TP rank: validates `layout` (copied), registers every slot's buffer
  * with `engine` (read and write) unless already registered, and publishes the layout descriptor
@@ -290,8 +292,9 @@ KVB_API int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *lay
 KVB_API void kvb_kv_agent_destroy(kvb_kv_agent_t *agent);
 
 /* Opens a link to the rank serving `segment` (of the other role): opens the segment, fetches its
- * layout descriptor and runs kvb_kv_guard(). An incompatible pair is refused with
- * KVB_ERR_INCOMPATIBLE and the guard's reason; a peer without an agent with KVB_ERR_NOT_FOUND.
+ * layout descriptor and role and runs kvb_kv_guard(). An incompatible pair - the guard's verdict,
+ * or two ranks of the same role - is refused with KVB_ERR_INCOMPATIBLE and the reason; a peer
+ * without an agent with KVB_ERR_NOT_FOUND.
  * Blocks up to the engine's connect timeout. */
 KVB_API int kvb_kv_link_open(kvb_kv_agent_t *agent, const char *segment, kvb_kv_link_t **out,
                              char *reason, size_t reason_cap);

@@ -132,10 +132,20 @@ static int register_buffers(kvb_kv_agent_t *a, char *reason, size_t cap)
     return KVB_OK;
 }
 
+static const char *role_name(kvb_kv_role_t role)
+{
+    return role == KVB_KV_ROLE_PREFILL ? "prefill" : "decode";
+}
+
+/* The role first: a peer that sees the layout sees the role too. */
 static int publish(kvb_kv_agent_t *a)
 {
+    const char *role = role_name(a->role);
+    int rc = kvb_engine_set_attr(a->engine, KVB_KV_ROLE_ATTR, role, strlen(role));
+    if (rc)
+        return rc;
     size_t len;
-    int rc = kvb_kv_layout_encode(&a->layout, NULL, 0, &len);
+    rc = kvb_kv_layout_encode(&a->layout, NULL, 0, &len);
     if (rc != KVB_ERR_TOO_LARGE && rc != KVB_OK)
         return rc;
     char *json = malloc(len + 1);
@@ -190,6 +200,7 @@ void kvb_kv_agent_destroy(kvb_kv_agent_t *a)
     if (!a)
         return;
     kvb_engine_set_attr(a->engine, KVB_KV_LAYOUT_ATTR, NULL, 0);
+    kvb_engine_set_attr(a->engine, KVB_KV_ROLE_ATTR, NULL, 0);
     for (size_t i = 0; i < a->nregistered; i++)
         kvb_unregister(a->engine, a->registered[i]);
     for (size_t i = 0; i < a->nexpects; i++)
@@ -271,16 +282,43 @@ static int fetch_layout(kvb_kv_link_t *l, char *reason, size_t cap)
                      "the peer's KV layout kept changing as it was read");
 }
 
+/* A link joins a prefill rank and a decode rank: a decode rank reads from, or is written by,
+ * prefill ranks. Two ranks of one role would pass the guard (their layouts can match) and then
+ * each take the other's blocks for its own side's. The layout is read first, and the role is
+ * published before it, so a peer with a layout has a role. */
+static int check_role(kvb_kv_link_t *l, char *reason, size_t cap)
+{
+    char role[16];
+    size_t len = 0;
+    int rc = kvb_segment_attr(l->agent->engine, l->seg, KVB_KV_ROLE_ATTR, role, sizeof role, &len);
+    if (rc)
+        return kvb__fail(reason, cap, rc, "the peer publishes no KV role: %s", kvb_strerror(rc));
+    const char *ours = role_name(l->agent->role);
+    const char *theirs =
+        role_name(l->agent->role == KVB_KV_ROLE_PREFILL ? KVB_KV_ROLE_DECODE : KVB_KV_ROLE_PREFILL);
+    if (len == strlen(theirs) && !memcmp(role, theirs, len))
+        return KVB_OK;
+    KVB_WARN("KV link to %s refused: the peer is not a %s rank", l->peer_name, theirs);
+    if (len == strlen(ours) && !memcmp(role, ours, len))
+        return kvb__fail(reason, cap, KVB_ERR_INCOMPATIBLE,
+                         "both ends are %s ranks: a link joins a prefill rank and a decode rank",
+                         ours);
+    return kvb__fail(reason, cap, KVB_ERR_INCOMPATIBLE,
+                     "the peer's KV role is neither prefill nor decode");
+}
+
 static int check_pair(kvb_kv_link_t *l, char *reason, size_t cap)
 {
     kvb_kv_agent_t *a = l->agent;
+    int rc = check_role(l, reason, cap);
+    if (rc)
+        return rc;
     l->verdict = kvb_kv_guard(&a->layout, l->remote, reason, cap);
     if (l->verdict != KVB_KV_ALLOW_HOMO && l->verdict != KVB_KV_ALLOW_HETERO) {
         KVB_WARN("KV link to %s refused: %s: %s", l->peer_name, kvb_kv_verdict_name(l->verdict),
                  reason ? reason : "");
         return KVB_ERR_INCOMPATIBLE;
     }
-    /* A decode rank reads from, or is written by, prefill ranks: same roles cannot pair. */
     return find_route(l);
 }
 

@@ -427,6 +427,24 @@ Test(kv_peer, mismatched_layout_is_refused_at_link_time)
     rank_fini(&d);
 }
 
+/* Two ranks of one role have nothing to move between them; their layouts can match, so the
+ * guard passed such a pair (ALLOW_HOMO), and each took the other's blocks for its side's. */
+Test(kv_peer, two_ranks_of_one_role_are_refused_at_link_time)
+{
+    rank_t d[2];
+    for (int k = 0; k < 2; k++)
+        rank_init(&d[k], false, 1, 0, DBLOCKS, KVB_KV_ROLE_DECODE);
+    kvb_kv_link_t *l = NULL;
+    char why[KVB_KV_REASON_MAX];
+    int rc =
+        kvb_kv_link_open(d[0].agent, kvb_engine_segment_name(d[1].engine), &l, why, sizeof why);
+    cr_assert_eq(rc, KVB_ERR_INCOMPATIBLE, "decode to decode: %s", kvb_status_name(rc));
+    cr_assert_null(l);
+    cr_assert(strstr(why, "both ends are decode ranks") != NULL, "reason: %s", why);
+    for (int k = 0; k < 2; k++)
+        rank_fini(&d[k]);
+}
+
 /* A GQA prefill process (TP 2) and one decode rank (TP 1) here, linked both ways. */
 static void one_decode(child_t *c, rank_t *d, kvb_kv_link_t *links[][2])
 {
