@@ -120,11 +120,20 @@ ParameterizedTest(test_store_kind_t *kind, meta_engine, open_by_name, .timeout =
     cr_assert_eq(kvb_segment_regions(f.eng, seg, 0, r, 4, &n), KVB_OK);
     cr_assert_eq(n, 2);
 
-    /* the published descriptor says what the handshake says */
-    char *text = descriptor(&f, "prefill-0");
-    cr_assert_not_null(text, "no descriptor in the store");
-    json_t *d = json_loads(text, 0, NULL);
-    free(text);
+    /* the published descriptor says what the handshake says - once the peer's keeper has sent
+     * it: a region registered after the engine started is published in the background, so the
+     * store may still hold the descriptor of one region when the handshake shows two */
+    json_t *d = NULL;
+    uint64_t until = kvb__deadline_ms(5000);
+    do {
+        json_decref(d);
+        if (d)
+            usleep(20000);
+        char *text = descriptor(&f, "prefill-0");
+        cr_assert_not_null(text, "no descriptor in the store");
+        d = json_loads(text, 0, NULL);
+        free(text);
+    } while (json_array_size(json_object_get(d, "regions")) != 2 && kvb__now_ns() < until);
     uint64_t inc;
     cr_assert_eq(kvb_segment_incarnation(f.eng, seg, &inc), KVB_OK);
     char want[17];
@@ -166,7 +175,7 @@ ParameterizedTest(test_store_kind_t *kind, meta_engine, open_by_name, .timeout =
     kvb_segment_close(f.eng, seg);
     test_peer_stop(&p);
     /* a clean stop withdraws the descriptor at once */
-    text = descriptor(&f, "prefill-0");
+    char *text = descriptor(&f, "prefill-0");
     cr_assert_null(text, "descriptor left behind by a clean stop");
     teardown(&f);
 }
