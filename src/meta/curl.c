@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The libcurl call behind the etcd and HTTP backends: one reusable handle per client (its
- * connection stays open between calls), a deadline on every call, and a bounded answer. */
+ * connection stays open between calls), bounded by what is left of the client call's timeout,
+ * and a bounded answer. */
 #include <curl/curl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -50,6 +51,9 @@ int kvb__meta_http(kvb_meta_t *m, void **handle, const char *method, const char 
                    size_t resp_max)
 {
     pthread_once(&curl_once, curl_init_once);
+    long ms = (long)kvb__meta_left_ms(m);
+    if (ms == 0)
+        return KVB_ERR_META_UNREACHABLE;
     CURL *c = *handle;
     if (!c && !(c = *handle = curl_easy_init()))
         return KVB_ERR_NOMEM;
@@ -63,8 +67,8 @@ int kvb__meta_http(kvb_meta_t *m, void **handle, const char *method, const char 
     curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)m->timeout_ms);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, (long)m->timeout_ms);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, ms);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, ms);
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &s);

@@ -27,8 +27,8 @@ typedef struct {
 } etcd_be_t;
 
 /* POSTs the JSON `req` (consumed) to `path` on the current endpoint, then the others while none
- * answers. Returns KVB_OK with the parsed answer in *ans (2xx), KVB_ERR_NOT_FOUND for etcd's
- * "not found" errors (code 5: a lease that is gone), or an error. */
+ * answers and the call has time left. Returns KVB_OK with the parsed answer in *ans (2xx),
+ * KVB_ERR_NOT_FOUND for etcd's "not found" errors (code 5: a lease that is gone), or an error. */
 static int post(kvb_meta_t *m, const char *path, json_t *req, json_t **ans)
 {
     etcd_be_t *b = m->be;
@@ -41,6 +41,10 @@ static int post(kvb_meta_t *m, const char *path, json_t *req, json_t **ans)
     char *resp = NULL;
     size_t len = 0;
     for (size_t tries = 0; tries < b->nep && rc == KVB_ERR_META_UNREACHABLE; tries++) {
+        /* The endpoints share the call's timeout: one it has no time left for is not tried
+         * (nor passed over: the next call starts there). */
+        if (tries > 0 && kvb__meta_left_ms(m) == 0)
+            break;
         char url[400];
         snprintf(url, sizeof url, "%s%s", b->ep[b->cur].url, path);
         rc = kvb__meta_http(m, &b->curl, "POST", url, body, strlen(body), &status, &resp, &len,

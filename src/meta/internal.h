@@ -47,7 +47,11 @@ struct kvb_meta {
     char uri[KVB_META_URI_MAX + 1]; /* password masked */
     uint32_t timeout_ms, ttl_ms;
     pthread_mutex_t io_mu; /* one store call at a time, and whole keeper rounds */
-    pthread_mutex_t mu;    /* the owned table and the keeper's state */
+    /* When the call that holds io_mu must end (monotonic ns): every request the backend sends
+     * for it - to each etcd endpoint in turn, a reconnect, a renewal's several steps - shares
+     * the client's timeout (kvb__meta_left_ms). */
+    uint64_t call_deadline;
+    pthread_mutex_t mu; /* the owned table and the keeper's state */
     pthread_cond_t cv;
     kvb_meta_owned_t *owned;
     size_t nowned;
@@ -58,6 +62,10 @@ struct kvb_meta {
     atomic_bool reachable;
     atomic_int outage_logged; /* 1 after an unreachable store was reported, until it answers */
 };
+
+/* Milliseconds left to the call in progress (caller holds io_mu), at least 1 while any is left;
+ * 0 once its deadline passed (the backend then gives KVB_ERR_META_UNREACHABLE without sending). */
+uint32_t kvb__meta_left_ms(kvb_meta_t *m);
 
 /* Splits "host:port" (host may be "[v6]") into host (no brackets) and port. 0 or -1. */
 int kvb__meta_hostport(const char *s, size_t n, char *host, size_t cap, uint16_t *port);

@@ -156,13 +156,29 @@ static int check_key(const char *key)
     return KVB_OK;
 }
 
+/* Takes io_mu for one call: whatever the backend sends for it shares the client's timeout, counted
+ * from here (a call queued behind another's has its own). */
+static void io_begin(kvb_meta_t *m)
+{
+    pthread_mutex_lock(&m->io_mu);
+    m->call_deadline = kvb__deadline_ms(m->timeout_ms);
+}
+
+uint32_t kvb__meta_left_ms(kvb_meta_t *m)
+{
+    int left = kvb__ms_left(m->call_deadline);
+    if (left == 0)
+        kvb__meta_note(m, KVB_ERR_META_UNREACHABLE, "the call's timeout passed");
+    return left < 0 || (uint32_t)left > m->timeout_ms ? m->timeout_ms : (uint32_t)left;
+}
+
 int kvb__meta_put(kvb_meta_t *m, const char *key, const char *val, size_t len, uint32_t ttl_ms)
 {
     if (!m || check_key(key) || (len && !val))
         return KVB_ERR_INVALID_ARG;
     if (len > KVB_META_VALUE_MAX)
         return KVB_ERR_TOO_LARGE;
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     int rc = m->ops->put(m, key, val ? val : "", len, ttl_ms);
     pthread_mutex_unlock(&m->io_mu);
     kvb__meta_note(m, rc, "put");
@@ -173,7 +189,7 @@ int kvb__meta_get(kvb_meta_t *m, const char *key, char **val, size_t *len)
 {
     if (!m || check_key(key) || !val || !len)
         return KVB_ERR_INVALID_ARG;
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     int rc = m->ops->get(m, key, val, len);
     pthread_mutex_unlock(&m->io_mu);
     kvb__meta_note(m, rc, "get");
@@ -184,7 +200,7 @@ int kvb__meta_del(kvb_meta_t *m, const char *key)
 {
     if (!m || check_key(key))
         return KVB_ERR_INVALID_ARG;
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     int rc = m->ops->del(m, key);
     pthread_mutex_unlock(&m->io_mu);
     kvb__meta_note(m, rc, "delete");
@@ -211,7 +227,7 @@ int kvb__meta_list(kvb_meta_t *m, const char *prefix, kvb_meta_kv_t **out, size_
         return KVB_ERR_INVALID_ARG;
     *out = NULL;
     *n = 0;
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     int rc = m->ops->list(m, prefix, out, n);
     pthread_mutex_unlock(&m->io_mu);
     kvb__meta_note(m, rc, "list");
@@ -342,7 +358,7 @@ static void *keeper_main(void *arg)
         bool full = kvb__now_ns() >= next;
         m->dirty = false;
         pthread_mutex_unlock(&m->mu);
-        pthread_mutex_lock(&m->io_mu);
+        io_begin(m);
         if (full)
             keep_round(m);
         else
@@ -418,7 +434,7 @@ static int own(kvb_meta_t *m, const char *key, const char *val, size_t len, bool
     if (len > KVB_META_VALUE_MAX)
         return KVB_ERR_TOO_LARGE;
     if (now)
-        pthread_mutex_lock(&m->io_mu);
+        io_begin(m);
     pthread_mutex_lock(&m->mu);
     int rc = set_owned(m, key, val ? val : "", len);
     if (!now) {
@@ -448,7 +464,7 @@ int kvb__meta_disown(kvb_meta_t *m, const char *key)
 {
     if (!m || check_key(key))
         return KVB_ERR_INVALID_ARG;
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     pthread_mutex_lock(&m->mu);
     kvb_meta_owned_t *o = find_owned(m, key);
     int rc = o ? KVB_OK : KVB_ERR_NOT_FOUND;
@@ -498,7 +514,7 @@ void kvb__meta_close(kvb_meta_t *m)
      * not a key another writer took over: that one is theirs. A backend with a lease withdraws by
      * releasing it, which deletes exactly the keys still on it (a key taken over hangs off the
      * new owner's lease, even if we never noticed the takeover). */
-    pthread_mutex_lock(&m->io_mu);
+    io_begin(m);
     for (size_t i = 0; i < m->nowned; i++) {
         if (atomic_load(&m->reachable) && m->owned[i].published && !m->owned[i].yielded &&
             !m->ops->release)

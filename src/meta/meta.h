@@ -5,9 +5,12 @@
  * a keeper thread (etcd: a lease; Redis and HTTP: a TTL refreshed by re-putting). "p2p" needs no
  * store: kvb__meta_open returns KVB_OK with *out NULL.
  *
- * Every call is bounded by the client's timeout; a store that cannot be reached gives
- * KVB_ERR_META_UNREACHABLE, a key that is not there KVB_ERR_NOT_FOUND, an answer that makes no
- * sense KVB_ERR_PROTOCOL. A client is thread-safe (calls are serialised on one connection). */
+ * Every call is bounded by the client's timeout, counted once it has the client (calls are
+ * serialised): what it sends - to each etcd endpoint in turn, a reconnect and its AUTH, a
+ * renewal's several requests - shares that timeout (a keeper round counts as one call). A store
+ * that cannot be reached gives KVB_ERR_META_UNREACHABLE, a key that is not there
+ * KVB_ERR_NOT_FOUND, an answer that makes no sense KVB_ERR_PROTOCOL. A client is thread-safe (calls
+ * are serialised on one connection). */
 #ifndef KVB_META_H
 #define KVB_META_H
 

@@ -39,15 +39,16 @@ static int dial(kvb_meta_t *m)
     redis_be_t *r = m->be;
     if (r->c)
         return KVB_OK;
-    struct timeval tv = {.tv_sec = m->timeout_ms / 1000,
-                         .tv_usec = (suseconds_t)(m->timeout_ms % 1000) * 1000};
+    uint32_t ms = kvb__meta_left_ms(m);
+    if (ms == 0)
+        return KVB_ERR_META_UNREACHABLE;
+    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000};
     r->c = redisConnectWithTimeout(r->host, r->port, tv);
     if (!r->c || r->c->err) {
         kvb__meta_note(m, KVB_ERR_META_UNREACHABLE, r->c ? r->c->errstr : "out of memory");
         drop(r);
         return KVB_ERR_META_UNREACHABLE;
     }
-    redisSetTimeout(r->c, tv);
     redisReply *rep = NULL;
     int rc = KVB_OK;
     if (r->password[0]) {
@@ -76,6 +77,16 @@ static int command(kvb_meta_t *m, int argc, const char **argv, const size_t *len
     int rc = dial(m);
     if (rc)
         return rc;
+    /* Each command has what is left of the call's timeout (a call may reconnect, authenticate
+     * and select its database first). */
+    uint32_t ms = kvb__meta_left_ms(m);
+    if (ms == 0)
+        return KVB_ERR_META_UNREACHABLE;
+    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000};
+    if (redisSetTimeout(r->c, tv) != REDIS_OK) {
+        drop(r);
+        return KVB_ERR_META_UNREACHABLE;
+    }
     redisReply *rep = redisCommandArgv(r->c, argc, argv, lens);
     if (!rep) {
         kvb__meta_note(m, KVB_ERR_META_UNREACHABLE, r->c->errstr);

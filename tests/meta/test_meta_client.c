@@ -274,3 +274,48 @@ Test(meta_client, redis_passing_refusal_keeps_renewals_conditional, .timeout = 6
     kvb__meta_close(reader);
     test_store_stop(&s);
 }
+
+/* A listener that takes connections and never answers (an etcd endpoint on a hung host). */
+static int blackhole(uint16_t *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    socklen_t sl = sizeof sa;
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(listen(fd, 16), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+/* A call ends within the client's timeout however many etcd endpoints it tries: each endpoint
+ * used to get the whole timeout, so two hung ones made a 600 ms call take 1.2 s before the third
+ * answered. The call that used up its timeout fails; the next starts at the next endpoint, and
+ * one not tried is not skipped. */
+Test(meta_client, etcd_endpoints_share_the_call_timeout, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, TEST_STORE_ETCD), 0);
+    uint16_t p1, p2;
+    int h1 = blackhole(&p1), h2 = blackhole(&p2);
+    char uri[160];
+    snprintf(uri, sizeof uri, "etcd://127.0.0.1:%u,127.0.0.1:%u,127.0.0.1:%u", p1, p2, s.port);
+    kvb_meta_t *m = NULL;
+    cr_assert_eq(kvb__meta_open(uri, 600, 0, &m), KVB_OK);
+    char buf[64];
+    for (int hung = 0; hung < 2; hung++) {
+        uint64_t t0 = kvb__now_ns();
+        int rc = get_str(m, "kvbridge/t/absent", buf, sizeof buf);
+        double ms = (double)(kvb__now_ns() - t0) / 1e6;
+        cr_assert_eq(rc, KVB_ERR_META_UNREACHABLE, "call %d (hung endpoint %d first): %s", hung,
+                     hung + 1, kvb_strerror(rc));
+        cr_assert_lt(ms, 1000.0, "call %d took %.0f ms with a 600 ms timeout", hung, ms);
+    }
+    int rc = get_str(m, "kvbridge/t/absent", buf, sizeof buf);
+    cr_assert_eq(rc, KVB_ERR_NOT_FOUND, "the third endpoint: %s", kvb_strerror(rc));
+    kvb__meta_close(m);
+    close(h1);
+    close(h2);
+    test_store_stop(&s);
+}
