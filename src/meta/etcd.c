@@ -43,7 +43,7 @@ static int post(kvb_meta_t *m, const char *path, json_t *req, json_t **ans)
     for (size_t tries = 0; tries < b->nep && rc == KVB_ERR_META_UNREACHABLE; tries++) {
         /* The endpoints share the call's timeout: one it has no time left for is not tried
          * (nor passed over: the next call starts there). */
-        if (tries > 0 && kvb__meta_left_ms(m) == 0)
+        if (kvb__meta_left_ms(m) == 0)
             break;
         char url[400];
         snprintf(url, sizeof url, "%s%s", b->ep[b->cur].url, path);
