@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The libcurl call behind the etcd and HTTP backends: one reusable handle per client (its
- * connection stays open between calls), bounded by what is left of the client call's timeout,
- * and a bounded answer. */
+ * connection stays open between calls), a deadline on every request (within the client call's
+ * timeout), and a bounded answer. */
 #include <curl/curl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -46,13 +46,12 @@ static void curl_init_once(void)
     curl_global_init(CURL_GLOBAL_DEFAULT);
 }
 
-int kvb__meta_http(kvb_meta_t *m, void **handle, const char *method, const char *url,
+int kvb__meta_http(kvb_meta_t *m, void **handle, uint32_t ms, const char *method, const char *url,
                    const char *body, size_t len, long *status, char **resp, size_t *resp_len,
                    size_t resp_max)
 {
     pthread_once(&curl_once, curl_init_once);
-    long ms = (long)kvb__meta_left_ms(m);
-    if (ms == 0)
+    if (ms == 0 && (ms = kvb__meta_left_ms(m)) == 0)
         return KVB_ERR_META_UNREACHABLE;
     CURL *c = *handle;
     if (!c && !(c = *handle = curl_easy_init()))
@@ -67,8 +66,8 @@ int kvb__meta_http(kvb_meta_t *m, void **handle, const char *method, const char 
     curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, ms);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, ms);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)ms);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, (long)ms);
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &s);

@@ -41,14 +41,18 @@ static int post(kvb_meta_t *m, const char *path, json_t *req, json_t **ans)
     char *resp = NULL;
     size_t len = 0;
     for (size_t tries = 0; tries < b->nep && rc == KVB_ERR_META_UNREACHABLE; tries++) {
-        /* The endpoints share the call's timeout: one it has no time left for is not tried
-         * (nor passed over: the next call starts there). */
-        if (kvb__meta_left_ms(m) == 0)
+        /* The endpoints share the call's timeout: each one tried gets an equal part of what is
+         * left for those not tried yet, so that a dead or hung member leaves the others time (a
+         * keepalive that failed over only after the whole timeout came too late for the lease)
+         * and the call still ends within its timeout. An endpoint with no time left is not
+         * tried, nor passed over: the next call starts there. */
+        uint32_t left = kvb__meta_left_ms(m), part = left / (uint32_t)(b->nep - tries);
+        if (left == 0)
             break;
         char url[400];
         snprintf(url, sizeof url, "%s%s", b->ep[b->cur].url, path);
-        rc = kvb__meta_http(m, &b->curl, "POST", url, body, strlen(body), &status, &resp, &len,
-                            ETCD_ANSWER_MAX);
+        rc = kvb__meta_http(m, &b->curl, part ? part : left, "POST", url, body, strlen(body),
+                            &status, &resp, &len, ETCD_ANSWER_MAX);
         if (rc == KVB_OK && status >= 502 && status <= 504) {
             free(resp); /* a gateway without a leader is as good as down */
             resp = NULL;

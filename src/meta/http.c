@@ -63,7 +63,7 @@ static int call(kvb_meta_t *m, const char *method, char *url, const char *body, 
     long status = 0;
     char *r = NULL;
     size_t rl = 0;
-    int rc = url ? kvb__meta_http(m, &h->curl, method, url, body, len, &status, &r, &rl, max)
+    int rc = url ? kvb__meta_http(m, &h->curl, 0, method, url, body, len, &status, &r, &rl, max)
                  : KVB_ERR_NOMEM;
     if (rc == KVB_OK && (status < 200 || status > 299)) {
         if (status == 404) {

@@ -64,18 +64,20 @@ struct kvb_meta {
 };
 
 /* Milliseconds left to the call in progress (caller holds io_mu), at least 1 while any is left;
- * 0 once its deadline passed (the backend then gives KVB_ERR_META_UNREACHABLE without sending). */
+ * 0 once its deadline passed (the backend then gives KVB_ERR_META_UNREACHABLE without sending).
+ * Running out of time is reported by the caller's kvb__meta_note, as any unanswered request. */
 uint32_t kvb__meta_left_ms(kvb_meta_t *m);
 
 /* Splits "host:port" (host may be "[v6]") into host (no brackets) and port. 0 or -1. */
 int kvb__meta_hostport(const char *s, size_t n, char *host, size_t cap, uint16_t *port);
 
-/* One HTTP call with libcurl on the backend's reusable handle `*curl` (created on first use).
- * method "GET", "PUT", "POST" or "DELETE"; body may be NULL. Returns KVB_OK with the status in
- * *status and the body in *resp (malloc'd, NUL-terminated, up to `resp_max` bytes), or
+/* One HTTP call with libcurl on the backend's reusable handle `*curl` (created on first use),
+ * allowed `ms` milliseconds (0: what is left of the client's call; with none left nothing is
+ * sent). method "GET", "PUT", "POST" or "DELETE"; body may be NULL. Returns KVB_OK with the status
+ * in *status and the body in *resp (malloc'd, NUL-terminated, up to `resp_max` bytes), or
  * KVB_ERR_META_UNREACHABLE when no answer came (connection refused, timeout) - with curl's
  * reason logged at most once per outage. */
-int kvb__meta_http(kvb_meta_t *m, void **curl, const char *method, const char *url,
+int kvb__meta_http(kvb_meta_t *m, void **curl, uint32_t ms, const char *method, const char *url,
                    const char *body, size_t len, long *status, char **resp, size_t *resp_len,
                    size_t resp_max);
 void kvb__meta_http_free(void *curl);

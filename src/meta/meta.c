@@ -167,8 +167,6 @@ static void io_begin(kvb_meta_t *m)
 uint32_t kvb__meta_left_ms(kvb_meta_t *m)
 {
     int left = kvb__ms_left(m->call_deadline);
-    if (left == 0)
-        kvb__meta_note(m, KVB_ERR_META_UNREACHABLE, "the call's timeout passed");
     return left < 0 || (uint32_t)left > m->timeout_ms ? m->timeout_ms : (uint32_t)left;
 }
 
