@@ -279,10 +279,10 @@ typedef enum { KVB_KV_ROLE_PREFILL = 1, KVB_KV_ROLE_DECODE = 2 } kvb_kv_role_t;
 #define KVB_KV_ROLE_ATTR   "kvbridge.kv.role"
 
 /* Creates the agent of one TP rank: validates `layout` (copied), registers every slot's buffer
- * with `engine` (read and write) unless already registered, and publishes the layout descriptor
- * with the engine's segment. From then on the agent consumes the engine's notifications; other
- * messages are kept for kvb_kv_agent_notify_recv(). The engine must outlive the agent; the
- * buffers stay registered until kvb_kv_agent_destroy(). */
+ * with `engine` (read and write) unless already registered, and publishes its role and the
+ * layout descriptor with the engine's segment. From then on the agent consumes the engine's
+ * notifications; other messages are kept for kvb_kv_agent_notify_recv(). The engine must outlive
+ * the agent; the buffers stay registered until kvb_kv_agent_destroy(). */
 KVB_API int kvb_kv_agent_create(kvb_engine_t *engine, const kvb_kv_layout_t *layout,
                                 kvb_kv_role_t role, kvb_kv_agent_t **out, char *reason,
                                 size_t reason_cap);
@@ -294,7 +294,8 @@ KVB_API void kvb_kv_agent_destroy(kvb_kv_agent_t *agent);
 /* Opens a link to the rank serving `segment` (of the other role): opens the segment, fetches its
  * layout descriptor and role and runs kvb_kv_guard(). An incompatible pair - the guard's verdict,
  * or two ranks of the same role - is refused with KVB_ERR_INCOMPATIBLE and the reason; a peer
- * without an agent with KVB_ERR_NOT_FOUND.
+ * without an agent with KVB_ERR_NOT_FOUND. A peer that publishes a layout but no role (a build
+ * from before roles) is taken for a rank of the other role, with a warning.
  * Blocks up to the engine's connect timeout. */
 KVB_API int kvb_kv_link_open(kvb_kv_agent_t *agent, const char *segment, kvb_kv_link_t **out,
                              char *reason, size_t reason_cap);

@@ -19,6 +19,7 @@ from .engine import (Engine, Notification, Op, Request, _b, _ms, _notification, 
 from .errors import Error, check, make_error
 
 LAYOUT_ATTR = "kvbridge.kv.layout"
+ROLE_ATTR = "kvbridge.kv.role"
 
 
 class SlotKind(enum.IntEnum):

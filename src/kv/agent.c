@@ -285,17 +285,25 @@ static int fetch_layout(kvb_kv_link_t *l, char *reason, size_t cap)
 /* A link joins a prefill rank and a decode rank: a decode rank reads from, or is written by,
  * prefill ranks. Two ranks of one role would pass the guard (their layouts can match) and then
  * each take the other's blocks for its own side's. The layout is read first, and the role is
- * published before it, so a peer with a layout has a role. */
+ * published before it, so a peer with a layout and no role is of a build from before roles were
+ * published: taken at its word, with a warning, so that such peers still link while they are
+ * upgraded. */
 static int check_role(kvb_kv_link_t *l, char *reason, size_t cap)
 {
+    kvb_kv_role_t other =
+        l->agent->role == KVB_KV_ROLE_PREFILL ? KVB_KV_ROLE_DECODE : KVB_KV_ROLE_PREFILL;
+    const char *ours = role_name(l->agent->role), *theirs = role_name(other);
     char role[16];
     size_t len = 0;
     int rc = kvb_segment_attr(l->agent->engine, l->seg, KVB_KV_ROLE_ATTR, role, sizeof role, &len);
+    if (rc == KVB_ERR_NOT_FOUND) {
+        KVB_WARN("KV link to %s: the peer publishes no KV role (an older build); taking it for a "
+                 "%s rank",
+                 l->peer_name, theirs);
+        return KVB_OK;
+    }
     if (rc)
-        return kvb__fail(reason, cap, rc, "the peer publishes no KV role: %s", kvb_strerror(rc));
-    const char *ours = role_name(l->agent->role);
-    const char *theirs =
-        role_name(l->agent->role == KVB_KV_ROLE_PREFILL ? KVB_KV_ROLE_DECODE : KVB_KV_ROLE_PREFILL);
+        return kvb__fail(reason, cap, rc, "cannot read the peer's KV role: %s", kvb_strerror(rc));
     if (len == strlen(theirs) && !memcmp(role, theirs, len))
         return KVB_OK;
     KVB_WARN("KV link to %s refused: the peer is not a %s rank", l->peer_name, theirs);
@@ -613,22 +621,25 @@ static expect_t *find_expect(kvb_kv_agent_t *a, const char *id)
  * sending engine, not a link, and two links can lead to one engine (one still open from before
  * that engine reconnected, say): counting it for the first link of that name lost it whenever
  * the request expected another, and the request timed out with every byte in place. Sets
- * *linked to whether any link leads to `from`; returns what kvb__agg_add() said for the last link
- * tried: KVB_ERR_NOT_FOUND while `id` is not expected (yet), KVB_ERR_INVALID_ARG or
- * KVB_AGG_DUPLICATE if no link to `from` is left to report. Caller holds a->mu. */
+ * *linked to whether any link leads to `from`. Returns KVB_AGG_COUNTED or KVB_AGG_LATE (the
+ * request ended) as kvb__agg_add() says; KVB_ERR_NOT_FOUND while `id` is not expected (yet);
+ * KVB_AGG_DUPLICATE if every expected link to `from` has reported; KVB_ERR_INVALID_ARG if the
+ * request expects no link to `from`. Caller holds a->mu. */
 static int credit(kvb_kv_agent_t *a, const char *id, const char *from, int status, bool *linked)
 {
-    int rc = KVB_ERR_INVALID_ARG;
+    bool dup = false;
     *linked = false;
     for (size_t i = 0; i < a->nlinks; i++) {
         if (strcmp(a->links[i]->peer_name, from) != 0)
             continue;
         *linked = true;
-        rc = kvb__agg_add(a->agg, id, a->links[i]->id, status, kvb__now_ns());
-        if (rc != KVB_ERR_INVALID_ARG && rc != KVB_AGG_DUPLICATE)
-            break;
+        int rc = kvb__agg_add(a->agg, id, a->links[i]->id, status, kvb__now_ns());
+        if (rc == KVB_AGG_DUPLICATE)
+            dup = true;
+        else if (rc != KVB_ERR_INVALID_ARG)
+            return rc; /* counted, late, or an id not expected: the same for every link */
     }
-    return rc;
+    return dup ? KVB_AGG_DUPLICATE : KVB_ERR_INVALID_ARG;
 }
 
 static void drop_expect(kvb_kv_agent_t *a, const char *id)
@@ -727,7 +738,7 @@ static void handle_notification(kvb_kv_agent_t *a, const kvb_notification_t *n)
     else if (rc == KVB_ERR_NOT_FOUND)
         keep_early(a, id, n->from, status);
     else if (rc == KVB_ERR_INVALID_ARG)
-        KVB_WARN("KV notice for %s from %s, which it does not expect to report", id, n->from);
+        KVB_WARN("KV notice for %s from %s: the request expects none from it", id, n->from);
 }
 
 /* Fails the expected ranks of `id` whose engines are gone - but only once every notice they

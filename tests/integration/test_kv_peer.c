@@ -441,6 +441,14 @@ Test(kv_peer, two_ranks_of_one_role_are_refused_at_link_time)
     cr_assert_eq(rc, KVB_ERR_INCOMPATIBLE, "decode to decode: %s", kvb_status_name(rc));
     cr_assert_null(l);
     cr_assert(strstr(why, "both ends are decode ranks") != NULL, "reason: %s", why);
+    /* A peer that publishes a layout but no role (a build from before roles) still links. */
+    rank_t p;
+    rank_init(&p, false, 1, 0, DBLOCKS, KVB_KV_ROLE_PREFILL);
+    cr_assert_eq(kvb_engine_set_attr(p.engine, KVB_KV_ROLE_ATTR, NULL, 0), KVB_OK);
+    rc = kvb_kv_link_open(d[0].agent, kvb_engine_segment_name(p.engine), &l, why, sizeof why);
+    cr_assert_eq(rc, KVB_OK, "a peer without a role: %s: %s", kvb_status_name(rc), why);
+    kvb_kv_link_close(l);
+    rank_fini(&p);
     for (int k = 0; k < 2; k++)
         rank_fini(&d[k]);
 }

@@ -80,8 +80,8 @@ static int peer_open(kvb_pd_server_t *srv, kvb__srv_peer_t *p, char *why, size_t
         p->refused = true;
         p->verdict = refusal_verdict(srv, p->seg);
         snprintf(p->reason, sizeof p->reason, "%s", reason);
-        return kvb__fail(why, cap, rc, "KV link to %s refused by the topology guard (%s): %s",
-                         p->seg, kvb_kv_verdict_name(p->verdict), reason);
+        return kvb__fail(why, cap, rc, "KV link to %s refused (%s): %s", p->seg,
+                         kvb_kv_verdict_name(p->verdict), reason);
     }
     p->refused = false;
     p->verdict = kvb_kv_link_verdict(p->links[0]);
