@@ -17,6 +17,7 @@
 #include "common/clock.h"
 #include "engine/internal.h"
 #include "helpers/peer.h"
+#include "helpers/store.h"
 #include "kvbridge/engine.h"
 
 TestSuite(engine, .timeout = 60);
@@ -966,15 +967,11 @@ static void *open_it(void *arg)
 /* A host that accepts and never answers stalls only the opens of its own name. */
 Test(engine, a_dead_host_does_not_stall_other_opens)
 {
-    int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    socklen_t sl = sizeof sa;
-    cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof sa), 0);
-    cr_assert_eq(listen(lfd, 8), 0);
-    getsockname(lfd, (struct sockaddr *)&sa, &sl);
+    uint16_t port;
+    int lfd = test_silent_listener(&port);
+    cr_assert_geq(lfd, 0);
     char dead[64];
-    snprintf(dead, sizeof dead, "127.0.0.1:%u", ntohs(sa.sin_port));
+    snprintf(dead, sizeof dead, "127.0.0.1:%u", port);
     kvb_config_t c;
     kvb_config_init(&c);
     c.connect_timeout_ms = 1500;

@@ -61,4 +61,9 @@ void test_store_stop(test_store_t *s);
  * process may take it before the caller binds it. */
 uint16_t test_free_port(void);
 
+/* A listening socket on a free 127.0.0.1 port that nobody accepts from: the kernel completes
+ * connections to it, and nothing ever answers (a hung host). Returns its fd (close it when done)
+ * with the port in *port, or -1. */
+int test_silent_listener(uint16_t *port);
+
 #endif

@@ -275,20 +275,6 @@ Test(meta_client, redis_passing_refusal_keeps_renewals_conditional, .timeout = 6
     test_store_stop(&s);
 }
 
-/* A listener that takes connections and never answers (an etcd endpoint on a hung host). */
-static int blackhole(uint16_t *port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    socklen_t sl = sizeof sa;
-    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    cr_assert_eq(listen(fd, 16), 0);
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
-    *port = ntohs(sa.sin_port);
-    return fd;
-}
-
 static double get_ms(kvb_meta_t *m, int *rc)
 {
     char buf[64];
@@ -306,7 +292,8 @@ Test(meta_client, etcd_endpoints_share_the_call_timeout, .timeout = 60)
     test_store_t s;
     cr_assert_eq(test_store_start(&s, TEST_STORE_ETCD), 0);
     uint16_t p1, p2, closed = test_free_port();
-    int h1 = blackhole(&p1), h2 = blackhole(&p2), rc;
+    int h1 = test_silent_listener(&p1), h2 = test_silent_listener(&p2), rc;
+    cr_assert(h1 >= 0 && h2 >= 0);
     char uri[160];
     kvb_meta_t *m = NULL;
 
