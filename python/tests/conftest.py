@@ -7,6 +7,7 @@ started through peer.py, killed at teardown and whenever the test process dies."
 import faulthandler
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -222,6 +223,27 @@ def dead_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def quiet_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: no socket bound to port 0 and no
+    outgoing connection - of this test or of another one running beside it - is ever given it,
+    so a process that exits can be followed by another on the same port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_for(cond, timeout=5.0, step=0.01):

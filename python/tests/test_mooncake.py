@@ -14,7 +14,8 @@ import pytest
 import kvbridge
 from kvbridge import mooncake
 from kvbridge.mooncake import TransferEngine, TransferNotify, TransferOpcode
-from conftest import MOONCAKE_TARGET, dead_port, shared_target, start_target, wait_for
+from conftest import (MOONCAKE_TARGET, dead_port, quiet_port, shared_target, start_target,
+                      wait_for)
 from helpers import addr, digest, pattern
 
 
@@ -167,7 +168,14 @@ def test_async_and_status(te, peer):
 
 
 def test_pending_timeout_and_peer_killed(spawn):
-    t = start_target(spawn, kind="mooncake")
+    # The target takes a port no other socket is handed by the kernel, so that the one that
+    # replaces it below finds it free (a port of the ephemeral range could go to another test's
+    # connection meanwhile).
+    first = spawn()
+    t = first.run(MOONCAKE_TARGET.replace('"127.0.0.1", "P2PHANDSHAKE"',
+                                          f'"127.0.0.1:{quiet_port()}", "P2PHANDSHAKE"')
+                  .format(size=4 << 20))
+    t["peer"] = first
     te = TransferEngine(transfer_timeout=0.5, protocol="tcp")
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     local = np.zeros(t["size"], np.uint8)
