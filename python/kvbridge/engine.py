@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
+from ._gate import Gate, sliced
 from .errors import check, make_error
+
+_ERR_TIMEOUT = -4
 
 ACCESS_READ = 1
 ACCESS_WRITE = 2
@@ -224,8 +227,8 @@ class Engine:
     engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off).
     Unknown keywords raise TypeError.
 
-    Every method is thread-safe; blocking ones release the GIL. Use as a context manager or call
-    close(); the engine must outlive its segments' use, and batches stay valid after close()."""
+    Every method is thread-safe, close() included (see close()); blocking ones release the GIL.
+    Use as a context manager or call close(); batches stay valid after close()."""
 
     def __init__(self, **config: Any):
         lib = _lib.load()
@@ -260,7 +263,7 @@ class Engine:
             ctypes.memset(buf, 0, len(sb))  # the library keeps its own copy
         check(rc, "kvb_engine_create")
         self._lib = lib
-        self._h: Optional[int] = h.value
+        self._gate = Gate(h.value, "engine")
         self._lock = threading.Lock()
         self._regions: Dict[int, Any] = {}  # registered address -> keep-alive
         # KV agents on this engine (kvbridge.kv): closed first, since an agent's C object uses
@@ -270,16 +273,11 @@ class Engine:
         self.port: int = int(lib.kvb_engine_port(h))
 
     # ---- lifetime ----------------------------------------------------------------------------
-    def _handle(self) -> int:
-        h = self._h
-        if h is None:
-            raise make_error(-12, "engine is closed")  # ERR_SHUTDOWN
-        return h
-
     @property
     def handle(self) -> int:
-        """The kvb_engine_t pointer, for code that calls the C library itself."""
-        return self._handle()
+        """The kvb_engine_t pointer, for code that calls the C library itself (valid until
+        close(), which does not wait for such code)."""
+        return self._gate.peek()
 
     @property
     def fabric_provider(self) -> str:
@@ -288,7 +286,8 @@ class Engine:
         fn = getattr(self._lib, "kvb_engine_fabric_provider", None)
         if fn is None:
             return ""
-        return (fn(self._handle()) or b"").decode()
+        with self._gate.use() as h:
+            return (fn(h) or b"").decode()
 
     @property
     def tcp_congestion(self) -> str:
@@ -296,29 +295,35 @@ class Engine:
         fn = getattr(self._lib, "kvb_engine_tcp_congestion", None)
         if fn is None:
             return ""
-        return (fn(self._handle()) or b"").decode()
+        with self._gate.use() as h:
+            return (fn(h) or b"").decode()
 
     @property
     def busy_poll_us(self) -> int:
         """The busy polling of the engine's threads in microseconds (0: off, or an older
         library)."""
         fn = getattr(self._lib, "kvb_engine_busy_poll_us", None)
-        return int(fn(self._handle())) if fn is not None else 0
+        if fn is None:
+            return 0
+        with self._gate.use() as h:
+            return int(fn(h))
 
     @property
     def closed(self) -> bool:
-        return self._h is None
+        return self._gate.closed
 
     def close(self) -> None:
         """Destroys the engine (kvb_engine_destroy): requests in flight end FAILED with
-        ERR_SHUTDOWN, blocked notification receivers return. KV agents made on it are closed
-        first. Idempotent. Not while another thread is inside a call on this engine."""
+        ERR_SHUTDOWN. Calls on other threads may race it: from now on they raise ShutdownError,
+        and those under way are waited for (each is bounded by its own timeout; a notify_recv()
+        waiting raises ShutdownError within 50 ms). KV agents made on it are closed first.
+        Idempotent; returns at once if another thread is closing it."""
+        h = self._gate.shut()
+        if h is None:
+            return
         for child in list(self._children):
             child.close()
-        with self._lock:
-            h, self._h = self._h, None
-        if h is not None:
-            self._lib.kvb_engine_destroy(h)
+        self._lib.kvb_engine_destroy(h)
         self._regions.clear()
 
     def __enter__(self) -> "Engine":
@@ -355,8 +360,9 @@ class Engine:
             access = ACCESS_READ if readonly else ACCESS_RW
         elif readonly and access & ACCESS_WRITE:  # InvalidArgError, also a ValueError
             raise make_error(-1, "a read-only buffer cannot be registered for peers' WRITEs")
-        check(self._lib.kvb_register(self._handle(), addr, n, _b(location), access),
-              f"kvb_register({addr:#x}, {n})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_register(h, addr, n, _b(location), access),
+                  f"kvb_register({addr:#x}, {n})")
         with self._lock:
             self._regions[addr] = keep
         return addr, n
@@ -366,7 +372,8 @@ class Engine:
         waiting until nothing uses it any more (kvb_unregister; BusyError after the engine's
         timeout: keep the memory valid and call again). NotFoundError if none starts there."""
         addr = buf if isinstance(buf, int) else buffer_info(buf)[0]
-        check(self._lib.kvb_unregister(self._handle(), addr), f"kvb_unregister({addr:#x})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_unregister(h, addr), f"kvb_unregister({addr:#x})")
         with self._lock:
             self._regions.pop(addr, None)
 
@@ -375,13 +382,15 @@ class Engine:
         returns the address (see view()). Not registered: register it to use it. Valid until
         free() or close()."""
         out = ctypes.c_void_p()
-        check(self._lib.kvb_alloc(self._handle(), length, 1 if huge else 0, ctypes.byref(out)),
-              f"kvb_alloc({length})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_alloc(h, length, 1 if huge else 0, ctypes.byref(out)),
+                  f"kvb_alloc({length})")
         return int(out.value or 0)
 
     def free(self, addr: int) -> None:
         """Frees alloc() memory (BusyError while a registered region lies inside it)."""
-        check(self._lib.kvb_free(self._handle(), addr), f"kvb_free({addr:#x})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_free(h, addr), f"kvb_free({addr:#x})")
 
     # ---- segments ----------------------------------------------------------------------------
     def open_segment(self, name: str) -> "Segment":
@@ -389,15 +398,17 @@ class Engine:
         authenticates and fetches its regions (kvb_segment_open; blocks up to the connect
         timeout). Opening an open segment returns another reference to the same handle."""
         out = ctypes.c_uint32()
-        check(self._lib.kvb_segment_open(self._handle(), _b(name), ctypes.byref(out)),
-              f"kvb_segment_open({name!r})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_segment_open(h, _b(name), ctypes.byref(out)),
+                  f"kvb_segment_open({name!r})")
         return Segment(self, int(out.value), name)
 
     def set_attr(self, key: str, value: Optional[Union[bytes, str]]) -> None:
         """Publishes a named attribute with this engine's segment; None removes it."""
         v = _b(value)
-        check(self._lib.kvb_engine_set_attr(self._handle(), _b(key), v, len(v) if v else 0),
-              f"kvb_engine_set_attr({key!r})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_engine_set_attr(h, _b(key), v, len(v) if v else 0),
+                  f"kvb_engine_set_attr({key!r})")
 
     # ---- transfers ---------------------------------------------------------------------------
     def submit(self, requests: Sequence[Union[Request, Tuple[Any, ...]]], *,
@@ -434,8 +445,9 @@ class Engine:
             opts.notify = ctypes.cast(nbuf, ctypes.c_void_p)
             opts.notify_len = len(nb)
         out = ctypes.c_void_p()
-        check(self._lib.kvb_batch_submit(self._handle(), arr, n, ctypes.byref(opts),
-                                         ctypes.byref(out)), "kvb_batch_submit")
+        with self._gate.use() as h:
+            check(self._lib.kvb_batch_submit(h, arr, n, ctypes.byref(opts), ctypes.byref(out)),
+                  "kvb_batch_submit")
         return Batch(self._lib, int(out.value), n)
 
     def transfer(self, requests: Sequence[Union[Request, Tuple[Any, ...]]], *,
@@ -464,27 +476,31 @@ class Engine:
         (kvb_notify_send; timeout None: the engine's)."""
         m = _b(msg) or b""
         seg = segment.handle if isinstance(segment, Segment) else int(segment)
-        check(self._lib.kvb_notify_send(self._handle(), seg, m, len(m), _ms(timeout)),
-              "kvb_notify_send")
+        with self._gate.use() as h:
+            check(self._lib.kvb_notify_send(h, seg, m, len(m), _ms(timeout)), "kvb_notify_send")
 
     def notify_recv(self, timeout: Optional[float] = 0) -> Optional[Notification]:
         """The oldest received notification, waiting at most `timeout` seconds (0: poll; None:
-        until one arrives or the engine closes). Returns None if none arrived in time."""
+        until one arrives). Returns None if none arrived in time; ShutdownError once the engine
+        is closed (a wait under way ends within 50 ms of the close)."""
         raw = _lib.Notification()
-        rc = self._lib.kvb_notify_recv(self._handle(), ctypes.byref(raw), _ms(timeout))
+        rc = sliced(self._gate, lambda h, ms: self._lib.kvb_notify_recv(h, ctypes.byref(raw), ms),
+                    timeout, _ERR_TIMEOUT)
         return _notification(rc, raw, "kvb_notify_recv")
 
     def notify_reply(self, received: Notification, msg: Union[bytes, str]) -> None:
         """Answers a received notification on the connection it came in on (kvb_notify_reply)."""
         m = _b(msg) or b""
-        check(self._lib.kvb_notify_reply(self._handle(), ctypes.byref(received._raw), m, len(m)),
-              "kvb_notify_reply")
+        with self._gate.use() as h:
+            check(self._lib.kvb_notify_reply(h, ctypes.byref(received._raw), m, len(m)),
+                  "kvb_notify_reply")
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> Stats:
         """Counters of this engine's own requests and bytes per data path (kvb_engine_stats)."""
         st = _lib.Stats()
-        check(self._lib.kvb_engine_stats(self._handle(), ctypes.byref(st)), "kvb_engine_stats")
+        with self._gate.use() as h:
+            check(self._lib.kvb_engine_stats(h, ctypes.byref(st)), "kvb_engine_stats")
         paths = {st.paths[i].name.decode(): (int(st.paths[i].ops), int(st.paths[i].bytes))
                  for i in range(min(st.npaths, _lib.STATS_PATHS_MAX))}
         return Stats(int(st.requests_completed), int(st.requests_failed), paths)
@@ -526,75 +542,77 @@ class Segment:
             self._closed = True
             return
         self._closed = True
-        check(self.engine._lib.kvb_segment_close(self.engine._handle(), self.handle),
-              "kvb_segment_close")
+        with self.engine._gate.use() as h:
+            check(self.engine._lib.kvb_segment_close(h, self.handle), "kvb_segment_close")
 
     def regions(self, refresh: bool = False) -> List[RegionInfo]:
         """The segment's registered regions; `refresh` fetches them from the peer first."""
-        lib, h = self.engine._lib, self.engine._handle()
-        count = ctypes.c_size_t()
-        check(lib.kvb_segment_regions(h, self.handle, 1 if refresh else 0, None, 0,
-                                      ctypes.byref(count)), "kvb_segment_regions")
-        while True:
-            cap = count.value
-            arr = (_lib.RegionInfo * max(cap, 1))()
-            check(lib.kvb_segment_regions(h, self.handle, 0, arr, cap, ctypes.byref(count)),
-                  "kvb_segment_regions")
-            if count.value <= cap:
-                break
+        lib, count = self.engine._lib, ctypes.c_size_t()
+        with self.engine._gate.use() as h:
+            check(lib.kvb_segment_regions(h, self.handle, 1 if refresh else 0, None, 0,
+                                          ctypes.byref(count)), "kvb_segment_regions")
+            while True:
+                cap = count.value
+                arr = (_lib.RegionInfo * max(cap, 1))()
+                check(lib.kvb_segment_regions(h, self.handle, 0, arr, cap, ctypes.byref(count)),
+                      "kvb_segment_regions")
+                if count.value <= cap:
+                    break
         return [RegionInfo(int(r.addr), int(r.len), int(r.access), r.location.decode())
                 for r in arr[:count.value]]
 
     def attr(self, key: str) -> Optional[bytes]:
         """The segment's attribute `key` as learnt at open or refresh; None if not published."""
-        lib, h = self.engine._lib, self.engine._handle()
-        n = ctypes.c_size_t()
-        rc = lib.kvb_segment_attr(h, self.handle, _b(key), None, 0, ctypes.byref(n))
-        if rc == -7:  # ERR_NOT_FOUND
-            return None
-        check(rc, f"kvb_segment_attr({key!r})")
-        while True:  # a refresh on another thread may lengthen it between the two calls
-            cap = n.value
-            buf = ctypes.create_string_buffer(max(cap, 1))
-            rc = lib.kvb_segment_attr(h, self.handle, _b(key), buf, cap, ctypes.byref(n))
-            if rc == -7:
+        lib, n = self.engine._lib, ctypes.c_size_t()
+        with self.engine._gate.use() as h:
+            rc = lib.kvb_segment_attr(h, self.handle, _b(key), None, 0, ctypes.byref(n))
+            if rc == -7:  # ERR_NOT_FOUND
                 return None
             check(rc, f"kvb_segment_attr({key!r})")
-            if n.value <= cap:
-                return buf.raw[:n.value]
+            while True:  # a refresh on another thread may lengthen it between the two calls
+                cap = n.value
+                buf = ctypes.create_string_buffer(max(cap, 1))
+                rc = lib.kvb_segment_attr(h, self.handle, _b(key), buf, cap, ctypes.byref(n))
+                if rc == -7:
+                    return None
+                check(rc, f"kvb_segment_attr({key!r})")
+                if n.value <= cap:
+                    return buf.raw[:n.value]
 
     def refresh(self) -> None:
         """Fetches the region list and attributes again (PeerRestartedError: reopen)."""
-        check(self.engine._lib.kvb_segment_refresh(self.engine._handle(), self.handle),
-              "kvb_segment_refresh")
+        with self.engine._gate.use() as h:
+            check(self.engine._lib.kvb_segment_refresh(h, self.handle), "kvb_segment_refresh")
 
     @property
     def transport(self) -> str:
         """The data path host memory takes to this segment: "shm" or "tcp"."""
         out = ctypes.c_char_p()
-        check(self.engine._lib.kvb_segment_transport(self.engine._handle(), self.handle,
-                                                     ctypes.byref(out)), "kvb_segment_transport")
+        with self.engine._gate.use() as h:
+            check(self.engine._lib.kvb_segment_transport(h, self.handle, ctypes.byref(out)),
+                  "kvb_segment_transport")
         return (out.value or b"").decode()
 
     @property
     def incarnation(self) -> int:
         """The peer's incarnation id (random per engine start)."""
         out = ctypes.c_uint64()
-        check(self.engine._lib.kvb_segment_incarnation(self.engine._handle(), self.handle,
-                                                       ctypes.byref(out)),
-              "kvb_segment_incarnation")
+        with self.engine._gate.use() as h:
+            check(self.engine._lib.kvb_segment_incarnation(h, self.handle, ctypes.byref(out)),
+                  "kvb_segment_incarnation")
         return int(out.value)
 
 
 class Batch:
     """A submitted batch. wait() for it, read status() per request, cancel(); close() (or the
     context manager, or garbage collection) frees it, cancelling what is still pending. Several
-    threads may wait on, poll or cancel one batch at once, but close() must come after them."""
+    threads may wait on, poll, cancel or close one batch at once: a close() cancels what is
+    pending, waits until the other threads' calls have returned, then frees it; calls after it
+    raise ShutdownError."""
 
     def __init__(self, lib: Any, handle: int, size: int):
         self._lib = lib
-        self._h: Optional[int] = handle
-        self._lock = threading.Lock()
+        self._gate = Gate(handle, "batch")
         self.size = size
 
     def __len__(self) -> int:
@@ -612,24 +630,23 @@ class Batch:
         except Exception:
             pass
 
-    def _handle(self) -> int:
-        h = self._h
-        if h is None:
-            raise make_error(-1, "batch is closed")
-        return h
-
     def status(self, i: int) -> RequestStatus:
         """Request `i`'s status, without blocking (a PENDING one past its deadline turns
         TIMEOUT)."""
         if not 0 <= i < self.size:
             raise IndexError(i)
-        st = _lib.ReqStatus()
-        check(self._lib.kvb_batch_status(self._handle(), i, ctypes.byref(st)), "kvb_batch_status")
-        return RequestStatus(ReqState(st.state), int(st.error), int(st.bytes))
+        with self._gate.use() as h:
+            return self._status(h, i)
 
     def statuses(self) -> List[RequestStatus]:
         """Every request's status."""
-        return [self.status(i) for i in range(self.size)]
+        with self._gate.use() as h:
+            return [self._status(h, i) for i in range(self.size)]
+
+    def _status(self, h: int, i: int) -> RequestStatus:
+        st = _lib.ReqStatus()
+        check(self._lib.kvb_batch_status(h, i, ctypes.byref(st)), "kvb_batch_status")
+        return RequestStatus(ReqState(st.state), int(st.error), int(st.bytes))
 
     @property
     def done(self) -> bool:
@@ -641,19 +658,21 @@ class Batch:
         seconds (None: until each request's own deadline). Returns True if all COMPLETED, False
         if the wait timed out with requests pending; raises the first failed request's error
         (TimedOutError past a request's deadline, PeerLostError, RemoteNotRegisteredError...)."""
-        rc = self._lib.kvb_batch_wait(self._handle(), _ms(timeout))
-        if rc == 0:
-            return True
-        if rc == -6:  # ERR_AGAIN
-            return False
-        failed = [i for i, s in enumerate(self.statuses()) if s.error == rc]
-        check(rc, f"kvb_batch_wait: request {failed[0] if failed else '?'} of {self.size}")
+        with self._gate.use() as h:
+            rc = self._lib.kvb_batch_wait(h, _ms(timeout))
+            if rc == 0:
+                return True
+            if rc == -6:  # ERR_AGAIN
+                return False
+            first = next((i for i in range(self.size) if self._status(h, i).error == rc), "?")
+        check(rc, f"kvb_batch_wait: request {first} of {self.size}")
         return False  # not reached
 
     def cancel(self) -> None:
         """Marks every pending request CANCELED; afterwards no READ writes into their buffers
         (over shared memory a copy under way may still land: unregister waits for it)."""
-        check(self._lib.kvb_batch_cancel(self._handle()), "kvb_batch_cancel")
+        with self._gate.use() as h:
+            check(self._lib.kvb_batch_cancel(h), "kvb_batch_cancel")
 
     def settle(self, timeout: float = 0.0) -> bool:
         """Waits up to `timeout` seconds (0: polls) until no request of the batch can still
@@ -661,12 +680,13 @@ class Batch:
         cancelled may still have a same-host peer's copy (or a NIC's) land in its buffer until
         the peer answers, and a WRITE is settled once acknowledged: settle before handing such
         buffers to other work."""
-        return _settle(self._lib.kvb_batch_settle, self._handle(), timeout, "kvb_batch_settle")
+        with self._gate.use() as h:
+            return _settle(self._lib.kvb_batch_settle, h, timeout, "kvb_batch_settle")
 
     def close(self) -> None:
-        """Cancels what is pending and frees the batch (kvb_batch_free). Idempotent."""
-        with self._lock:
-            h, self._h = self._h, None
+        """Cancels what is pending and frees the batch (kvb_batch_free), once calls on other
+        threads have returned (a wait() returns at once, its requests cancelled). Idempotent."""
+        h = self._gate.shut(self._lib.kvb_batch_cancel)
         if h is not None:
             self._lib.kvb_batch_free(h)
 

@@ -6,17 +6,20 @@ over TP ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
+from ._gate import Gate, sliced
 from .engine import (Engine, Notification, Op, Request, _b, _ms, _notification, _set_int,
                      _settle)
 from .errors import Error, check, make_error
+
+_ERR_TIMEOUT, _ERR_AGAIN = -4, -6
 
 LAYOUT_ATTR = "kvbridge.kv.layout"
 ROLE_ATTR = "kvbridge.kv.role"
@@ -267,14 +270,15 @@ def plan(local: Layout, remote: Layout, op: Op, segment: int, src_blocks: Sequen
 
 
 def _close_handle(obj: Any, destroy: Any) -> None:
-    """Closes obj's children, then takes its handle (under its lock: two threads closing it
-    free it once) and destroys it."""
+    """Shuts obj's gate (no call starts from now on; those under way are waited for, and no
+    child is made any more), closes its children, then destroys it - once, whichever thread
+    closes it first."""
+    h = obj._gate.shut()
+    if h is None:
+        return
     for child in list(obj._children):
         child.close()
-    with obj._close_lock:
-        h, obj._h = obj._h, None
-    if h is not None:
-        destroy(h)
+    destroy(h)
 
 
 class Agent:
@@ -291,19 +295,13 @@ class Agent:
         lib = _lib.load()
         out = ctypes.c_void_p()
         why = ctypes.create_string_buffer(_lib.KV_REASON_MAX)
-        check(lib.kvb_kv_agent_create(engine._handle(), ctypes.byref(self._c), int(role),
-                                      ctypes.byref(out), why, len(why)), "kvb_kv_agent_create",
-              why.value)
         self._lib = lib
-        self._h: Optional[int] = out.value
-        self._close_lock = threading.Lock()
         self._children: "weakref.WeakSet[Link]" = weakref.WeakSet()
-        engine._children.add(self)
-
-    def _handle(self) -> int:
-        if self._h is None:
-            raise make_error(-12, "agent is closed")
-        return self._h
+        with engine._gate.use() as eh:  # an engine closing meanwhile waits, then closes us
+            check(lib.kvb_kv_agent_create(eh, ctypes.byref(self._c), int(role), ctypes.byref(out),
+                                          why, len(why)), "kvb_kv_agent_create", why.value)
+            self._gate = Gate(int(out.value or 0), "agent")
+            engine._children.add(self)
 
     def close(self) -> None:
         """Closes its links, unregisters the buffers, withdraws the descriptor, frees the agent.
@@ -321,24 +319,30 @@ class Agent:
         with the guard's reason for a refused pair, NotFoundError for a peer without an agent."""
         out = ctypes.c_void_p()
         why = ctypes.create_string_buffer(_lib.KV_REASON_MAX)
-        check(self._lib.kvb_kv_link_open(self._handle(), _b(segment), ctypes.byref(out), why,
-                                         len(why)), f"kvb_kv_link_open({segment!r})", why.value)
-        return Link(self, int(out.value), segment)
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_link_open(h, _b(segment), ctypes.byref(out), why, len(why)),
+                  f"kvb_kv_link_open({segment!r})", why.value)
+            return Link(self, int(out.value), segment)
 
     def expect(self, req_id: str, links: Sequence["Link"], timeout: float = 30.0) -> None:
         """Announces that `req_id` will be reported by every rank among `links` that routes here
         within `timeout` seconds. Call before those ranks can finish."""
-        arr = (ctypes.c_void_p * max(len(links), 1))(*[l._handle() for l in links])
-        check(self._lib.kvb_kv_expect(self._handle(), _b(req_id), arr, len(links), _ms(timeout)),
-              f"kvb_kv_expect({req_id!r})")
+        with contextlib.ExitStack() as held, self._gate.use() as h:
+            arr = (ctypes.c_void_p * max(len(links), 1))(
+                *[held.enter_context(l._gate.use()) for l in links])
+            check(self._lib.kvb_kv_expect(h, _b(req_id), arr, len(links), _ms(timeout)),
+                  f"kvb_kv_expect({req_id!r})")
 
     def wait(self, req_id: str, timeout: Optional[float] = None) -> bool:
         """Waits for `req_id`: True once every expected rank reported success, False if
         `timeout` seconds (None: the request's deadline; 0 polls) passed first; raises the first
         error a rank reported, PeerLostError once an expected rank's engine is gone (and the
-        notices it sent before going are read), TimedOutError at the deadline."""
-        rc = self._lib.kvb_kv_wait(self._handle(), _b(req_id), _ms(timeout))
-        if rc == -6:
+        notices it sent before going are read), TimedOutError at the deadline, ShutdownError if
+        the agent is closed meanwhile (within 50 ms)."""
+        rid = _b(req_id)
+        rc = sliced(self._gate, lambda h, ms: self._lib.kvb_kv_wait(h, rid, ms), timeout,
+                    _ERR_AGAIN)
+        if rc == _ERR_AGAIN:
             return False
         check(rc, f"kvb_kv_wait({req_id!r})")
         return True
@@ -346,7 +350,9 @@ class Agent:
     def notify_recv(self, timeout: Optional[float] = 0) -> Optional[Notification]:
         """A notification that was not the agent's; like Engine.notify_recv()."""
         raw = _lib.Notification()
-        rc = self._lib.kvb_kv_agent_notify_recv(self._handle(), ctypes.byref(raw), _ms(timeout))
+        rc = sliced(self._gate,
+                    lambda h, ms: self._lib.kvb_kv_agent_notify_recv(h, ctypes.byref(raw), ms),
+                    timeout, _ERR_TIMEOUT)
         return _notification(rc, raw, "kvb_kv_agent_notify_recv")
 
 
@@ -356,16 +362,10 @@ class Link:
     def __init__(self, agent: Agent, handle: int, segment: str):
         self.agent = agent
         self.segment = segment
-        self._h: Optional[int] = handle
+        self._gate = Gate(handle, "link")
         self._lib = agent._lib
-        self._close_lock = threading.Lock()
         self._children: "weakref.WeakSet[Transfer]" = weakref.WeakSet()
         agent._children.add(self)
-
-    def _handle(self) -> int:
-        if self._h is None:
-            raise make_error(-1, "link is closed")
-        return self._h
 
     def close(self) -> None:
         """Frees its transfers (cancelling what is pending), then the link. Idempotent."""
@@ -380,17 +380,20 @@ class Link:
     @property
     def verdict(self) -> Verdict:
         """The guard's verdict (ALLOW_HOMO or ALLOW_HETERO)."""
-        return Verdict(self._lib.kvb_kv_link_verdict(self._handle()))
+        with self._gate.use() as h:
+            return Verdict(self._lib.kvb_kv_link_verdict(h))
 
     @property
     def has_route(self) -> bool:
         """True if the two ranks of this link exchange data."""
-        return bool(self._lib.kvb_kv_link_has_route(self._handle()))
+        with self._gate.use() as h:
+            return bool(self._lib.kvb_kv_link_has_route(h))
 
     @property
     def remote_layout(self) -> Layout:
         """The remote rank's layout, as published."""
-        return Layout._from_c(self._lib.kvb_kv_link_layout(self._handle()).contents)
+        with self._gate.use() as h:
+            return Layout._from_c(self._lib.kvb_kv_link_layout(h).contents)
 
     def begin(self, req_id: str, op: Op, src_blocks: Sequence[int], dst_blocks: Sequence[int],
               timeout: float = 30.0) -> "Transfer":
@@ -403,12 +406,13 @@ class Link:
         src, dst = _u64(src_blocks), _u64(dst_blocks)
         out = ctypes.c_void_p()
         why = ctypes.create_string_buffer(_lib.KV_REASON_MAX)
-        check(self._lib.kvb_kv_xfer_begin(self._handle(), _b(req_id), int(op), src, dst,
-                                          len(src_blocks), _ms(timeout), ctypes.byref(out), why,
-                                          len(why)), f"kvb_kv_xfer_begin({req_id!r})", why.value)
-        x = Transfer(self._lib, int(out.value))
-        self._children.add(x)
-        return x
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_xfer_begin(h, _b(req_id), int(op), src, dst, len(src_blocks),
+                                              _ms(timeout), ctypes.byref(out), why, len(why)),
+                  f"kvb_kv_xfer_begin({req_id!r})", why.value)
+            x = Transfer(self._lib, int(out.value))
+            self._children.add(x)
+            return x
 
     def pull(self, req_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
              timeout: float = 30.0) -> None:
@@ -420,8 +424,9 @@ class Link:
     def give_up(self, req_id: str, timeout: float = 5.0) -> None:
         """Tells the other side that `req_id` will not be transferred over this link at all: its
         wait() raises CanceledError now (a prefill frees a leased prompt at once)."""
-        check(self._lib.kvb_kv_give_up(self._handle(), _b(req_id), _ms(timeout)),
-              f"kvb_kv_give_up({req_id!r})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_give_up(h, _b(req_id), _ms(timeout)),
+                  f"kvb_kv_give_up({req_id!r})")
 
     def push(self, req_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
              timeout: float = 30.0) -> None:
@@ -451,33 +456,31 @@ class Transfer:
 
     def __init__(self, lib: Any, handle: int):
         self._lib = lib
-        self._h: Optional[int] = handle
-        self._close_lock = threading.Lock()
+        self._gate = Gate(handle, "transfer")
         self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()  # none
-
-    def _handle(self) -> int:
-        if self._h is None:
-            raise make_error(-1, "transfer is closed")
-        return self._h
 
     def layer(self, layer: int) -> None:
         """Layer `layer` is ready: its blocks start moving now (each layer at most once)."""
-        check(self._lib.kvb_kv_xfer_layer(self._handle(), layer), f"kvb_kv_xfer_layer({layer})")
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_xfer_layer(h, layer), f"kvb_kv_xfer_layer({layer})")
 
     def all(self) -> None:
         """Starts every layer not yet started."""
-        check(self._lib.kvb_kv_xfer_all(self._handle()), "kvb_kv_xfer_all")
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_xfer_all(h), "kvb_kv_xfer_all")
 
     def finish(self) -> None:
         """Waits until every started layer landed, then notifies the other side of the outcome.
         Raises the first error. Call once."""
-        check(self._lib.kvb_kv_xfer_finish(self._handle()), "kvb_kv_xfer_finish")
+        with self._gate.use() as h:
+            check(self._lib.kvb_kv_xfer_finish(h), "kvb_kv_xfer_finish")
 
     def settle(self, timeout: float = 0.0) -> bool:
         """Waits up to `timeout` seconds (0: polls) until no byte of the transfer can still land
         in this side's memory (kvb_kv_xfer_settle). True once settled. After a failed pull, keep
         the destination blocks out of use until it is."""
-        return _settle(self._lib.kvb_kv_xfer_settle, self._handle(), timeout, "kvb_kv_xfer_settle")
+        with self._gate.use() as h:
+            return _settle(self._lib.kvb_kv_xfer_settle, h, timeout, "kvb_kv_xfer_settle")
 
     def close(self) -> None:
         """Frees the transfer, cancelling what is pending. Idempotent."""
