@@ -192,6 +192,10 @@ static int prefill_main(const kv_model_t *m, uint64_t pool, const char *protocol
                         int life)
 {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    /* The decode's completion notices come to an agent that expects none (a serving prefill
+     * would have called kvb_kv_expect and linked back): a warning per pull, not worth showing. */
+    if (!getenv("KVB_LOG_LEVEL"))
+        kvb_log_set_level(0);
     side_t s = {0};
     if (side_init(&s, m, pool, protocol, KVB_KV_ROLE_PREFILL))
         return 1;
@@ -234,8 +238,16 @@ static int pull_once(kvb_kv_link_t *link, const char *id, const uint64_t *src, c
     return rc ? rc : frc;
 }
 
+/* A pull's figure against its ceiling: each timed pull is followed by a measurement of the ceiling
+ * over the same working set, and the ratio is the median of the pairs' ratios - seconds apart,
+ * so that a slow stretch of a shared machine moves both halves of a pair (a ceiling measured once
+ * before the pulls came out below the pulls they divided when the machine sped up between). */
+#define CEILING_SECS 0.2 /* per window; the best of CEILING_RUNS after each pull */
+#define CEILING_RUNS 3
+
 static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const char *protocol,
-                      const char *segment, int reps, bool verify, double ceiling, bool json)
+                      const char *segment, int reps, bool verify, kvb_ceiling_session_t *cs,
+                      const char *method, bool json)
 {
     side_t s = {0};
     kvb_kv_link_t *link = NULL;
@@ -245,15 +257,17 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
         fprintf(stderr, "bench --kv: link: %s\n", why);
     size_t n = (size_t)((tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK);
     uint64_t *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst), seed = 7;
-    double *t = calloc((size_t)reps, sizeof *t);
+    double *t = calloc((size_t)reps, sizeof *t), *cg = calloc((size_t)reps, sizeof *cg),
+           *ratio = calloc((size_t)reps, sizeof *ratio);
     uint64_t bad = 0;
+    uint64_t bytes = (uint64_t)n * block_bytes(m) * s.layout.num_slots;
     /* Warm-up, not timed: one pull of the whole pool, so every page of both pools has been
      * reached once through the path - as in a serving instance, whose pools stay shared and
      * mapped for hours. On this VM the first touch of each page through a new mapping costs a
      * hypervisor exit (shadow page tables): without it the first timed pulls ran 5-15x slower and
      * the median measured the mapping, not the transfer. */
     uint64_t *all = calloc((size_t)pool, sizeof *all);
-    if (!rc && (!src || !dst || !t || !all))
+    if (!rc && (!src || !dst || !t || !cg || !ratio || !all))
         rc = KVB_ERR_NOMEM;
     for (uint64_t i = 0; all && i < pool; i++)
         all[i] = i;
@@ -271,11 +285,21 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
         rc = pull_once(link, id, src, dst, n, &t[r]);
         if (!rc && verify && r == reps - 1)
             bad = check_blocks(&s, src, dst, n);
+        kvb_ceiling_t c;
+        if (!rc && cs && !kvb_ceiling_measure(cs, CEILING_SECS, CEILING_RUNS, &c)) {
+            cg[r] = c.gbps;
+            ratio[r] = t[r] / ((double)bytes / (c.gbps * 1e9)); /* time / bytes-over-ceiling */
+        } else if (!rc && cs) {
+            cs = NULL; /* reported as not measured */
+        }
     }
-    uint64_t bytes = (uint64_t)n * block_bytes(m) * s.layout.num_slots;
     if (!rc) {
+        if (!cs)
+            memset(ratio, 0, (size_t)reps * sizeof *ratio);
         qsort(t, (size_t)reps, sizeof *t, cmp_dbl);
-        double med = t[reps / 2], ideal = ceiling > 0 ? (double)bytes / (ceiling * 1e9) : 0;
+        qsort(cg, (size_t)reps, sizeof *cg, cmp_dbl);
+        qsort(ratio, (size_t)reps, sizeof *ratio, cmp_dbl);
+        double med = t[reps / 2], ceiling = cs ? cg[reps / 2] : 0, r_med = ratio[reps / 2];
         const char *path = "?";
         kvb_segment_t seg;
         if (kvb_segment_open(s.engine, segment, &seg) == KVB_OK) {
@@ -284,28 +308,39 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
         }
         printf("kvbridge bench --kv %s: %llu tokens, %u layers, %zu blocks of %llu B per slot, "
                "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d; fastest %.2f, "
-               "slowest %.2f), %.3f GB/s\n"
-               "  ceiling %.3f GB/s -> bytes/ceiling %.2f ms, ratio %.3f%s\n",
+               "slowest %.2f), %.3f GB/s\n",
                m->name, (unsigned long long)tokens, m->layers, n,
                (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3, reps,
-               t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling, ideal * 1e3,
-               ideal > 0 ? med / ideal : 0, verify ? (bad ? ", verify FAILED" : ", verified") : "");
-        if (ideal > 0 && med < ideal)
+               t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9);
+        if (cs)
+            printf("  ceiling %.3f GB/s (median; %.3f-%.3f), measured after each pull (%s) -> "
+                   "bytes/ceiling %.2f ms; ratio %.3f (the median of the %d pairs' ratios; "
+                   "%.3f-%.3f)%s\n",
+                   ceiling, cg[0], cg[reps - 1], method, (double)bytes / (ceiling * 1e9) * 1e3,
+                   r_med, reps, ratio[0], ratio[reps - 1],
+                   verify ? (bad ? ", verify FAILED" : ", verified") : "");
+        else
+            printf("  ceiling not measured%s\n",
+                   verify ? (bad ? ", verify FAILED" : ", verified") : "");
+        if (cs && r_med < 1)
             printf("  WARNING: faster than bytes / ceiling - the ceiling does not measure this "
                    "path; do not believe the ratio\n");
         if (json)
             printf("{\"kv_model\":\"%s\",\"tokens\":%llu,\"protocol\":\"%s\",\"bytes\":%llu,"
                    "\"median_ms\":%.3f,\"min_ms\":%.3f,\"max_ms\":%.3f,\"gbps\":%.4f,"
-                   "\"ceiling_gbps\":%.4f,\"ratio\":%.4f,\"verified\":%s}\n",
+                   "\"ceiling_gbps\":%.4f,\"ratio\":%.4f,\"ratio_min\":%.4f,\"ratio_max\":%.4f,"
+                   "\"verified\":%s}\n",
                    m->name, (unsigned long long)tokens, path, (unsigned long long)bytes, med * 1e3,
-                   t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling,
-                   ideal > 0 ? med / ideal : 0, verify ? (bad ? "false" : "true") : "null");
+                   t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling, r_med,
+                   ratio[0], ratio[reps - 1], verify ? (bad ? "false" : "true") : "null");
     } else {
         fprintf(stderr, "bench --kv: transfer failed: %s\n", kvb_strerror(rc));
     }
     free(src);
     free(dst);
     free(t);
+    free(cg);
+    free(ratio);
     kvb_kv_link_close(link);
     side_fini(&s, protocol);
     return rc || bad ? 1 : 0;
@@ -346,19 +381,21 @@ static bool by_source(uint64_t *src, uint64_t *dst, size_t n)
     return true;
 }
 
-/* The ceiling for this path, measured now on the same working set: the blocks the timed pulls
- * move, rep by rep (each rep's prompt drawn as decode_run draws it; the first CEILING_REPS of
- * them), from one pool of this size to another - a raw socket stream over as many connections as
- * the engine's lanes for TCP, the best copy with the copy path's threads otherwise. Each rep's
- * blocks go in source address order, slot by slot: the KV plans sort a pull's copies so (plan.c),
- * as any plain copy of a scattered set would, and in the order they were drawn the copy ceiling
- * came out below the pull it divided (15.8 and 18.7 GB/s against 17.9 and 19.4; README,
- * "Performance", KV ceilings). Only within a rep: two reps draw some of the same blocks, and sorted
- * together their second copy would read the first's from cache. -1 if it could not be measured. */
+/* The ceiling for this path, on the same working set: the blocks the timed pulls move, rep by rep
+ * (each rep's prompt drawn as decode_run draws it; the first CEILING_REPS of them), from one pool
+ * of this size to another - a raw socket stream over as many connections as the engine's lanes
+ * for TCP, the best copy with the copy path's threads otherwise; set up here, measured after each
+ * pull (decode_run). Each rep's blocks go in source address order, slot by slot: the KV plans sort
+ * a pull's copies so (plan.c), as any plain copy of a scattered set would, and in the order they
+ * were drawn the copy ceiling came out below the pull it divided (15.8 and 18.7 GB/s against 17.9
+ * and 19.4; README, "Performance", KV ceilings). Only within a rep: two reps draw some of the same
+ * blocks, and sorted together their second copy would read the first's from cache. The offsets
+ * go to *src and *dst, which must outlive the session; NULL if it could not be set up. */
 #define CEILING_REPS 5
 
-static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const char *protocol,
-                         int reps, kvb_ceiling_t *c)
+static kvb_ceiling_session_t *kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool,
+                                         const char *protocol, int reps, uint64_t **src_out,
+                                         uint64_t **dst_out)
 {
     reps = reps < CEILING_REPS ? reps : CEILING_REPS;
     uint64_t slots = slots_per_layer(m) * (uint64_t)m->layers;
@@ -366,7 +403,7 @@ static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const c
              all = per * (uint64_t)reps;
     uint64_t *ids = calloc(2 * n, sizeof *ids), *src = calloc(all, sizeof *src),
              *dst = calloc(all, sizeof *dst), seed = 7;
-    double gbps = -1;
+    kvb_ceiling_session_t *cs = NULL;
     bool ok = ids && src && dst;
     for (int r = 0; ok && r < reps; r++) {
         ok = shuffled_ids(ids, n, pool, &seed) && shuffled_ids(ids + n, n, pool, &seed) &&
@@ -377,13 +414,18 @@ static double kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool, const c
                 dst[i] = sl * slot_bytes + ids[n + k] * bb;
             }
     }
-    if (ok && !kvb_ceiling_blocks(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2,
-                                  0.25, 6, c))
-        gbps = c->gbps;
+    if (ok &&
+        kvb_ceiling_open(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2, &cs))
+        cs = NULL;
     free(ids);
-    free(src);
-    free(dst);
-    return gbps;
+    if (!cs) {
+        free(src);
+        free(dst);
+        src = dst = NULL;
+    }
+    *src_out = src;
+    *dst_out = dst;
+    return cs;
 }
 
 int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int reps, bool verify,
@@ -407,21 +449,12 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     uint64_t n = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK, pool = n * POOL_FACTOR;
     uint64_t slots = slots_per_layer(m) * (uint64_t)m->layers;
     uint64_t ws = pool * block_bytes(m) * slots; /* one side's pool */
-    kvb_ceiling_t c;
-    double ceiling = kv_ceiling(m, n, pool, protocol, reps, &c);
-    uint64_t llc = kvb__llc_size();
-    char cache[32] = "unknown (sysfs has none)";
-    if (llc)
-        snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));
-    printf("bench --kv: pool of %llu blocks per slot (%dx the prompt), %llu MiB per side; "
-           "last-level cache %s\n  ceiling: %s%s\n",
-           (unsigned long long)pool, POOL_FACTOR, (unsigned long long)(ws >> 20), cache,
-           ceiling > 0 ? c.method : "not measured",
-           ceiling > 0 ? "; each pull's blocks in source order, as its plan orders them" : "");
     int name_pipe[2], life[2];
     if (pipe(name_pipe) || pipe(life))
         return 1;
     fflush(stdout);
+    /* The prefill process first: forked after the ceiling's buffers were populated, it would share
+     * their pages copy-on-write, and the ceiling's first write to each would be a page fault. */
     pid_t pid = fork();
     if (pid == 0) {
         close(name_pipe[0]);
@@ -430,6 +463,20 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     }
     close(name_pipe[1]);
     close(life[0]);
+    uint64_t *csrc = NULL, *cdst = NULL;
+    kvb_ceiling_session_t *cs = kv_ceiling(m, n, pool, protocol, reps, &csrc, &cdst);
+    kvb_ceiling_t c = {0};
+    if (cs && kvb_ceiling_measure(cs, CEILING_SECS, CEILING_RUNS, &c)) /* the method line */
+        c.method[0] = '\0';
+    uint64_t llc = kvb__llc_size();
+    char cache[32] = "unknown (sysfs has none)";
+    if (llc)
+        snprintf(cache, sizeof cache, "%llu KiB", (unsigned long long)(llc >> 10));
+    printf("bench --kv: pool of %llu blocks per slot (%dx the prompt), %llu MiB per side; "
+           "last-level cache %s\n  ceiling: %s%s\n",
+           (unsigned long long)pool, POOL_FACTOR, (unsigned long long)(ws >> 20), cache,
+           c.method[0] ? c.method : "not measured",
+           c.method[0] ? "; each pull's blocks in source order, as its plan orders them" : "");
     char seg[KVB_NAME_MAX + 2] = "";
     ssize_t got = read(name_pipe[0], seg, sizeof seg - 1);
     close(name_pipe[0]);
@@ -437,11 +484,17 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     char *nl = got > 0 ? strchr(seg, '\n') : NULL;
     if (nl) {
         *nl = '\0';
-        rc = decode_run(m, tokens, pool, protocol, seg, reps, verify, ceiling, json);
+        char how[96];
+        snprintf(how, sizeof how, "the best of %d windows of %.1f s", CEILING_RUNS, CEILING_SECS);
+        rc = decode_run(m, tokens, pool, protocol, seg, reps, verify, c.method[0] ? cs : NULL, how,
+                        json);
     } else {
         fprintf(stderr, "bench --kv: the prefill process did not start\n");
     }
+    kvb_ceiling_close(cs); /* first: its sender process holds a copy of life[1] */
     close(life[1]);
     waitpid(pid, NULL, 0);
+    free(csrc);
+    free(cdst);
     return rc;
 }

@@ -187,9 +187,10 @@ static void cursor_advance(cursor_t *c, uint64_t block, uint64_t bytes)
 
 /* ---- TCP ------------------------------------------------------------------------------------- */
 
-/* The receivers' shared clock: a warm pass, then `runs` windows of `window_ns` from t0. */
+/* The receivers' shared clock for one measurement: whatever arrives before t0 is not counted
+ * (the socket buffers filled while nobody read), then `runs` windows of `window_ns`. */
 typedef struct {
-    pthread_barrier_t warm; /* every receiving thread past its warm pass, and the main thread */
+    pthread_barrier_t start; /* every receiving thread started, and the main thread */
     uint64_t t0, window_ns;
     int runs;
 } windows_t;
@@ -210,6 +211,7 @@ typedef struct {
     int n;
     windows_t *w;
     uint64_t bytes[RUNS_MAX]; /* received in each window */
+    bool ok;                  /* no socket failed */
 } group_t;
 
 /* Bytes per syscall: a stream of small blocks is gathered into large sends (sendmsg with one
@@ -284,42 +286,50 @@ static int64_t group_round(group_t *g, bool send)
     return total;
 }
 
+/* The warm pass, not counted: every block of the group's shares once through the socket path on
+ * both sides. A serving instance's pools have been, for hours; the first time the kernel reaches a
+ * page of a process may cost far more than a copy (on this project's VMs, shadow page tables: 0.7
+ * GB/s for the first pass over 2 GiB, 3-4 GB/s for the next), and a ceiling that counts it
+ * measures the mapping, not the stream. Slow start and socket buffers settle meanwhile. */
+static void *warm_main(void *arg)
+{
+    group_t *g = arg;
+    uint64_t got = 0, need = 0;
+    for (int i = 0; i < g->n; i++)
+        need += g->e[i]->at.n * g->e[i]->block;
+    g->ok = true;
+    for (uint64_t give_up = kvb__now_ns() + WARM_MAX_NS; g->ok && got < need;) {
+        int64_t n = group_round(g, false);
+        g->ok = n >= 0 && (n > 0 || wait_group(g, POLLIN)) && kvb__now_ns() < give_up;
+        got += n > 0 ? (uint64_t)n : 0;
+    }
+    return NULL;
+}
+
+/* One measurement: receives from the start, counts from t0 on, window by window. */
 static void *receive_main(void *arg)
 {
     group_t *g = arg;
     windows_t *w = g->w;
-    /* The warm pass, not counted: every block of the working set once through the socket path
-     * on both sides. A serving instance's pools have been, for hours; the first time the kernel
-     * reaches a page of a process may cost far more than a copy (on this project's VMs, shadow
-     * page tables: 0.7 GB/s for the first pass over 2 GiB, 3-4 GB/s for the next), and a ceiling
-     * that counts it measures the mapping, not the stream. Slow start and socket buffers settle
-     * meanwhile. */
-    uint64_t got = 0, need = 0;
-    for (int i = 0; i < g->n; i++)
-        need += g->e[i]->at.n * g->e[i]->block;
-    bool ok = true;
-    for (uint64_t give_up = kvb__now_ns() + WARM_MAX_NS; ok && got < need;) {
-        int64_t n = group_round(g, false);
-        ok = n >= 0 && (n > 0 || wait_group(g, POLLIN)) && kvb__now_ns() < give_up;
-        got += n > 0 ? (uint64_t)n : 0;
-    }
-    pthread_barrier_wait(&w->warm); /* the main thread sets t0 once every receiver is warm */
-    pthread_barrier_wait(&w->warm);
+    memset(g->bytes, 0, sizeof g->bytes);
+    g->ok = true;
+    pthread_barrier_wait(&w->start); /* the main thread sets t0 once every receiver runs */
+    pthread_barrier_wait(&w->start);
     uint64_t end = w->t0 + (uint64_t)w->runs * w->window_ns, cur = UINT64_MAX;
-    while (ok) {
+    while (g->ok) {
         uint64_t now = kvb__now_ns();
         if (now >= end)
             break;
-        uint64_t r = (now - w->t0) / w->window_ns;
-        for (int i = 0; r != cur && i < g->n; i++) { /* a new window: both ends change size */
-            uint8_t cmd = (uint8_t)(r & 1);
+        uint64_t r = now < w->t0 ? UINT64_MAX : (now - w->t0) / w->window_ns;
+        for (int i = 0; r != cur && r != UINT64_MAX && i < g->n; i++) {
+            uint8_t cmd = (uint8_t)(r & 1); /* a new window: both ends change size */
             g->e[i]->chunk = g->e[i]->sizes[cmd];
-            ok = ok && send(g->e[i]->fd, &cmd, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1;
+            g->ok = g->ok && send(g->e[i]->fd, &cmd, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1;
         }
         cur = r;
         int64_t n = group_round(g, false);
-        ok = n >= 0 && (n > 0 || wait_group(g, POLLIN));
-        if (n > 0)
+        g->ok = g->ok && n >= 0 && (n > 0 || wait_group(g, POLLIN));
+        if (n > 0 && r != UINT64_MAX)
             g->bytes[r] += (uint64_t)n;
     }
     return NULL;
@@ -401,10 +411,27 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
     _exit(0);
 }
 
-/* One sender process and one set of connections; after the warm pass, `runs` back-to-back
- * windows of `secs`; the best window's rate. */
-static double tcp_best(const set_t *ws, double secs, int runs)
+/* A ceiling kept between measurements (kvb_ceiling_open): its working set, and for "tcp" the
+ * sender process and the connections, for "copy" the two buffers - so that a figure and its
+ * ceiling can be measured in turn, seconds apart, without paying the set-up each time. */
+struct kvb_ceiling_session {
+    set_t ws;
+    bool tcp;
+    int parallel;
+    /* tcp */
+    pid_t pid;
+    bool reaped; /* the sender died before it connected */
+    uint8_t *buf;
+    end_t e[CONN_MAX];
+    int n, threads;
+    /* copy */
+    uint8_t *a, *b;
+};
+
+/* The sender process, its connections accepted and the warm pass received; 0 or -1. */
+static int tcp_open(kvb_ceiling_session_t *s)
 {
+    const set_t *ws = &s->ws;
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
     if (!net_addr.s_addr)
@@ -422,59 +449,84 @@ static double tcp_best(const set_t *ws, double secs, int runs)
         return -1;
     }
     fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
+    s->pid = fork();
+    if (s->pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(lfd);
         sender(&sa, ws);
     }
-    double gbps = -1;
-    uint8_t *buf = pid > 0 ? kvb_cli_populated(ws->buffer) : NULL;
-    windows_t w = {.window_ns = (uint64_t)(secs * 1e9), .runs = runs};
-    end_t e[CONN_MAX];
-    group_t g[CONN_MAX];
-    pthread_t t[CONN_MAX];
-    int n = 0, threads = threads_per_side(ws->conns);
-    bool reaped = false; /* a sender that died never connects: stop waiting for it */
+    s->buf = s->pid > 0 ? kvb_cli_populated(ws->buffer) : NULL;
+    s->threads = threads_per_side(ws->conns);
     uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
-    while (buf && n < ws->conns && !reaped && kvb__now_ns() < until) {
+    while (s->buf && s->n < ws->conns && !s->reaped && kvb__now_ns() < until) {
         struct pollfd pl = {.fd = lfd, .events = POLLIN};
         if (poll(&pl, 1, 100) == 1) {
             int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
             if (fd < 0)
                 break;
-            e[n] = end_of(ws, fd, buf, n);
-            n++;
+            s->e[s->n] = end_of(ws, fd, s->buf, s->n);
+            s->n++;
         } else {
-            reaped = waitpid(pid, NULL, WNOHANG) == pid;
+            s->reaped = waitpid(s->pid, NULL, WNOHANG) == s->pid;
         }
     }
     close(lfd);
-    if (n == ws->conns && pthread_barrier_init(&w.warm, NULL, (unsigned)threads + 1) == 0) {
-        run_groups(e, n, threads, &w, g, t, receive_main);
-        pthread_barrier_wait(&w.warm);
-        w.t0 = kvb__now_ns();
-        pthread_barrier_wait(&w.warm);
-        for (int k = 0; k < threads; k++)
-            pthread_join(t[k], NULL);
-        pthread_barrier_destroy(&w.warm);
-        for (int r = 0; r < runs; r++) {
-            uint64_t bytes = 0;
-            for (int k = 0; k < threads; k++)
-                bytes += g[k].bytes[r];
-            double rate = (double)bytes / secs / 1e9;
-            gbps = rate > gbps ? rate : gbps;
-        }
+    if (s->n < ws->conns)
+        return -1;
+    group_t g[CONN_MAX];
+    pthread_t t[CONN_MAX];
+    bool ok = true;
+    run_groups(s->e, s->n, s->threads, NULL, g, t, warm_main);
+    for (int k = 0; k < s->threads; k++) {
+        pthread_join(t[k], NULL);
+        ok = ok && g[k].ok;
     }
-    for (int i = 0; i < n; i++)
-        close(e[i].fd);
-    if (pid > 0 && !reaped) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
+    return ok ? 0 : -1;
+}
+
+/* Before the windows: what the socket buffers took in while nobody read, and slow start after
+ * the pause, go uncounted. */
+#define DRAIN_NS (50ull * 1000 * 1000)
+
+/* `runs` back-to-back windows of `secs`; the best window's rate, or -1. */
+static double tcp_measure(kvb_ceiling_session_t *s, double secs, int runs)
+{
+    windows_t w = {.window_ns = (uint64_t)(secs * 1e9), .runs = runs};
+    group_t g[CONN_MAX];
+    pthread_t t[CONN_MAX];
+    if (pthread_barrier_init(&w.start, NULL, (unsigned)s->threads + 1))
+        return -1;
+    run_groups(s->e, s->n, s->threads, &w, g, t, receive_main);
+    pthread_barrier_wait(&w.start);
+    w.t0 = kvb__now_ns() + DRAIN_NS;
+    pthread_barrier_wait(&w.start);
+    bool ok = true;
+    for (int k = 0; k < s->threads; k++) {
+        pthread_join(t[k], NULL);
+        ok = ok && g[k].ok;
     }
-    if (buf)
-        munmap(buf, ws->buffer);
+    pthread_barrier_destroy(&w.start);
+    double gbps = -1;
+    for (int r = 0; ok && r < runs; r++) {
+        uint64_t bytes = 0;
+        for (int k = 0; k < s->threads; k++)
+            bytes += g[k].bytes[r];
+        double rate = (double)bytes / secs / 1e9;
+        gbps = rate > gbps ? rate : gbps;
+    }
     return gbps;
+}
+
+static void tcp_close(kvb_ceiling_session_t *s)
+{
+    for (int i = 0; i < s->n; i++)
+        close(s->e[i].fd);
+    if (s->pid > 0 && !s->reaped) {
+        kill(s->pid, SIGKILL);
+        waitpid(s->pid, NULL, 0);
+    }
+    if (s->buf)
+        munmap(s->buf, s->ws.buffer);
 }
 
 /* ---- copies ---------------------------------------------------------------------------------- */
@@ -540,49 +592,34 @@ static double copy_once(const uint8_t *a, uint8_t *b, const set_t *ws, int threa
  * the copy path uses into memory larger than the last-level cache (shm.c), and on the machines
  * measured the fastest way to copy between such buffers: a ceiling without them was 1.5-1.7x too
  * low there. */
-static int copy_best(const set_t *ws, int threads, double secs, int runs, kvb_ceiling_t *out)
+static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ceiling_t *out)
 {
-    uint8_t *a = shared_buffer(ws->buffer), *b = shared_buffer(ws->buffer);
-    int rc = a && b ? 0 : -1;
-    /* One pass not counted, as for TCP: every block copied once before the clock runs. */
-    for (size_t i = 0; rc == 0 && i < ws->n; i++)
-        memcpy(b + ws->dst[i], a + ws->src[i], ws->block);
     double best[COPY_WAYS] = {0};
-    for (int r = 0; rc == 0 && r < runs; r++)
+    for (int r = 0; r < runs; r++)
         for (int w = 0; w < COPY_WAYS; w++) {
-            double v = copy_once(a, b, ws, threads, w, secs / COPY_WAYS);
+            double v = copy_once(s->a, s->b, &s->ws, s->parallel, w, secs / COPY_WAYS);
             best[w] = v > best[w] ? v : best[w];
         }
-    if (a)
-        munmap(a, ws->buffer);
-    if (b)
-        munmap(b, ws->buffer);
-    if (rc)
-        fprintf(stderr, "bench: ceiling: cannot allocate 2 x %llu bytes\n",
-                (unsigned long long)ws->buffer);
     out->gbps = 0;
     for (int w = 0; w < COPY_WAYS; w++)
         out->gbps = best[w] > out->gbps ? best[w] : out->gbps;
     snprintf(out->method, sizeof out->method,
              "best copy of memfd pages, %d thread%s, %llu B blocks: %s %.2f, %s %.2f, %s %.2f "
              "GB/s, best of %d",
-             threads, threads == 1 ? "" : "s", (unsigned long long)ws->block, copy_way_name[0],
-             best[0], copy_way_name[1], best[1], copy_way_name[2], best[2], runs);
-    return rc;
+             s->parallel, s->parallel == 1 ? "" : "s", (unsigned long long)s->ws.block,
+             copy_way_name[0], best[0], copy_way_name[1], best[1], copy_way_name[2], best[2], runs);
 }
 
 /* ---- the interface ----------------------------------------------------------------------------
  */
 
-int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
-                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
-                       kvb_ceiling_t *out)
+int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                     const uint64_t *dst, size_t n, int parallel, kvb_ceiling_session_t **out)
 {
-    memset(out, 0, sizeof *out);
-    bool tcp = !strcmp(what, "tcp");
-    if ((!tcp && strcmp(what, "copy")) || block == 0 || buffer < block || n == 0 || parallel < 1 ||
-        parallel > (tcp ? CONN_MAX : THREADS_MAX) || (size_t)parallel > n || runs < 1 ||
-        runs > RUNS_MAX || secs <= 0) {
+    *out = NULL;
+    bool tcp = what && !strcmp(what, "tcp");
+    if (!what || (!tcp && strcmp(what, "copy")) || block == 0 || buffer < block || n == 0 ||
+        parallel < 1 || parallel > (tcp ? CONN_MAX : THREADS_MAX) || (size_t)parallel > n) {
         fprintf(stderr, "bench: ceiling: bad arguments\n");
         return -1;
     }
@@ -591,25 +628,89 @@ int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const 
             fprintf(stderr, "bench: ceiling: block %zu is outside the buffer\n", i);
             return -1;
         }
-    set_t ws = {
-        .buffer = buffer, .block = block, .src = src, .dst = dst, .n = n, .conns = parallel};
-    if (!tcp)
-        return copy_best(&ws, parallel, secs, runs, out);
-    out->gbps = tcp_best(&ws, secs, runs);
-    if (out->gbps <= 0)
+    kvb_ceiling_session_t *s = calloc(1, sizeof *s);
+    if (!s)
         return -1;
-    int t = threads_per_side(parallel);
+    s->ws = (set_t){
+        .buffer = buffer, .block = block, .src = src, .dst = dst, .n = n, .conns = parallel};
+    s->tcp = tcp;
+    s->parallel = parallel;
+    int rc = 0;
+    if (tcp) {
+        rc = tcp_open(s);
+    } else {
+        s->a = shared_buffer(buffer);
+        s->b = shared_buffer(buffer);
+        rc = s->a && s->b ? 0 : -1;
+        if (rc)
+            fprintf(stderr, "bench: ceiling: cannot allocate 2 x %llu bytes\n",
+                    (unsigned long long)buffer);
+        /* One pass not counted, as for TCP: every block copied once before the clock runs. */
+        for (size_t i = 0; rc == 0 && i < n; i++)
+            memcpy(s->b + dst[i], s->a + src[i], block);
+    }
+    if (rc) {
+        kvb_ceiling_close(s);
+        return -1;
+    }
+    *out = s;
+    return 0;
+}
+
+int kvb_ceiling_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ceiling_t *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!s || runs < 1 || runs > RUNS_MAX || secs <= 0) {
+        fprintf(stderr, "bench: ceiling: bad arguments\n");
+        return -1;
+    }
+    if (!s->tcp) {
+        copy_measure(s, secs, runs, out);
+        return out->gbps > 0 ? 0 : -1;
+    }
+    out->gbps = tcp_measure(s, secs, runs);
+    if (out->gbps <= 0) {
+        out->gbps = 0;
+        return -1;
+    }
     uint64_t sz[2];
     char cc[16];
-    syscall_sizes(block, sz);
+    syscall_sizes(s->ws.block, sz);
     congestion_name(cc, sizeof cc);
     snprintf(out->method, sizeof out->method,
              "raw %s TCP stream (%s), %d connection%s, %d thread%s per side, %llu B blocks in "
              "%llu or %llu B syscalls, one warm pass, then the best of %d windows",
-             net_peer[0] ? "cross-namespace" : "loopback", cc, parallel, parallel == 1 ? "" : "s",
-             t, t == 1 ? "" : "s", (unsigned long long)block, (unsigned long long)sz[0],
-             (unsigned long long)sz[1], runs);
+             net_peer[0] ? "cross-namespace" : "loopback", cc, s->parallel,
+             s->parallel == 1 ? "" : "s", s->threads, s->threads == 1 ? "" : "s",
+             (unsigned long long)s->ws.block, (unsigned long long)sz[0], (unsigned long long)sz[1],
+             runs);
     return 0;
+}
+
+void kvb_ceiling_close(kvb_ceiling_session_t *s)
+{
+    if (!s)
+        return;
+    if (s->tcp)
+        tcp_close(s);
+    if (s->a)
+        munmap(s->a, s->ws.buffer);
+    if (s->b)
+        munmap(s->b, s->ws.buffer);
+    free(s);
+}
+
+int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
+                       kvb_ceiling_t *out)
+{
+    kvb_ceiling_session_t *s;
+    memset(out, 0, sizeof *out);
+    if (kvb_ceiling_open(what, buffer, block, src, dst, n, parallel, &s))
+        return -1;
+    int rc = kvb_ceiling_measure(s, secs, runs, out);
+    kvb_ceiling_close(s);
+    return rc;
 }
 
 int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,

@@ -21,12 +21,12 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
                  bool json);
 /* Ceilings (src/tools/ceiling.c), measured now on the same working set as the figure they divide:
  * "tcp" - a raw loopback stream over `parallel` connections, sender and receiver in separate
- * processes with buffers of their own; "copy" - the best of memcpy and rep movsb over `parallel`
- * threads between two populated memfd buffers. `buffer` bytes per side, `block` bytes per send or
- * copy, the best of `runs` windows (tcp, after a warm pass) or runs (copy) of `secs` seconds.
- * kvb_ceiling moves every block of the buffers in order; kvb_ceiling_blocks the `n` blocks at
- * offsets src[i] (sending side) to dst[i] (receiving side), as a KV transfer does. Returns 0
- * (out->gbps > 0) or -1. */
+ * processes with buffers of their own; "copy" - the best of memcpy, rep movsb and streaming stores
+ * over `parallel` threads between two populated memfd buffers. `buffer` bytes per side, `block`
+ * bytes per send or copy, the best of `runs` windows (tcp) or runs (copy) of `secs` seconds, after
+ * one pass over the working set that is not counted. kvb_ceiling moves every block of the buffers
+ * in order; kvb_ceiling_blocks the `n` blocks at offsets src[i] (sending side) to dst[i]
+ * (receiving side), as a KV transfer does. Returns 0 (out->gbps > 0) or -1. */
 typedef struct {
     double gbps;
     char method[256];
@@ -36,6 +36,16 @@ int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel,
 int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
                        const uint64_t *dst, size_t n, int parallel, double secs, int runs,
                        kvb_ceiling_t *out);
+/* kvb_ceiling_blocks in steps, for a figure measured in turn with its ceiling (seconds apart, so
+ * that a slow minute of a shared machine moves both): open sets the working set up once (the
+ * buffers, the sender process and its connections, the uncounted pass; src and dst must stay
+ * valid until close), each measure takes `runs` windows of `secs` - while none runs, the ceiling
+ * takes no CPU (its sender waits on full socket buffers). */
+typedef struct kvb_ceiling_session kvb_ceiling_session_t;
+int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                     const uint64_t *dst, size_t n, int parallel, kvb_ceiling_session_t **out);
+int kvb_ceiling_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ceiling_t *out);
+void kvb_ceiling_close(kvb_ceiling_session_t *s);
 /* Where the "tcp" ceiling streams: by default over loopback (127.0.0.1) in this network
  * namespace. kvb_ceiling_net(addr, peer_netns) makes the receiver (this process) listen on `addr`,
  * an IPv4 address of its namespace, and the sender process join the network namespace
