@@ -1,33 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 """The handle of a C object that several threads call while one of them may close it.
 
-A method of Engine, Batch, Agent, Link or Transfer holds the object's gate open (`use()`) for
-as long as its C call runs, with the GIL released. close() shuts the gate: no call starts from
-then on, calls in flight are hastened where the object has a way to (a batch's pending requests
-are cancelled) and waited for, and only then is the handle freed - never under a call that still
-uses it. Calls that could otherwise wait without end (for a notification) wait in slices of
-SLICE_S, so a close waits for them at most one slice."""
+A method of Engine, Batch, Agent, Link or Transfer holds the object's gate open (`with
+gate.use() as handle:`) for as long as its C call runs, with the GIL released. close() shuts the
+gate: no call starts from then on, calls in flight are hastened where the object has a way to (a
+batch's pending requests are cancelled) and waited for, and only then are the object's children
+closed and the handle freed - never under a call that still uses it. A second close() (another
+thread's, or a parent's closing its children) returns once the first has freed it. A close on a
+thread that is itself inside a call on the object (a signal handler, a __del__) cannot wait for
+that call: the free is left to the last call to leave. Calls that could otherwise wait without
+end (for a notification, for a request id) wait in slices of about SLICE_S, so a close ends them
+within a slice."""
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from .errors import make_error
 
-SLICE_S = 0.05  # a close waits this long at most for a call waiting in slices
+SLICE_S = 0.05  # a wait in slices sees a close within about this long
 _ERR_SHUTDOWN = -12
 
 
 class Gate:
     """One C handle and the calls using it (see the module's text)."""
 
-    __slots__ = ("_mu", "_cv", "_h", "_calls", "_what")
+    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_closer", "_freed",
+                 "_deferred")
 
     def __init__(self, handle: int, what: str):
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)
         self._h: Optional[int] = handle
         self._calls = 0
+        self._by: Dict[int, int] = {}  # thread id -> its calls in flight
         self._what = what
+        self._closer: Optional[int] = None
+        self._freed = threading.Event()
+        self._deferred: Optional[Callable[[], None]] = None
 
     @property
     def closed(self) -> bool:
@@ -47,34 +56,66 @@ class Gate:
         return self
 
     def __enter__(self) -> int:
+        me = threading.get_ident()
         with self._mu:
             h = self._h
             if h is None:
                 raise make_error(_ERR_SHUTDOWN, f"{self._what} is closed")
             self._calls += 1
+            self._by[me] = self._by.get(me, 0) + 1
         return h
 
     def __exit__(self, *exc: object) -> None:
+        me = threading.get_ident()
+        run = None
         with self._mu:
             self._calls -= 1
+            left = self._by[me] - 1
+            if left:
+                self._by[me] = left
+            else:
+                del self._by[me]
             if self._calls == 0:
                 self._cv.notify_all()
+                run, self._deferred = self._deferred, None
+        if run is not None:
+            run()
 
-    def shut(self, hasten: Optional[Callable[[int], object]] = None) -> Optional[int]:
-        """Closes the gate and returns the handle once no call uses it, for the caller to free;
-        None if it was closed already (by another thread, which frees it). `hasten(handle)` is
-        called first if calls are in flight."""
-        with self._cv:
-            h, self._h = self._h, None
-            busy = self._calls > 0
+    def close(self, free: Callable[[int], object], *,
+              hasten: Optional[Callable[[int], object]] = None,
+              first: Optional[Callable[[], object]] = None) -> None:
+        """Shuts the gate; once no call uses the handle, runs first() (closing the children)
+        and free(handle). `hasten(handle)` runs first if calls are in flight. If another thread
+        closed it already, returns once that one has freed it."""
+        me = threading.get_ident()
+        with self._mu:
+            h, mine = self._h, me in self._by
+            if h is None:
+                wait = self._closer != me and not mine
+            else:
+                self._h, self._closer, busy = None, me, self._calls > 0
         if h is None:
-            return None
+            if wait:
+                self._freed.wait()
+            return
+
+        def finish() -> None:
+            try:
+                if first is not None:
+                    first()
+                free(h)
+            finally:
+                self._freed.set()
+
         if busy and hasten is not None:
             hasten(h)
-        with self._cv:
+        with self._mu:
+            if mine:  # our own call is under way: the last call to leave frees it
+                self._deferred = finish
+                return
             while self._calls > 0:
                 self._cv.wait()
-        return h
+        finish()
 
 
 def sliced(gate: Gate, call: Callable[[int, int], int], timeout: Optional[float],

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._gate import Gate, sliced
-from .errors import check, make_error
+from .errors import ShutdownError, check, make_error
 
 _ERR_TIMEOUT = -4
 
@@ -315,16 +315,17 @@ class Engine:
     def close(self) -> None:
         """Destroys the engine (kvb_engine_destroy): requests in flight end FAILED with
         ERR_SHUTDOWN. Calls on other threads may race it: from now on they raise ShutdownError,
-        and those under way are waited for (each is bounded by its own timeout; a notify_recv()
-        waiting raises ShutdownError within 50 ms). KV agents made on it are closed first.
-        Idempotent; returns at once if another thread is closing it."""
-        h = self._gate.shut()
-        if h is None:
-            return
-        for child in list(self._children):
-            child.close()
-        self._lib.kvb_engine_destroy(h)
-        self._regions.clear()
+        and those under way are waited for - each ends by its own deadline (an open_segment() by
+        the connect timeout, an unregister() by the engine's timeout, a KV Transfer.finish() by
+        its transfer's), a notify_recv() waiting raises ShutdownError within about 0.1 s. KV
+        agents made on it are closed first. Idempotent: a second close() returns once the first
+        has destroyed it. On a thread that is itself inside a call on this engine (a signal
+        handler), the destruction is left to that call's end."""
+        def destroy(h: int) -> None:
+            self._lib.kvb_engine_destroy(h)
+            self._regions.clear()
+
+        self._gate.close(destroy, first=lambda: _close_all(self._children))
 
     def __enter__(self) -> "Engine":
         return self
@@ -482,7 +483,7 @@ class Engine:
     def notify_recv(self, timeout: Optional[float] = 0) -> Optional[Notification]:
         """The oldest received notification, waiting at most `timeout` seconds (0: poll; None:
         until one arrives). Returns None if none arrived in time; ShutdownError once the engine
-        is closed (a wait under way ends within 50 ms of the close)."""
+        is closed (a wait under way ends within about 0.1 s of the close)."""
         raw = _lib.Notification()
         rc = sliced(self._gate, lambda h, ms: self._lib.kvb_notify_recv(h, ctypes.byref(raw), ms),
                     timeout, _ERR_TIMEOUT)
@@ -506,6 +507,12 @@ class Engine:
         return Stats(int(st.requests_completed), int(st.requests_failed), paths)
 
 
+def _close_all(children: Any) -> None:
+    """Closes every object of a weak set of children (each waits for its own calls)."""
+    for child in list(children):
+        child.close()
+
+
 def _notification(rc: int, raw: Any, what: str) -> Optional[Notification]:
     if rc in (-6, -4):  # ERR_AGAIN (poll), ERR_TIMEOUT
         return None
@@ -523,6 +530,7 @@ class Segment:
         self.handle = handle
         self.name = name
         self._closed = False
+        self._lock = threading.Lock()
 
     def __int__(self) -> int:
         return self.handle
@@ -537,13 +545,17 @@ class Segment:
         self.close()
 
     def close(self) -> None:
-        """Drops this reference (kvb_segment_close). Idempotent."""
-        if self._closed or self.engine.closed:
-            self._closed = True
+        """Drops this reference (kvb_segment_close). Idempotent, also racing other threads'
+        close(); nothing to do once the engine is closed."""
+        with self._lock:
+            closed, self._closed = self._closed, True
+        if closed or self.engine.closed:
             return
-        self._closed = True
-        with self.engine._gate.use() as h:
-            check(self.engine._lib.kvb_segment_close(h, self.handle), "kvb_segment_close")
+        try:
+            with self.engine._gate.use() as h:
+                check(self.engine._lib.kvb_segment_close(h, self.handle), "kvb_segment_close")
+        except ShutdownError:
+            pass  # the engine closed meanwhile, and its segments with it
 
     def regions(self, refresh: bool = False) -> List[RegionInfo]:
         """The segment's registered regions; `refresh` fetches them from the peer first."""
@@ -685,10 +697,9 @@ class Batch:
 
     def close(self) -> None:
         """Cancels what is pending and frees the batch (kvb_batch_free), once calls on other
-        threads have returned (a wait() returns at once, its requests cancelled). Idempotent."""
-        h = self._gate.shut(self._lib.kvb_batch_cancel)
-        if h is not None:
-            self._lib.kvb_batch_free(h)
+        threads have returned (a wait() raises CanceledError at once; a settle() still takes
+        until the batch settles or its timeout). Idempotent."""
+        self._gate.close(self._lib.kvb_batch_free, hasten=self._lib.kvb_batch_cancel)
 
 
 def set_log_level(level: int) -> None:

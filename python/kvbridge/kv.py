@@ -15,8 +15,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._gate import Gate, sliced
-from .engine import (Engine, Notification, Op, Request, _b, _ms, _notification, _set_int,
-                     _settle)
+from .engine import (Engine, Notification, Op, Request, _b, _close_all, _ms, _notification,
+                     _set_int, _settle)
 from .errors import Error, check, make_error
 
 _ERR_TIMEOUT, _ERR_AGAIN = -4, -6
@@ -270,15 +270,10 @@ def plan(local: Layout, remote: Layout, op: Op, segment: int, src_blocks: Sequen
 
 
 def _close_handle(obj: Any, destroy: Any) -> None:
-    """Shuts obj's gate (no call starts from now on; those under way are waited for, and no
-    child is made any more), closes its children, then destroys it - once, whichever thread
-    closes it first."""
-    h = obj._gate.shut()
-    if h is None:
-        return
-    for child in list(obj._children):
-        child.close()
-    destroy(h)
+    """Shuts obj's gate (no call starts from now on, and no child is made any more), and once
+    the calls under way have left closes its children and destroys it - once, whichever thread
+    closes it first; the others return when it is done."""
+    obj._gate.close(destroy, first=lambda: _close_all(obj._children))
 
 
 class Agent:
@@ -338,7 +333,7 @@ class Agent:
         `timeout` seconds (None: the request's deadline; 0 polls) passed first; raises the first
         error a rank reported, PeerLostError once an expected rank's engine is gone (and the
         notices it sent before going are read), TimedOutError at the deadline, ShutdownError if
-        the agent is closed meanwhile (within 50 ms)."""
+        the agent is closed meanwhile (within about 0.1 s)."""
         rid = _b(req_id)
         rc = sliced(self._gate, lambda h, ms: self._lib.kvb_kv_wait(h, rid, ms), timeout,
                     _ERR_AGAIN)

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """close() racing calls on other threads: an engine, a batch or an agent is freed only once no
-call uses it any more, calls after it raise ShutdownError, and waits that could go on without
-end are cut short - never a call inside freed memory."""
+call uses it any more, calls after it raise ShutdownError, waits that could go on without end
+are cut short, two closers free once and both return after it, and a close from a signal
+handler on a thread inside a call leaves the free to that call's end - never a call inside freed
+memory."""
 
+import os
 import signal
 import socket
 import threading
@@ -13,24 +16,51 @@ import pytest
 
 import kvbridge
 from kvbridge import Engine, Op, ReqState, errors, kv
-from conftest import start_target
+from conftest import start_target, wait_for
 from helpers import addr, kv_cache
 
 
 class _Call(threading.Thread):
-    """Runs fn on its own thread; keeps what it returned or raised, and when it ended."""
+    """Runs fn on its own thread; keeps what it returned or raised."""
 
     def __init__(self, fn):
         super().__init__(daemon=True)
-        self.fn, self.result, self.error, self.ended = fn, None, None, None
+        self.fn, self.result, self.error = fn, None, None
         self.start()
 
     def run(self):
         try:
             self.result = self.fn()
-        except BaseException as ex:  # noqa: B036 - kept for the test to look at
+        except BaseException as ex:  # kept for the test to look at
             self.error = ex
-        self.ended = time.monotonic()
+
+
+class _Spy:
+    """The library, every call logged as ("begin"|"end", name) in the order they happened;
+    `slow` names calls that sleep that long before they run."""
+
+    def __init__(self, lib, slow=None):
+        self._lib, self._slow, self.log = lib, slow or {}, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._lib, name)
+
+        def call(*args):
+            self.log.append(("begin", name))
+            time.sleep(self._slow.get(name, 0))
+            try:
+                return fn(*args)
+            finally:
+                self.log.append(("end", name))
+        return call
+
+    def at(self, what, name):
+        return self.log.index((what, name))
+
+
+def _inside(gate, thread):
+    """True once `thread` holds a call open on `gate`."""
+    return wait_for(lambda: thread.ident in gate._by, 5)
 
 
 def test_close_waits_for_a_call_in_flight():
@@ -39,17 +69,15 @@ def test_close_waits_for_a_call_in_flight():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         e = Engine(connect_timeout_ms=1000)
+        spy = e._lib = _Spy(e._lib)
         call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
-        time.sleep(0.3)  # inside kvb_segment_open
-        assert call.is_alive()
+        assert _inside(e._gate, call)
         e.close()
-        closed = time.monotonic()
         call.join(5)
         assert not call.is_alive()
         assert isinstance(call.error, kvbridge.Error), call.error
-        # the engine was freed only after the call had left it
-        assert call.ended <= closed, "close() returned %.3f s before the call in flight ended" % (
-            call.ended - closed)
+        # the engine was destroyed only after the call had left it
+        assert spy.at("end", "kvb_segment_open") < spy.at("begin", "kvb_engine_destroy")
         with pytest.raises(errors.ShutdownError):
             e.stats()
 
@@ -63,15 +91,15 @@ def test_closing_a_batch_that_another_thread_waits_for(spawn):
         t["peer"].signal(signal.SIGSTOP)  # the READ stays pending
         try:
             b = e.submit([(Op.READ, addr(local), seg, t["addr"], t["size"])], timeout=20)
+            spy = b._lib = _Spy(b._lib)
             waiting = _Call(b.wait)
-            time.sleep(0.2)
-            assert waiting.is_alive()
+            assert _inside(b._gate, waiting)
             t0 = time.monotonic()
             b.close()
             assert time.monotonic() - t0 < 2
             waiting.join(5)
             assert isinstance(waiting.error, errors.CanceledError), waiting.error
-            assert waiting.ended <= time.monotonic()
+            assert spy.at("end", "kvb_batch_wait") < spy.at("begin", "kvb_batch_free")
             with pytest.raises(errors.ShutdownError):
                 b.status(0)
             b.close()  # idempotent
@@ -81,7 +109,7 @@ def test_closing_a_batch_that_another_thread_waits_for(spawn):
 
 def test_calls_racing_engine_close(target):
     """Threads submit and wait, read stats and regions and receive notifications while the
-    engine closes under them: each ends with a kvbridge error, nothing else, and promptly."""
+    engine closes under them: each ends with ShutdownError, nothing else, and promptly."""
     for _ in range(5):
         e = Engine()
         local = np.zeros(1 << 20, np.uint8)
@@ -106,7 +134,8 @@ def test_calls_racing_engine_close(target):
         calls = [_Call(lambda: loop(transfer)), _Call(lambda: loop(e.stats)),
                  _Call(lambda: loop(seg.regions)), _Call(lambda: e.notify_recv(None)),
                  _Call(lambda: loop(lambda: e.notify_recv(0.01)))]
-        time.sleep(0.2)
+        assert _inside(e._gate, calls[3])
+        time.sleep(0.05)  # the loops going
         e.close()
         closed = time.monotonic()
         stop.set()
@@ -114,28 +143,73 @@ def test_calls_racing_engine_close(target):
             c.join(5)
             assert not c.is_alive()
             assert isinstance(c.error, errors.ShutdownError), repr(c.error)
-        # a waiting receiver is cut short within a slice
-        assert calls[3].ended - closed < 1
+        assert time.monotonic() - closed < 5
+
+
+def _agents(e1, e2):
+    l1, _ = kv_cache(1)
+    l2, _ = kv_cache(None)
+    p = kv.Agent(e1, l1, kv.Role.PREFILL)
+    d = kv.Agent(e2, l2, kv.Role.DECODE)
+    return p, d, p.link(e2.name), d.link(e1.name)
 
 
 def test_agent_close_ends_a_wait():
     with Engine() as e1, Engine() as e2:
-        l1, _ = kv_cache(1)
-        l2, _ = kv_cache(None)
-        p = kv.Agent(e1, l1, kv.Role.PREFILL)
-        d = kv.Agent(e2, l2, kv.Role.DECODE)
-        link = p.link(e2.name)
-        d.link(e1.name)
+        p, d, link, back = _agents(e1, e2)
         p.expect("r1", [link], 30)
         waiting = _Call(lambda: p.wait("r1"))  # until the request's deadline, 30 s
-        time.sleep(0.2)
-        assert waiting.is_alive()
+        assert _inside(p._gate, waiting)
         t0 = time.monotonic()
         p.close()
         waiting.join(5)
         assert not waiting.is_alive()
         assert isinstance(waiting.error, errors.ShutdownError), waiting.error
-        assert waiting.ended - t0 < 1
+        assert time.monotonic() - t0 < 1
         with pytest.raises(errors.ShutdownError):
             link.verdict  # closed with its agent
+        back.close()
         d.close()
+
+
+def test_parent_and_child_closed_at_once():
+    """An agent closing on one thread (its destroy made slow) while the engine closes on
+    another: the engine waits for the agent's destroy before it is destroyed itself."""
+    e1, e2 = Engine(), Engine()
+    try:
+        p, d, link, back = _agents(e1, e2)
+        spy = _Spy(e1._lib, slow={"kvb_kv_agent_destroy": 0.3})
+        e1._lib = p._lib = link._lib = spy
+        closing = _Call(p.close)
+        assert wait_for(lambda: ("begin", "kvb_kv_agent_destroy") in spy.log, 5)
+        e1.close()
+        assert ("end", "kvb_kv_agent_destroy") in spy.log  # returned after the agent's free
+        assert spy.at("end", "kvb_kv_agent_destroy") < spy.at("begin", "kvb_engine_destroy")
+        assert spy.log.count(("begin", "kvb_kv_agent_destroy")) == 1
+        assert spy.at("end", "kvb_kv_link_close") < spy.at("begin", "kvb_kv_agent_destroy")
+        closing.join(5)
+        assert closing.error is None
+    finally:
+        e1.close()
+        e2.close()
+
+
+def test_close_from_a_signal_handler_on_the_waiting_thread():
+    """The main thread waits for a notification; a signal handler - run on the main thread,
+    between two slices of the wait - closes the engine: the wait ends with ShutdownError and
+    the engine is destroyed after the call in flight left it."""
+    e = Engine()
+    spy = e._lib = _Spy(e._lib)
+    old = signal.signal(signal.SIGUSR1, lambda *_: e.close())
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        with pytest.raises(errors.ShutdownError):
+            e.notify_recv(10)
+        assert time.monotonic() - t0 < 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert e.closed
+    last_recv = len(spy.log) - 1 - spy.log[::-1].index(("end", "kvb_notify_recv"))
+    assert last_recv < spy.at("begin", "kvb_engine_destroy")
+    assert spy.log.count(("begin", "kvb_engine_destroy")) == 1
