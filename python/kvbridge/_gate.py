@@ -2,15 +2,19 @@
 """The handle of a C object that several threads call while one of them may close it.
 
 A method of Engine, Batch, Agent, Link or Transfer holds the object's gate open (`with
-gate.use() as handle:`) for as long as its C call runs, with the GIL released. close() shuts the
-gate: no call starts from then on, calls in flight are hastened where the object has a way to (a
+gate.use() as handle:`) for as long as its C call runs, with the GIL released. Gates nest as the
+objects do (engine > agent > link > transfer): a call on a link holds its agent's and its
+engine's gates open too, since the C link uses both. close() shuts the gate: no call starts from
+then on (on it or below it), calls in flight are hastened where the object has a way to (a
 batch's pending requests are cancelled) and waited for, and only then are the object's children
-closed and the handle freed - never under a call that still uses it. A second close() (another
-thread's, or a parent's closing its children) returns once the first has freed it. A close on a
-thread that is itself inside a call on the object (a signal handler, a __del__) cannot wait for
-that call: the free is left to the last call to leave. Calls that could otherwise wait without
-end (for a notification, for a request id) wait in slices of about SLICE_S, so a close ends them
-within a slice."""
+closed and the handle freed - never under a call that still uses it, and never before its
+children. A second close() (another thread's, or a parent's closing its children) returns once
+the first has freed it. A close on a thread that is itself inside a call on the object or below
+it (a signal handler interrupting a wait) cannot wait for that call: the free is left to the
+last call to leave, and a second close on that thread returns at once. Calls that could
+otherwise wait without end (for a notification, for a request id) wait in slices of about
+SLICE_S, so a close ends them within a slice."""
+import logging
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -19,22 +23,24 @@ from .errors import make_error
 
 SLICE_S = 0.05  # a wait in slices sees a close within about this long
 _ERR_SHUTDOWN = -12
+log = logging.getLogger("kvbridge")
 
 
 class Gate:
     """One C handle and the calls using it (see the module's text)."""
 
-    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_closer", "_freed",
+    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_closer", "_freed",
                  "_deferred")
 
-    def __init__(self, handle: int, what: str):
+    def __init__(self, handle: int, what: str, parent: Optional["Gate"] = None):
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)
         self._h: Optional[int] = handle
         self._calls = 0
-        self._by: Dict[int, int] = {}  # thread id -> its calls in flight
+        self._by: Dict[int, int] = {}  # thread id -> its calls in flight (its own and below)
         self._what = what
-        self._closer: Optional[int] = None
+        self._parent = parent
+        self._closer: Optional[threading.Thread] = None
         self._freed = threading.Event()
         self._deferred: Optional[Callable[[], None]] = None
 
@@ -51,35 +57,49 @@ class Gate:
         return h
 
     def use(self) -> "Gate":
-        """`with gate.use() as handle:` - the handle, kept valid until the block ends;
-        ShutdownError once closed."""
+        """`with gate.use() as handle:` - the handle, kept valid (and its parents') until the
+        block ends; ShutdownError once it or a parent is closed."""
         return self
 
     def __enter__(self) -> int:
-        me = threading.get_ident()
-        with self._mu:
-            h = self._h
-            if h is None:
-                raise make_error(_ERR_SHUTDOWN, f"{self._what} is closed")
-            self._calls += 1
-            self._by[me] = self._by.get(me, 0) + 1
-        return h
+        if self._parent is not None:
+            self._parent.__enter__()
+        try:
+            me = threading.get_ident()
+            with self._mu:
+                h = self._h
+                if h is None:
+                    raise make_error(_ERR_SHUTDOWN, f"{self._what} is closed")
+                self._calls += 1
+                self._by[me] = self._by.get(me, 0) + 1
+            return h
+        except BaseException:
+            if self._parent is not None:
+                self._parent.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        me = threading.get_ident()
-        run = None
-        with self._mu:
-            self._calls -= 1
-            left = self._by[me] - 1
-            if left:
-                self._by[me] = left
-            else:
-                del self._by[me]
-            if self._calls == 0:
-                self._cv.notify_all()
-                run, self._deferred = self._deferred, None
-        if run is not None:
-            run()
+        try:
+            me = threading.get_ident()
+            run = None
+            with self._mu:
+                self._calls -= 1
+                left = self._by[me] - 1
+                if left:
+                    self._by[me] = left
+                else:
+                    del self._by[me]
+                if self._calls == 0:
+                    self._cv.notify_all()
+                    run, self._deferred = self._deferred, None
+            if run is not None:  # a close left the free to the last call: this one
+                try:
+                    run()
+                except Exception:  # the call's own outcome stands
+                    log.exception("closing a %s after its last call", self._what)
+        finally:
+            if self._parent is not None:
+                self._parent.__exit__(*exc)
 
     def close(self, free: Callable[[int], object], *,
               hasten: Optional[Callable[[int], object]] = None,
@@ -87,11 +107,11 @@ class Gate:
         """Shuts the gate; once no call uses the handle, runs first() (closing the children)
         and free(handle). `hasten(handle)` runs first if calls are in flight. If another thread
         closed it already, returns once that one has freed it."""
-        me = threading.get_ident()
+        me = threading.current_thread()
         with self._mu:
-            h, mine = self._h, me in self._by
+            h, mine = self._h, me.ident in self._by
             if h is None:
-                wait = self._closer != me and not mine
+                wait = self._closer is not me and not mine
             else:
                 self._h, self._closer, busy = None, me, self._calls > 0
         if h is None:
@@ -103,19 +123,30 @@ class Gate:
             try:
                 if first is not None:
                     first()
-                free(h)
             finally:
-                self._freed.set()
+                try:
+                    free(h)
+                finally:
+                    self._freed.set()
 
         if busy and hasten is not None:
             hasten(h)
+        err: Optional[BaseException] = None
         with self._mu:
             if mine:  # our own call is under way: the last call to leave frees it
                 self._deferred = finish
                 return
-            while self._calls > 0:
-                self._cv.wait()
+            try:
+                while self._calls > 0:
+                    self._cv.wait()
+            except BaseException as ex:  # interrupted (KeyboardInterrupt): the last call frees it
+                if self._calls > 0:
+                    self._deferred = finish
+                    raise
+                err = ex
         finish()
+        if err is not None:
+            raise err
 
 
 def sliced(gate: Gate, call: Callable[[int, int], int], timeout: Optional[float],

@@ -318,9 +318,10 @@ class Engine:
         and those under way are waited for - each ends by its own deadline (an open_segment() by
         the connect timeout, an unregister() by the engine's timeout, a KV Transfer.finish() by
         its transfer's), a notify_recv() waiting raises ShutdownError within about 0.1 s. KV
-        agents made on it are closed first. Idempotent: a second close() returns once the first
-        has destroyed it. On a thread that is itself inside a call on this engine (a signal
-        handler), the destruction is left to that call's end."""
+        agents made on it are closed first (a call on an agent, link or transfer holds the
+        engine open too). Idempotent: a second close() returns once the first has destroyed it.
+        On a thread that is itself inside a call on this engine or below it (a signal handler),
+        or if interrupted while it waits, the destruction is left to the last call's end."""
         def destroy(h: int) -> None:
             self._lib.kvb_engine_destroy(h)
             self._regions.clear()
@@ -508,9 +509,17 @@ class Engine:
 
 
 def _close_all(children: Any) -> None:
-    """Closes every object of a weak set of children (each waits for its own calls)."""
+    """Closes every object of a weak set of children (a parent's close runs this once no call
+    uses the parent or anything below it); every child is closed, then the first error is
+    raised."""
+    err: Optional[BaseException] = None
     for child in list(children):
-        child.close()
+        try:
+            child.close()
+        except BaseException as ex:
+            err = err or ex
+    if err is not None:
+        raise err
 
 
 def _notification(rc: int, raw: Any, what: str) -> Optional[Notification]:

@@ -295,7 +295,7 @@ class Agent:
         with engine._gate.use() as eh:  # an engine closing meanwhile waits, then closes us
             check(lib.kvb_kv_agent_create(eh, ctypes.byref(self._c), int(role), ctypes.byref(out),
                                           why, len(why)), "kvb_kv_agent_create", why.value)
-            self._gate = Gate(int(out.value or 0), "agent")
+            self._gate = Gate(int(out.value or 0), "agent", engine._gate)
             engine._children.add(self)
 
     def close(self) -> None:
@@ -357,7 +357,7 @@ class Link:
     def __init__(self, agent: Agent, handle: int, segment: str):
         self.agent = agent
         self.segment = segment
-        self._gate = Gate(handle, "link")
+        self._gate = Gate(handle, "link", agent._gate)
         self._lib = agent._lib
         self._children: "weakref.WeakSet[Transfer]" = weakref.WeakSet()
         agent._children.add(self)
@@ -405,7 +405,7 @@ class Link:
             check(self._lib.kvb_kv_xfer_begin(h, _b(req_id), int(op), src, dst, len(src_blocks),
                                               _ms(timeout), ctypes.byref(out), why, len(why)),
                   f"kvb_kv_xfer_begin({req_id!r})", why.value)
-            x = Transfer(self._lib, int(out.value))
+            x = Transfer(self._lib, int(out.value), self._gate)
             self._children.add(x)
             return x
 
@@ -449,9 +449,9 @@ def _all_then_finish(x: "Transfer") -> None:
 class Transfer:
     """One request's blocks over one link (kvb_kv_xfer_*)."""
 
-    def __init__(self, lib: Any, handle: int):
+    def __init__(self, lib: Any, handle: int, link_gate: Optional[Gate] = None):
         self._lib = lib
-        self._gate = Gate(handle, "transfer")
+        self._gate = Gate(handle, "transfer", link_gate)
         self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()  # none
 
     def layer(self, layer: int) -> None:

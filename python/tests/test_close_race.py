@@ -194,15 +194,28 @@ def test_parent_and_child_closed_at_once():
         e2.close()
 
 
+def _close_on_signal(target, after_inside, gate):
+    """Installs a SIGUSR1 handler that closes `target`, and sends the signal from another
+    thread once the main thread holds a call open on `gate`; returns the old handler."""
+    old = signal.signal(signal.SIGUSR1, lambda *_: target.close())
+    main = threading.main_thread()
+
+    def fire():
+        if _inside(gate, main):
+            time.sleep(after_inside)
+            os.kill(os.getpid(), signal.SIGUSR1)
+    threading.Thread(target=fire, daemon=True).start()
+    return old
+
+
 def test_close_from_a_signal_handler_on_the_waiting_thread():
     """The main thread waits for a notification; a signal handler - run on the main thread,
-    between two slices of the wait - closes the engine: the wait ends with ShutdownError and
-    the engine is destroyed after the call in flight left it."""
+    between two slices of the wait or inside one - closes the engine: the wait ends with
+    ShutdownError and the engine is destroyed after the call in flight left it."""
     e = Engine()
     spy = e._lib = _Spy(e._lib)
-    old = signal.signal(signal.SIGUSR1, lambda *_: e.close())
+    old = _close_on_signal(e, 0.1, e._gate)
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
         t0 = time.monotonic()
         with pytest.raises(errors.ShutdownError):
             e.notify_recv(10)
@@ -213,3 +226,56 @@ def test_close_from_a_signal_handler_on_the_waiting_thread():
     last_recv = len(spy.log) - 1 - spy.log[::-1].index(("end", "kvb_notify_recv"))
     assert last_recv < spy.at("begin", "kvb_engine_destroy")
     assert spy.log.count(("begin", "kvb_engine_destroy")) == 1
+
+
+def test_engine_closed_from_a_signal_handler_during_an_agent_wait():
+    """The main thread waits in agent.wait(); a signal handler closes the engine: the agent's
+    call holds the engine open, so the engine is destroyed only after the wait left - and
+    after its agent and the agent's links, in that order."""
+    e1, e2 = Engine(), Engine()
+    try:
+        p, d, link, back = _agents(e1, e2)
+        spy = _Spy(e1._lib)
+        e1._lib = p._lib = link._lib = spy
+        p.expect("r1", [link], 30)
+        old = _close_on_signal(e1, 0.1, p._gate)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(errors.ShutdownError):
+                p.wait("r1")
+            assert time.monotonic() - t0 < 2
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+        assert e1.closed and p._gate.closed and link._gate.closed
+        last_wait = len(spy.log) - 1 - spy.log[::-1].index(("end", "kvb_kv_wait"))
+        assert last_wait < spy.at("begin", "kvb_kv_link_close")
+        assert spy.at("end", "kvb_kv_link_close") < spy.at("begin", "kvb_kv_agent_destroy")
+        assert spy.at("end", "kvb_kv_agent_destroy") < spy.at("begin", "kvb_engine_destroy")
+    finally:
+        e1.close()
+        e2.close()
+
+
+def test_a_close_waiting_for_a_call_interrupted():
+    """A close interrupted while it waits for another thread's call (Ctrl-C) leaves the free to
+    that call: the object is still freed, once, and a later close returns."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        e = Engine(connect_timeout_ms=1000)
+        spy = e._lib = _Spy(e._lib)
+        call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
+        assert _inside(e._gate, call)
+        old = signal.signal(signal.SIGUSR1, signal.default_int_handler)  # KeyboardInterrupt
+        try:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(KeyboardInterrupt):
+                e.close()  # waits for the open (1 s)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+        assert ("begin", "kvb_engine_destroy") not in spy.log  # the open is still inside
+        call.join(5)
+        assert isinstance(call.error, kvbridge.Error), call.error
+        e.close()  # returns once freed
+        assert spy.log.count(("begin", "kvb_engine_destroy")) == 1
+        assert spy.at("end", "kvb_segment_open") < spy.at("begin", "kvb_engine_destroy")
