@@ -17,7 +17,7 @@ SLICE_S, so a close ends them within a slice."""
 import logging
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .errors import make_error
 
@@ -29,20 +29,23 @@ log = logging.getLogger("kvbridge")
 class Gate:
     """One C handle and the calls using it (see the module's text)."""
 
-    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_closer", "_freed",
-                 "_deferred")
+    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_closing", "_freed",
+                 "_deferred", "_pending")
 
     def __init__(self, handle: int, what: str, parent: Optional["Gate"] = None):
-        self._mu = threading.Lock()
+        # Reentrant: a signal handler may run on a thread while it is inside a locked section
+        # here; its close() must then not block on the lock (it is recorded, see close()).
+        self._mu = threading.RLock()
         self._cv = threading.Condition(self._mu)
         self._h: Optional[int] = handle
         self._calls = 0
         self._by: Dict[int, int] = {}  # thread id -> its calls in flight (its own and below)
         self._what = what
         self._parent = parent
-        self._closer: Optional[threading.Thread] = None
+        self._closing: Optional[threading.Thread] = None  # waiting for calls, or freeing
         self._freed = threading.Event()
-        self._deferred: Optional[Callable[[], None]] = None
+        self._deferred: Optional[Callable[[], None]] = None  # the free, left to the last call
+        self._pending: Optional[Tuple[Any, ...]] = None  # a close asked for inside a section
 
     @property
     def closed(self) -> bool:
@@ -72,11 +75,13 @@ class Gate:
                     raise make_error(_ERR_SHUTDOWN, f"{self._what} is closed")
                 self._calls += 1
                 self._by[me] = self._by.get(me, 0) + 1
-            return h
         except BaseException:
             if self._parent is not None:
                 self._parent.__exit__(None, None, None)
             raise
+        finally:
+            self._run_pending()
+        return h
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -92,6 +97,7 @@ class Gate:
                 if self._calls == 0:
                     self._cv.notify_all()
                     run, self._deferred = self._deferred, None
+            self._run_pending()
             if run is not None:  # a close left the free to the last call: this one
                 try:
                     run()
@@ -101,25 +107,38 @@ class Gate:
             if self._parent is not None:
                 self._parent.__exit__(*exc)
 
-    def close(self, free: Callable[[int], object], *,
+    def _run_pending(self) -> None:
+        p = self._pending
+        if p is not None and not self._mu._is_owned():
+            self._pending = None
+            self.close(*p)
+
+    def close(self, free: Callable[[int], object],
               hasten: Optional[Callable[[int], object]] = None,
               first: Optional[Callable[[], object]] = None) -> None:
         """Shuts the gate; once no call uses the handle, runs first() (closing the children)
         and free(handle). `hasten(handle)` runs first if calls are in flight. If another thread
         closed it already, returns once that one has freed it."""
+        if self._mu._is_owned():  # a signal handler inside this gate's own bookkeeping
+            self._pending = (free, hasten, first)  # run as that section ends
+            return
         me = threading.current_thread()
         with self._mu:
             h, mine = self._h, me.ident in self._by
             if h is None:
-                wait = self._closer is not me and not mine
+                # Not for itself: a thread inside a call (the free waits for that call), or the
+                # one that is closing it (a handler interrupting that close).
+                wait = not mine and self._closing is not me
             else:
-                self._h, self._closer, busy = None, me, self._calls > 0
+                self._h, busy = None, self._calls > 0
+                self._closing = None if mine else me
         if h is None:
             if wait:
                 self._freed.wait()
             return
 
         def finish() -> None:
+            self._closing = threading.current_thread()
             try:
                 if first is not None:
                     first()
@@ -127,27 +146,29 @@ class Gate:
                 try:
                     free(h)
                 finally:
+                    self._closing = None
                     self._freed.set()
 
-        if busy and hasten is not None:
-            hasten(h)
         err: Optional[BaseException] = None
-        with self._mu:
-            if mine:  # our own call is under way: the last call to leave frees it
-                self._deferred = finish
-                return
-            try:
+        try:
+            if busy and hasten is not None:
+                hasten(h)
+            with self._mu:
+                if mine:  # our own call is under way: the last call to leave frees it
+                    self._deferred = finish
+                    return
                 while self._calls > 0:
                     self._cv.wait()
-            except BaseException as ex:  # interrupted (KeyboardInterrupt): the last call frees it
+        except BaseException as ex:  # interrupted (KeyboardInterrupt): the last call frees it
+            with self._mu:
                 if self._calls > 0:
+                    self._closing = None
                     self._deferred = finish
                     raise
-                err = ex
+            err = ex
         finish()
         if err is not None:
             raise err
-
 
 def sliced(gate: Gate, call: Callable[[int, int], int], timeout: Optional[float],
            nothing_yet: int) -> int:

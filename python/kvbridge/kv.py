@@ -309,6 +309,12 @@ class Agent:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __del__(self) -> None:  # one dropped without close() is freed (its children first)
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def link(self, segment: str) -> "Link":
         """Opens a link to the rank serving `segment` and runs the guard once: IncompatibleError
         with the guard's reason for a refused pair, NotFoundError for a peer without an agent."""
@@ -371,6 +377,12 @@ class Link:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def __del__(self) -> None:  # one dropped without close() is freed (its children first)
+        try:
+            self.close()
+        except Exception:
+            pass
 
     @property
     def verdict(self) -> Verdict:
@@ -486,3 +498,9 @@ class Transfer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def __del__(self) -> None:  # one dropped without close() is freed (its children first)
+        try:
+            self.close()
+        except Exception:
+            pass

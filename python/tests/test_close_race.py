@@ -274,8 +274,29 @@ def test_a_close_waiting_for_a_call_interrupted():
         finally:
             signal.signal(signal.SIGUSR1, old)
         assert ("begin", "kvb_engine_destroy") not in spy.log  # the open is still inside
-        call.join(5)
-        assert isinstance(call.error, kvbridge.Error), call.error
-        e.close()  # returns once freed
+        e.close()  # again, on the same thread: returns once the open's end has freed it
+        assert ("end", "kvb_engine_destroy") in spy.log
         assert spy.log.count(("begin", "kvb_engine_destroy")) == 1
         assert spy.at("end", "kvb_segment_open") < spy.at("begin", "kvb_engine_destroy")
+        call.join(5)
+        assert isinstance(call.error, kvbridge.Error), call.error
+
+
+def test_a_close_inside_the_gates_own_bookkeeping():
+    """A signal handler that closes an object while its thread is inside the gate's own locked
+    section (taking or dropping a call) must not block on that lock: the close is recorded and
+    runs as the section ends - here as a call is taken, so the free waits for that call."""
+    from kvbridge._gate import Gate
+    freed = []
+    g = Gate(7, "thing")
+    with g._mu:  # where such a handler finds the thread
+        g.close(freed.append)
+        assert not g.closed and not freed
+    with g.use() as h:  # the section that ends next: the close runs, and defers to this call
+        assert h == 7 and g.closed and not freed
+    assert freed == [7]
+    with pytest.raises(errors.ShutdownError):
+        with g.use():
+            pass
+    g.close(freed.append)  # idempotent
+    assert freed == [7]
