@@ -8,7 +8,9 @@ engine's gates open too, since the C link uses both. close() shuts the gate: no 
 then on (on it or below it), calls in flight are hastened where the object has a way to (a
 batch's pending requests are cancelled) and waited for, and only then are the object's children
 closed and the handle freed - never under a call that still uses it, and never before its
-children. A second close() (another thread's, or a parent's closing its children) returns once
+children: a gate holds its children's gates (not the Python objects, which may be collected in any
+order - the cycle collector clears weak references before it runs __del__), and closes them
+first. A second close() (another thread's, or a parent's closing its children) returns once
 the first has freed it. A close on a thread that is itself inside a call on the object or below
 it (a signal handler interrupting a wait) cannot wait for that call: the free is left to the
 last call to leave, and a second close on that thread returns at once. Calls that could
@@ -17,7 +19,7 @@ SLICE_S, so a close ends them within a slice."""
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Set
 
 from .errors import make_error
 
@@ -27,12 +29,15 @@ log = logging.getLogger("kvbridge")
 
 
 class Gate:
-    """One C handle and the calls using it (see the module's text)."""
+    """One C handle, the calls using it and the gates of its children (see the module's text).
+    `free(handle)` frees it, `hasten(handle)` makes calls in flight end sooner (optional)."""
 
-    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_closing", "_freed",
-                 "_deferred", "_pending")
+    __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_kids", "_free",
+                 "_hasten", "_closing", "_freed", "_deferred", "_pending")
 
-    def __init__(self, handle: int, what: str, parent: Optional["Gate"] = None):
+    def __init__(self, handle: int, what: str, free: Callable[[int], object],
+                 parent: Optional["Gate"] = None,
+                 hasten: Optional[Callable[[int], object]] = None):
         # Reentrant: a signal handler may run on a thread while it is inside a locked section
         # here; its close() must then not block on the lock (it is recorded, see close()).
         self._mu = threading.RLock()
@@ -42,10 +47,15 @@ class Gate:
         self._by: Dict[int, int] = {}  # thread id -> its calls in flight (its own and below)
         self._what = what
         self._parent = parent
+        self._kids: Set["Gate"] = set()
+        self._free, self._hasten = free, hasten
         self._closing: Optional[threading.Thread] = None  # waiting for calls, or freeing
         self._freed = threading.Event()
         self._deferred: Optional[Callable[[], None]] = None  # the free, left to the last call
-        self._pending: Optional[Tuple[Any, ...]] = None  # a close asked for inside a section
+        self._pending = False  # a close asked for inside one of our locked sections
+        if parent is not None:  # made inside a call on the parent: it cannot be freed meanwhile
+            with parent._mu:
+                parent._kids.add(self)
 
     @property
     def closed(self) -> bool:
@@ -97,30 +107,29 @@ class Gate:
                 if self._calls == 0:
                     self._cv.notify_all()
                     run, self._deferred = self._deferred, None
-            self._run_pending()
             if run is not None:  # a close left the free to the last call: this one
                 try:
                     run()
                 except Exception:  # the call's own outcome stands
                     log.exception("closing a %s after its last call", self._what)
+            self._run_pending()
         finally:
             if self._parent is not None:
                 self._parent.__exit__(*exc)
 
     def _run_pending(self) -> None:
-        p = self._pending
-        if p is not None and not self._mu._is_owned():
-            self._pending = None
-            self.close(*p)
+        """A close recorded inside a locked section, run once outside every one - unless the
+        gate was shut meanwhile (that close is under way, or done)."""
+        if self._pending and not self._mu._is_owned():
+            self._pending = False
+            if self._h is not None:
+                self.close()
 
-    def close(self, free: Callable[[int], object],
-              hasten: Optional[Callable[[int], object]] = None,
-              first: Optional[Callable[[], object]] = None) -> None:
-        """Shuts the gate; once no call uses the handle, runs first() (closing the children)
-        and free(handle). `hasten(handle)` runs first if calls are in flight. If another thread
-        closed it already, returns once that one has freed it."""
+    def close(self) -> None:
+        """Shuts the gate; once no call uses the handle, closes the children's gates and frees
+        it. If another thread closed it already, returns once that one has freed it."""
         if self._mu._is_owned():  # a signal handler inside this gate's own bookkeeping
-            self._pending = (free, hasten, first)  # run as that section ends
+            self._pending = True  # run as that section ends
             return
         me = threading.current_thread()
         with self._mu:
@@ -136,26 +145,13 @@ class Gate:
             if wait:
                 self._freed.wait()
             return
-
-        def finish() -> None:
-            self._closing = threading.current_thread()
-            try:
-                if first is not None:
-                    first()
-            finally:
-                try:
-                    free(h)
-                finally:
-                    self._closing = None
-                    self._freed.set()
-
         err: Optional[BaseException] = None
         try:
-            if busy and hasten is not None:
-                hasten(h)
+            if busy and self._hasten is not None:
+                self._hasten(h)
             with self._mu:
                 if mine:  # our own call is under way: the last call to leave frees it
-                    self._deferred = finish
+                    self._deferred = lambda: self._finish(h)
                     return
                 while self._calls > 0:
                     self._cv.wait()
@@ -163,10 +159,33 @@ class Gate:
             with self._mu:
                 if self._calls > 0:
                     self._closing = None
-                    self._deferred = finish
+                    self._deferred = lambda: self._finish(h)
                     raise
             err = ex
-        finish()
+        self._finish(h)
+        if err is not None:
+            raise err
+
+    def _finish(self, h: int) -> None:
+        """The children's gates closed (no call uses any: each would hold ours), then the free;
+        the first error is raised after both."""
+        self._closing = threading.current_thread()
+        err: Optional[BaseException] = None
+        try:
+            with self._mu:
+                kids = list(self._kids)
+            for kid in kids:
+                try:
+                    kid.close()
+                except BaseException as ex:
+                    err = err or ex
+            self._free(h)
+        finally:
+            self._closing = None
+            if self._parent is not None:
+                with self._parent._mu:
+                    self._parent._kids.discard(self)
+            self._freed.set()
         if err is not None:
             raise err
 

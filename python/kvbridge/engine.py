@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -263,12 +262,17 @@ class Engine:
             ctypes.memset(buf, 0, len(sb))  # the library keeps its own copy
         check(rc, "kvb_engine_create")
         self._lib = lib
-        self._gate = Gate(h.value, "engine")
         self._lock = threading.Lock()
         self._regions: Dict[int, Any] = {}  # registered address -> keep-alive
-        # KV agents on this engine (kvbridge.kv): closed first, since an agent's C object uses
-        # the engine until it is destroyed.
-        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        regions = self._regions  # kept until the engine is destroyed (not self: no cycle)
+
+        def destroy(handle: int) -> None:
+            lib.kvb_engine_destroy(handle)
+            regions.clear()
+
+        # KV agents made on it (kvbridge.kv) hang their gates below this one: closed first, since
+        # an agent's C object uses the engine until it is destroyed.
+        self._gate = Gate(h.value, "engine", destroy)
         self.name: str = lib.kvb_engine_segment_name(h).decode()
         self.port: int = int(lib.kvb_engine_port(h))
 
@@ -322,11 +326,7 @@ class Engine:
         engine open too). Idempotent: a second close() returns once the first has destroyed it.
         On a thread that is itself inside a call on this engine or below it (a signal handler),
         or if interrupted while it waits, the destruction is left to the last call's end."""
-        def destroy(h: int) -> None:
-            self._lib.kvb_engine_destroy(h)
-            self._regions.clear()
-
-        self._gate.close(destroy, first=lambda: _close_all(self._children))
+        self._gate.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -508,20 +508,6 @@ class Engine:
         return Stats(int(st.requests_completed), int(st.requests_failed), paths)
 
 
-def _close_all(children: Any) -> None:
-    """Closes every object of a weak set of children (a parent's close runs this once no call
-    uses the parent or anything below it); every child is closed, then the first error is
-    raised."""
-    err: Optional[BaseException] = None
-    for child in list(children):
-        try:
-            child.close()
-        except BaseException as ex:
-            err = err or ex
-    if err is not None:
-        raise err
-
-
 def _notification(rc: int, raw: Any, what: str) -> Optional[Notification]:
     if rc in (-6, -4):  # ERR_AGAIN (poll), ERR_TIMEOUT
         return None
@@ -633,7 +619,8 @@ class Batch:
 
     def __init__(self, lib: Any, handle: int, size: int):
         self._lib = lib
-        self._gate = Gate(handle, "batch")
+        # No parent: a C batch stays valid after its engine is destroyed.
+        self._gate = Gate(handle, "batch", lib.kvb_batch_free, hasten=lib.kvb_batch_cancel)
         self.size = size
 
     def __len__(self) -> int:
@@ -708,7 +695,7 @@ class Batch:
         """Cancels what is pending and frees the batch (kvb_batch_free), once calls on other
         threads have returned (a wait() raises CanceledError at once; a settle() still takes
         until the batch settles or its timeout). Idempotent."""
-        self._gate.close(self._lib.kvb_batch_free, hasten=self._lib.kvb_batch_cancel)
+        self._gate.close()
 
 
 def set_log_level(level: int) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._gate import Gate, sliced
-from .engine import (Engine, Notification, Op, Request, _b, _close_all, _ms, _notification,
-                     _set_int, _settle)
+from .engine import (Engine, Notification, Op, Request, _b, _ms, _notification, _set_int,
+                     _settle)
 from .errors import Error, check, make_error
 
 _ERR_TIMEOUT, _ERR_AGAIN = -4, -6
@@ -269,13 +268,6 @@ def plan(local: Layout, remote: Layout, op: Op, segment: int, src_blocks: Sequen
         lib.kvb_kv_plan_free(reqs)
 
 
-def _close_handle(obj: Any, destroy: Any) -> None:
-    """Shuts obj's gate (no call starts from now on, and no child is made any more), and once
-    the calls under way have left closes its children and destroys it - once, whichever thread
-    closes it first; the others return when it is done."""
-    obj._gate.close(destroy, first=lambda: _close_all(obj._children))
-
-
 class Agent:
     """One TP rank's KV agent (kvb_kv_agent_create): validates `layout`, registers its buffers
     with `engine` and publishes the layout descriptor. From then on it consumes the engine's
@@ -291,17 +283,16 @@ class Agent:
         out = ctypes.c_void_p()
         why = ctypes.create_string_buffer(_lib.KV_REASON_MAX)
         self._lib = lib
-        self._children: "weakref.WeakSet[Link]" = weakref.WeakSet()
         with engine._gate.use() as eh:  # an engine closing meanwhile waits, then closes us
             check(lib.kvb_kv_agent_create(eh, ctypes.byref(self._c), int(role), ctypes.byref(out),
                                           why, len(why)), "kvb_kv_agent_create", why.value)
-            self._gate = Gate(int(out.value or 0), "agent", engine._gate)
-            engine._children.add(self)
+            self._gate = Gate(int(out.value or 0), "agent", lib.kvb_kv_agent_destroy,
+                              engine._gate)
 
     def close(self) -> None:
         """Closes its links, unregisters the buffers, withdraws the descriptor, frees the agent.
         Idempotent."""
-        _close_handle(self, self._lib.kvb_kv_agent_destroy)
+        self._gate.close()
 
     def __enter__(self) -> "Agent":
         return self
@@ -363,14 +354,12 @@ class Link:
     def __init__(self, agent: Agent, handle: int, segment: str):
         self.agent = agent
         self.segment = segment
-        self._gate = Gate(handle, "link", agent._gate)
         self._lib = agent._lib
-        self._children: "weakref.WeakSet[Transfer]" = weakref.WeakSet()
-        agent._children.add(self)
+        self._gate = Gate(handle, "link", self._lib.kvb_kv_link_close, agent._gate)
 
     def close(self) -> None:
         """Frees its transfers (cancelling what is pending), then the link. Idempotent."""
-        _close_handle(self, self._lib.kvb_kv_link_close)
+        self._gate.close()
 
     def __enter__(self) -> "Link":
         return self
@@ -417,9 +406,7 @@ class Link:
             check(self._lib.kvb_kv_xfer_begin(h, _b(req_id), int(op), src, dst, len(src_blocks),
                                               _ms(timeout), ctypes.byref(out), why, len(why)),
                   f"kvb_kv_xfer_begin({req_id!r})", why.value)
-            x = Transfer(self._lib, int(out.value), self._gate)
-            self._children.add(x)
-            return x
+            return Transfer(self, int(out.value))
 
     def pull(self, req_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
              timeout: float = 30.0) -> None:
@@ -461,10 +448,10 @@ def _all_then_finish(x: "Transfer") -> None:
 class Transfer:
     """One request's blocks over one link (kvb_kv_xfer_*)."""
 
-    def __init__(self, lib: Any, handle: int, link_gate: Optional[Gate] = None):
-        self._lib = lib
-        self._gate = Gate(handle, "transfer", link_gate)
-        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()  # none
+    def __init__(self, link: Link, handle: int):
+        self.link = link  # kept alive while the transfer is (the link's close still closes it)
+        self._lib = link._lib
+        self._gate = Gate(handle, "transfer", self._lib.kvb_kv_xfer_free, link._gate)
 
     def layer(self, layer: int) -> None:
         """Layer `layer` is ready: its blocks start moving now (each layer at most once)."""
@@ -491,7 +478,7 @@ class Transfer:
 
     def close(self) -> None:
         """Frees the transfer, cancelling what is pending. Idempotent."""
-        _close_handle(self, self._lib.kvb_kv_xfer_free)
+        self._gate.close()
 
     def __enter__(self) -> "Transfer":
         return self

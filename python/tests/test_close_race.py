@@ -58,6 +58,14 @@ class _Spy:
         return self.log.index((what, name))
 
 
+def _spy_on(spy, obj, free, hasten=None):
+    """Routes obj's calls, and its gate's free (and hasten), through `spy`."""
+    obj._lib = spy
+    obj._gate._free = getattr(spy, free)
+    if hasten:
+        obj._gate._hasten = getattr(spy, hasten)
+
+
 def _inside(gate, thread):
     """True once `thread` holds a call open on `gate`."""
     return wait_for(lambda: thread.ident in gate._by, 5)
@@ -69,7 +77,8 @@ def test_close_waits_for_a_call_in_flight():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         e = Engine(connect_timeout_ms=1000)
-        spy = e._lib = _Spy(e._lib)
+        spy = _Spy(e._lib)
+        _spy_on(spy, e, "kvb_engine_destroy")
         call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
         assert _inside(e._gate, call)
         e.close()
@@ -91,7 +100,8 @@ def test_closing_a_batch_that_another_thread_waits_for(spawn):
         t["peer"].signal(signal.SIGSTOP)  # the READ stays pending
         try:
             b = e.submit([(Op.READ, addr(local), seg, t["addr"], t["size"])], timeout=20)
-            spy = b._lib = _Spy(b._lib)
+            spy = _Spy(b._lib)
+            _spy_on(spy, b, "kvb_batch_free", "kvb_batch_cancel")
             waiting = _Call(b.wait)
             assert _inside(b._gate, waiting)
             t0 = time.monotonic()
@@ -146,9 +156,13 @@ def test_calls_racing_engine_close(target):
         assert time.monotonic() - closed < 5
 
 
+_KEEP = []  # the agents' KV arrays: registered memory must outlive the engines
+
+
 def _agents(e1, e2):
-    l1, _ = kv_cache(1)
-    l2, _ = kv_cache(None)
+    l1, a1 = kv_cache(1)
+    l2, a2 = kv_cache(None)
+    _KEEP.extend((a1, a2))
     p = kv.Agent(e1, l1, kv.Role.PREFILL)
     d = kv.Agent(e2, l2, kv.Role.DECODE)
     return p, d, p.link(e2.name), d.link(e1.name)
@@ -179,7 +193,9 @@ def test_parent_and_child_closed_at_once():
     try:
         p, d, link, back = _agents(e1, e2)
         spy = _Spy(e1._lib, slow={"kvb_kv_agent_destroy": 0.3})
-        e1._lib = p._lib = link._lib = spy
+        _spy_on(spy, e1, "kvb_engine_destroy")
+        _spy_on(spy, p, "kvb_kv_agent_destroy")
+        _spy_on(spy, link, "kvb_kv_link_close")
         closing = _Call(p.close)
         assert wait_for(lambda: ("begin", "kvb_kv_agent_destroy") in spy.log, 5)
         e1.close()
@@ -213,7 +229,8 @@ def test_close_from_a_signal_handler_on_the_waiting_thread():
     between two slices of the wait or inside one - closes the engine: the wait ends with
     ShutdownError and the engine is destroyed after the call in flight left it."""
     e = Engine()
-    spy = e._lib = _Spy(e._lib)
+    spy = _Spy(e._lib)
+    _spy_on(spy, e, "kvb_engine_destroy")
     old = _close_on_signal(e, 0.1, e._gate)
     try:
         t0 = time.monotonic()
@@ -236,7 +253,9 @@ def test_engine_closed_from_a_signal_handler_during_an_agent_wait():
     try:
         p, d, link, back = _agents(e1, e2)
         spy = _Spy(e1._lib)
-        e1._lib = p._lib = link._lib = spy
+        _spy_on(spy, e1, "kvb_engine_destroy")
+        _spy_on(spy, p, "kvb_kv_agent_destroy")
+        _spy_on(spy, link, "kvb_kv_link_close")
         p.expect("r1", [link], 30)
         old = _close_on_signal(e1, 0.1, p._gate)
         try:
@@ -263,7 +282,8 @@ def test_a_close_waiting_for_a_call_interrupted():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         e = Engine(connect_timeout_ms=1000)
-        spy = e._lib = _Spy(e._lib)
+        spy = _Spy(e._lib)
+        _spy_on(spy, e, "kvb_engine_destroy")
         call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
         assert _inside(e._gate, call)
         old = signal.signal(signal.SIGUSR1, signal.default_int_handler)  # KeyboardInterrupt
@@ -288,9 +308,9 @@ def test_a_close_inside_the_gates_own_bookkeeping():
     runs as the section ends - here as a call is taken, so the free waits for that call."""
     from kvbridge._gate import Gate
     freed = []
-    g = Gate(7, "thing")
+    g = Gate(7, "thing", freed.append)
     with g._mu:  # where such a handler finds the thread
-        g.close(freed.append)
+        g.close()
         assert not g.closed and not freed
     with g.use() as h:  # the section that ends next: the close runs, and defers to this call
         assert h == 7 and g.closed and not freed
@@ -298,5 +318,51 @@ def test_a_close_inside_the_gates_own_bookkeeping():
     with pytest.raises(errors.ShutdownError):
         with g.use():
             pass
-    g.close(freed.append)  # idempotent
+    g.close()  # idempotent
     assert freed == [7]
+    # recorded inside a section of a gate already shut, with its free left to a call: dropped
+    # (that close is under way), not waited for by the call that must run it
+    g2 = Gate(8, "thing", freed.append)
+    with g2.use():
+        g2.close()  # deferred to this call
+        with g2._mu:
+            g2.close()  # recorded
+    assert freed == [7, 8] and not g2._pending
+
+
+def test_objects_in_a_collected_cycle_are_freed_children_first():
+    """The cycle collector runs __del__ in any order and clears weak references first: an
+    engine, its agent and the agent's link dropped together in a cycle are still freed link,
+    agent, engine."""
+    import gc
+    e1, e2 = Engine(), Engine()
+    try:
+        p, d, link, back = _agents(e1, e2)
+        spy = _Spy(e1._lib)
+        _spy_on(spy, e1, "kvb_engine_destroy")
+        _spy_on(spy, p, "kvb_kv_agent_destroy")
+        _spy_on(spy, link, "kvb_kv_link_close")
+        cycle = {"objs": [e1, p, link]}
+        cycle["self"] = cycle
+        del p, link, cycle
+        e1 = None
+        gc.collect()
+        assert spy.log.count(("begin", "kvb_engine_destroy")) == 1
+        assert spy.at("end", "kvb_kv_link_close") < spy.at("begin", "kvb_kv_agent_destroy")
+        assert spy.at("end", "kvb_kv_agent_destroy") < spy.at("begin", "kvb_engine_destroy")
+    finally:
+        if e1 is not None:
+            e1.close()
+        e2.close()
+
+
+def test_a_transfer_outlives_the_link_object_it_came_from():
+    """`x = agent.link(seg).begin(...)` keeps the link: the transfer is not closed under the
+    caller when the link object is dropped."""
+    with Engine() as e1, Engine() as e2:
+        p, d, link, back = _agents(e1, e2)
+        x = d.link(e1.name).begin("r1", Op.READ, [1, 2], [3, 4], 10)
+        x.all()
+        x.finish()
+        assert x.settle() is True
+        x.close()
