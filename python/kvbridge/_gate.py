@@ -19,7 +19,7 @@ SLICE_S, so a close ends them within a slice."""
 import logging
 import threading
 import time
-from typing import Callable, Dict, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from .errors import make_error
 
@@ -33,7 +33,7 @@ class Gate:
     `free(handle)` frees it, `hasten(handle)` makes calls in flight end sooner (optional)."""
 
     __slots__ = ("_mu", "_cv", "_h", "_calls", "_by", "_what", "_parent", "_kids", "_free",
-                 "_hasten", "_closing", "_freed", "_deferred", "_pending")
+                 "_hasten", "_closing", "_freed", "_deferred", "_pending", "_then")
 
     def __init__(self, handle: int, what: str, free: Callable[[int], object],
                  parent: Optional["Gate"] = None,
@@ -53,6 +53,7 @@ class Gate:
         self._freed = threading.Event()
         self._deferred: Optional[Callable[[], None]] = None  # the free, left to the last call
         self._pending = False  # a close asked for inside one of our locked sections
+        self._then: List[Callable[[], None]] = []  # a parent's finish waiting for our free
         if parent is not None:  # made inside a call on the parent: it cannot be freed meanwhile
             with parent._mu:
                 parent._kids.add(self)
@@ -168,7 +169,9 @@ class Gate:
 
     def _finish(self, h: int) -> None:
         """The children's gates closed (no call uses any: each would hold ours), then the free;
-        the first error is raised after both."""
+        the first error is raised after both. A child whose close is under way lower on this
+        very thread's stack (a signal handler closing us interrupted it) is not freed yet: the
+        rest of this finish is then left to run after that child's free."""
         self._closing = threading.current_thread()
         err: Optional[BaseException] = None
         try:
@@ -179,15 +182,33 @@ class Gate:
                     kid.close()
                 except BaseException as ex:
                     err = err or ex
+                if not kid._freed.is_set():
+                    kid._then.append(lambda: self._finish(h))
+                    self._closing = None
+                    return
             self._free(h)
-        finally:
-            self._closing = None
-            if self._parent is not None:
-                with self._parent._mu:
-                    self._parent._kids.discard(self)
-            self._freed.set()
+        except BaseException:
+            self._done()
+            raise
+        self._done()
         if err is not None:
             raise err
+
+    def _done(self) -> None:
+        """Freed: out of the parent's children, waiters released, then what waited for it."""
+        if self._parent is not None:
+            with self._parent._mu:
+                self._parent._kids.discard(self)
+            self._parent._run_pending()
+        self._freed.set()
+        self._closing = None  # last: a handler's close meanwhile must not wait for us
+        then, self._then = self._then, []
+        for fn in then:
+            try:
+                fn()
+            except Exception:
+                log.exception("closing a parent of a %s after its free", self._what)
+
 
 def sliced(gate: Gate, call: Callable[[int, int], int], timeout: Optional[float],
            nothing_yet: int) -> int:

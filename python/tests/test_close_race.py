@@ -366,3 +366,30 @@ def test_a_transfer_outlives_the_link_object_it_came_from():
         x.finish()
         assert x.settle() is True
         x.close()
+
+
+def test_a_parent_closed_by_a_handler_while_its_child_closes_on_the_same_thread():
+    """A thread closing a child waits for another thread's call; a signal handler on it (here:
+    the child's hasten, which runs at that point) closes the parent. The parent's finish finds
+    the child's close under way lower on the same stack: the parent is freed after the child,
+    not before."""
+    from kvbridge._gate import Gate
+    freed = []
+    parent = Gate(1, "parent", lambda h: freed.append("parent"))
+    leave = threading.Event()
+
+    def hasten(h):
+        leave.set()  # the other thread's call ends soon
+        parent.close()
+
+    child = Gate(2, "child", lambda h: freed.append("child"), parent, hasten)
+
+    def call():
+        with child.use():
+            leave.wait(5)
+    worker = _Call(call)
+    assert _inside(child, worker)
+    child.close()
+    worker.join(5)
+    assert freed == ["child", "parent"], freed
+    assert parent.closed and child.closed
