@@ -5,6 +5,7 @@ are cut short, two closers free once and both return after it, and a close from 
 handler on a thread inside a call leaves the free to that call's end - never a call inside freed
 memory."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -66,13 +67,24 @@ def _spy_on(spy, obj, free, hasten=None):
         obj._gate._hasten = getattr(spy, hasten)
 
 
+def _spy_on_chain(engine, agent, link, slow=None):
+    """One spy over an engine, its agent and a link of the agent, and their frees."""
+    spy = _Spy(engine._lib, slow)
+    _spy_on(spy, engine, "kvb_engine_destroy")
+    _spy_on(spy, agent, "kvb_kv_agent_destroy")
+    _spy_on(spy, link, "kvb_kv_link_close")
+    return spy
+
+
 def _inside(gate, thread):
     """True once `thread` holds a call open on `gate`."""
     return wait_for(lambda: thread.ident in gate._by, 5)
 
 
-def test_close_waits_for_a_call_in_flight():
-    # A listener that never answers: opening it blocks in C until the connect timeout.
+@contextlib.contextmanager
+def _engine_in_a_blocked_open():
+    """(engine, spy, call): an engine, its destroy spied on, with a call in flight on another
+    thread - opening a listener that never answers, blocked in C for the connect timeout (1 s)."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
@@ -81,6 +93,11 @@ def test_close_waits_for_a_call_in_flight():
         _spy_on(spy, e, "kvb_engine_destroy")
         call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
         assert _inside(e._gate, call)
+        yield e, spy, call
+
+
+def test_close_waits_for_a_call_in_flight():
+    with _engine_in_a_blocked_open() as (e, spy, call):
         e.close()
         call.join(5)
         assert not call.is_alive()
@@ -192,10 +209,7 @@ def test_parent_and_child_closed_at_once():
     e1, e2 = Engine(), Engine()
     try:
         p, d, link, back = _agents(e1, e2)
-        spy = _Spy(e1._lib, slow={"kvb_kv_agent_destroy": 0.3})
-        _spy_on(spy, e1, "kvb_engine_destroy")
-        _spy_on(spy, p, "kvb_kv_agent_destroy")
-        _spy_on(spy, link, "kvb_kv_link_close")
+        spy = _spy_on_chain(e1, p, link, slow={"kvb_kv_agent_destroy": 0.3})
         closing = _Call(p.close)
         assert wait_for(lambda: ("begin", "kvb_kv_agent_destroy") in spy.log, 5)
         e1.close()
@@ -252,10 +266,7 @@ def test_engine_closed_from_a_signal_handler_during_an_agent_wait():
     e1, e2 = Engine(), Engine()
     try:
         p, d, link, back = _agents(e1, e2)
-        spy = _Spy(e1._lib)
-        _spy_on(spy, e1, "kvb_engine_destroy")
-        _spy_on(spy, p, "kvb_kv_agent_destroy")
-        _spy_on(spy, link, "kvb_kv_link_close")
+        spy = _spy_on_chain(e1, p, link)
         p.expect("r1", [link], 30)
         old = _close_on_signal(e1, 0.1, p._gate)
         try:
@@ -278,14 +289,7 @@ def test_engine_closed_from_a_signal_handler_during_an_agent_wait():
 def test_a_close_waiting_for_a_call_interrupted():
     """A close interrupted while it waits for another thread's call (Ctrl-C) leaves the free to
     that call: the object is still freed, once, and a later close returns."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        e = Engine(connect_timeout_ms=1000)
-        spy = _Spy(e._lib)
-        _spy_on(spy, e, "kvb_engine_destroy")
-        call = _Call(lambda: e.open_segment("127.0.0.1:%d" % silent.getsockname()[1]))
-        assert _inside(e._gate, call)
+    with _engine_in_a_blocked_open() as (e, spy, call):
         old = signal.signal(signal.SIGUSR1, signal.default_int_handler)  # KeyboardInterrupt
         try:
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
@@ -338,10 +342,7 @@ def test_objects_in_a_collected_cycle_are_freed_children_first():
     e1, e2 = Engine(), Engine()
     try:
         p, d, link, back = _agents(e1, e2)
-        spy = _Spy(e1._lib)
-        _spy_on(spy, e1, "kvb_engine_destroy")
-        _spy_on(spy, p, "kvb_kv_agent_destroy")
-        _spy_on(spy, link, "kvb_kv_link_close")
+        spy = _spy_on_chain(e1, p, link)
         cycle = {"objs": [e1, p, link]}
         cycle["self"] = cycle
         del p, link, cycle
