@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _lib
 from .engine import Batch, Engine, Op, ReqState, Request, Segment, view
-from .errors import Error, PeerError
+from .errors import Error, PeerError, ShutdownError
 
 log = logging.getLogger("kvbridge.mooncake")
 
@@ -610,6 +610,8 @@ class TransferEngine:
         while True:
             try:
                 n = e.notify_recv(0)
+            except ShutdownError:  # closed by another thread meanwhile: nothing more to read
+                return out
             except Error as ex:
                 log.error("get_notifies failed: %s", ex)
                 return out
