@@ -28,8 +28,8 @@ TestSuite(ceiling, .timeout = 120);
 #define BUF   (64ull << 20)
 #define BLOCK (1ull << 20)
 
-/* `kvbridge bench ARGS --json`'s "gbps". */
-static double bench_gbps(const char *args)
+/* `kvbridge bench ARGS --json`'s last line, parsed. */
+static json_t *bench_json(const char *args)
 {
     const char *bin = getenv("KVB_BIN");
     cr_assert_not_null(bin, "KVB_BIN is not set (run through ctest)");
@@ -42,6 +42,13 @@ static double bench_gbps(const char *args)
     cr_assert_eq(pclose(p), 0, "'%s' failed", cmd);
     json_t *j = json_loads(last, 0, NULL);
     cr_assert_not_null(j, "no JSON from '%s': %s", cmd, last);
+    return j;
+}
+
+/* `kvbridge bench ARGS --json`'s "gbps". */
+static double bench_gbps(const char *args)
+{
+    json_t *j = bench_json(args);
     double g = json_real_value(json_object_get(j, "gbps"));
     json_decref(j);
     return g;
@@ -301,6 +308,35 @@ Test(ceiling, tcp_across_namespaces, .timeout = 120)
     cr_expect(across > loop / 4 && across < loop * 4,
               "the ceiling across namespaces (%.3f GB/s) is not a stream like loopback's (%.3f)",
               across, loop);
+}
+
+/* `bench --kv` measures its ceiling after each pull, from one session (buffers, the stream's
+ * sender process, the uncounted pass set up once): every pull gets a ceiling, the ratio is the
+ * median of the pairs' and lies within their range, and the run ends - the ceiling's sender,
+ * forked from the bench, once held the prefill process's life pipe open and the bench waited for
+ * it for ever. A small prompt, so that this takes seconds. */
+Test(ceiling, kv_pulls_paired_with_their_ceilings, .timeout = 120)
+{
+    const char *protos[] = {"tcp", "shm"};
+    for (size_t i = 0; i < 2; i++) {
+        char args[128];
+        snprintf(args, sizeof args, "--kv llama3-8b --tokens 512 --protocol %s --reps 3",
+                 protos[i]);
+        uint64_t t0 = kvb__now_ns();
+        json_t *j = bench_json(args);
+        double c = json_real_value(json_object_get(j, "ceiling_gbps")),
+               r = json_real_value(json_object_get(j, "ratio")),
+               lo = json_real_value(json_object_get(j, "ratio_min")),
+               hi = json_real_value(json_object_get(j, "ratio_max"));
+        cr_log_info("bench %s: ceiling %.3f GB/s, ratio %.3f (%.3f-%.3f)", args, c, r, lo, hi);
+        cr_expect(c > 0, "%s: no ceiling", args);
+        cr_expect(lo > 0 && lo <= r && r <= hi, "%s: ratio %.3f outside its pairs' %.3f-%.3f", args,
+                  r, lo, hi);
+        cr_expect(r > 0.05 && r < 50, "%s: ratio %.3f is not a ratio of a pull to its ceiling",
+                  args, r);
+        cr_expect_lt(kvb__now_ns() - t0, 60000000000ull, "%s took over 60 s", args);
+        json_decref(j);
+    }
 }
 
 /* Bad endpoints for the stream are refused before anything starts, with the reason. */
