@@ -211,14 +211,84 @@ static char *glob_of(const char *prefix)
     return g;
 }
 
+/* Appends (key, value) to the list, taking a copy of both. */
+static int list_add(kvb_meta_kv_t **items, size_t *got, size_t *cap, const char *key,
+                    const char *val, size_t len)
+{
+    if (*got == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 16;
+        kvb_meta_kv_t *ni = realloc(*items, ncap * sizeof *ni);
+        if (!ni)
+            return KVB_ERR_NOMEM;
+        *items = ni;
+        *cap = ncap;
+    }
+    kvb_meta_kv_t *it = &(*items)[*got];
+    *it = (kvb_meta_kv_t){.key = strdup(key), .value = malloc(len + 1), .len = len};
+    if (!it->key || !it->value) {
+        free(it->key);
+        free(it->value);
+        return KVB_ERR_NOMEM;
+    }
+    memcpy(it->value, val, len);
+    it->value[len] = '\0';
+    (*got)++;
+    return KVB_OK;
+}
+
+/* The values of one SCAN page's keys, with one MGET (a round trip per page, not per key): keys
+ * already listed (SCAN may return one twice) are left out, and a key that expired between the SCAN
+ * and the MGET (nil) is skipped. */
+static int list_page(kvb_meta_t *m, const redisReply *keys, kvb_meta_kv_t **items, size_t *got,
+                     size_t *cap)
+{
+    const char **a = malloc((keys->elements + 1) * sizeof *a);
+    size_t *l = malloc((keys->elements + 1) * sizeof *l), k = 1;
+    if (!a || !l) {
+        free(a);
+        free(l);
+        return KVB_ERR_NOMEM;
+    }
+    a[0] = "MGET";
+    l[0] = 4;
+    for (size_t i = 0; i < keys->elements; i++) {
+        const redisReply *key = keys->element[i];
+        if (key->type != REDIS_REPLY_STRING || strlen(key->str) != key->len)
+            continue; /* not a key of ours */
+        bool dup = false;
+        for (size_t j = 0; j < *got && !dup; j++)
+            dup = !strcmp((*items)[j].key, key->str);
+        for (size_t j = 1; j < k && !dup; j++)
+            dup = !strcmp(a[j], key->str);
+        if (!dup) {
+            a[k] = key->str;
+            l[k++] = key->len;
+        }
+    }
+    redisReply *rep = NULL;
+    int rc = k > 1 ? command(m, (int)k, a, l, &rep) : KVB_OK;
+    if (rc == KVB_OK && rep && (rep->type != REDIS_REPLY_ARRAY || rep->elements != k - 1))
+        rc = KVB_ERR_PROTOCOL;
+    for (size_t i = 0; rc == KVB_OK && rep && i < rep->elements; i++) {
+        const redisReply *v = rep->element[i];
+        if (v->type == REDIS_REPLY_NIL)
+            continue;
+        rc = v->type != REDIS_REPLY_STRING ? KVB_ERR_PROTOCOL
+                                           : list_add(items, got, cap, a[i + 1], v->str, v->len);
+    }
+    freeReplyObject(rep);
+    free(a);
+    free(l);
+    return rc;
+}
+
 static int r_list(kvb_meta_t *m, const char *prefix, kvb_meta_kv_t **out, size_t *n)
 {
     char *glob = glob_of(prefix), cursor[32] = "0";
     kvb_meta_kv_t *items = NULL;
     size_t got = 0, cap = 0;
     int rc = glob ? KVB_OK : KVB_ERR_NOMEM;
-    /* SCAN for the keys (it may return one twice), then GET each: a key that expired in between
-     * is skipped. */
+    /* SCAN for the keys, a page at a time, and MGET each page's values. */
     do {
         const char *a[6] = {"SCAN", cursor, "MATCH", glob, "COUNT", "512"};
         size_t l[6] = {4, strlen(cursor), 5, strlen(glob), 5, 3};
@@ -234,42 +304,7 @@ static int r_list(kvb_meta_t *m, const char *prefix, kvb_meta_kv_t **out, size_t
         }
         memcpy(cursor, rep->element[0]->str, rep->element[0]->len);
         cursor[rep->element[0]->len] = '\0';
-        redisReply *keys = rep->element[1];
-        for (size_t i = 0; rc == KVB_OK && i < keys->elements; i++) {
-            redisReply *k = keys->element[i];
-            if (k->type != REDIS_REPLY_STRING || strlen(k->str) != k->len)
-                continue; /* not a key of ours */
-            bool dup = false;
-            for (size_t j = 0; j < got && !dup; j++)
-                dup = !strcmp(items[j].key, k->str);
-            if (dup)
-                continue;
-            char *val;
-            size_t vl;
-            int grc = r_get(m, k->str, &val, &vl);
-            if (grc == KVB_ERR_NOT_FOUND)
-                continue;
-            if ((rc = grc))
-                break;
-            if (got == cap) {
-                size_t ncap = cap ? cap * 2 : 16;
-                kvb_meta_kv_t *ni = realloc(items, ncap * sizeof *ni);
-                if (!ni) {
-                    free(val);
-                    rc = KVB_ERR_NOMEM;
-                    break;
-                }
-                items = ni;
-                cap = ncap;
-            }
-            items[got] = (kvb_meta_kv_t){.key = strdup(k->str), .value = val, .len = vl};
-            if (!items[got].key) {
-                free(val);
-                rc = KVB_ERR_NOMEM;
-                break;
-            }
-            got++;
-        }
+        rc = list_page(m, rep->element[1], &items, &got, &cap);
         freeReplyObject(rep);
     } while (rc == KVB_OK && strcmp(cursor, "0"));
     free(glob);

@@ -275,6 +275,55 @@ Test(meta_client, redis_passing_refusal_keeps_renewals_conditional, .timeout = 6
     test_store_stop(&s);
 }
 
+/* `INFO commandstats`' call count of `cmd` ("get", "mget", "scan"); 0 if not called. */
+static long redis_calls(const test_store_t *s, const char *cmd)
+{
+    char r[4096], want[64];
+    redis_raw(s, (const char *[]){"INFO", "commandstats"}, 2, r, sizeof r);
+    snprintf(want, sizeof want, "cmdstat_%s:calls=", cmd);
+    const char *at = strstr(r, want);
+    return at ? strtol(at + strlen(want), NULL, 10) : 0;
+}
+
+/* A Redis list takes one round trip per SCAN page for the values (MGET), not one per key: with a
+ * GET per key, listing a few thousand segments took thousands of round trips, all within one
+ * call's timeout. Every key and value comes back, each once. */
+Test(meta_client, redis_list_reads_a_page_per_round_trip, .timeout = 60)
+{
+    test_store_t s;
+    cr_assert_eq(test_store_start(&s, TEST_STORE_REDIS), 0);
+    kvb_meta_t *m = client(&s, 0);
+    enum { KEYS = 1500 };
+    char key[64], val[64];
+    for (int i = 0; i < KEYS; i++) {
+        snprintf(key, sizeof key, "kvbridge/t/segments/s%04d", i);
+        snprintf(val, sizeof val, "v%d", i * 7);
+        cr_assert_eq(kvb__meta_put(m, key, val, strlen(val), 0), KVB_OK);
+    }
+    cr_assert_eq(kvb__meta_put(m, "kvbridge/t/other", "x", 1, 0), KVB_OK);
+    char r[256];
+    redis_raw(&s, (const char *[]){"CONFIG", "RESETSTAT"}, 2, r, sizeof r);
+    kvb_meta_kv_t *kvs = NULL;
+    size_t n = 0;
+    cr_assert_eq(kvb__meta_list(m, "kvbridge/t/segments/", &kvs, &n), KVB_OK);
+    cr_assert_eq(n, KEYS);
+    for (size_t i = 0; i < n; i++) { /* sorted by key */
+        snprintf(key, sizeof key, "kvbridge/t/segments/s%04zu", i);
+        snprintf(val, sizeof val, "v%zu", i * 7);
+        cr_assert_str_eq(kvs[i].key, key);
+        cr_assert_str_eq(kvs[i].value, val);
+        cr_assert_eq(kvs[i].len, strlen(val));
+    }
+    kvb__meta_kvs_free(kvs, n);
+    long scans = redis_calls(&s, "scan"), mgets = redis_calls(&s, "mget"),
+         gets = redis_calls(&s, "get");
+    cr_log_info("listing %d keys: %ld SCAN, %ld MGET, %ld GET", KEYS, scans, mgets, gets);
+    cr_expect_eq(gets, 0, "%ld GETs: a round trip per key", gets);
+    cr_expect(mgets >= 1 && mgets <= scans, "%ld MGETs for %ld SCAN pages", mgets, scans);
+    kvb__meta_close(m);
+    test_store_stop(&s);
+}
+
 static double get_ms(kvb_meta_t *m, int *rc)
 {
     char buf[64];
