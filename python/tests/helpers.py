@@ -19,6 +19,13 @@ def addr(arr: np.ndarray) -> int:
     return int(arr.ctypes.data)
 
 
+def local_and_segment(e, t):
+    """A zeroed buffer of target `t`'s size registered with engine `e`, and t's segment opened."""
+    local = np.zeros(t["size"], np.uint8)
+    e.register(local)
+    return local, e.open_segment(t["name"])
+
+
 LAYERS, BLOCKS, TOKENS, HEADS, HEAD_BYTES = 3, 16, 4, 2, 8
 BLOCK_BYTES = HEADS * TOKENS * HEAD_BYTES
 

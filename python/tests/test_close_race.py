@@ -18,7 +18,7 @@ import pytest
 import kvbridge
 from kvbridge import Engine, Op, ReqState, errors, kv
 from conftest import start_target, wait_for
-from helpers import addr, kv_cache
+from helpers import addr, kv_cache, local_and_segment
 
 
 class _Call(threading.Thread):
@@ -111,9 +111,7 @@ def test_close_waits_for_a_call_in_flight():
 def test_closing_a_batch_that_another_thread_waits_for(spawn):
     t = start_target(spawn, protocol="tcp")
     with Engine(protocol="tcp") as e:
-        local = np.zeros(t["size"], np.uint8)
-        e.register(local)
-        seg = e.open_segment(t["name"])
+        local, seg = local_and_segment(e, t)
         t["peer"].signal(signal.SIGSTOP)  # the READ stays pending
         try:
             b = e.submit([(Op.READ, addr(local), seg, t["addr"], t["size"])], timeout=20)

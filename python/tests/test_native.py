@@ -13,7 +13,7 @@ import pytest
 import kvbridge
 from kvbridge import Engine, Op, ReqState, Request, errors
 from conftest import dead_port, start_target
-from helpers import addr, digest, pattern
+from helpers import addr, digest, local_and_segment, pattern
 
 
 def test_status_names_and_classes():
@@ -163,9 +163,7 @@ def test_unknown_segment_and_bad_addresses(target):
 def test_stopped_peer_wait_timeout_cancel_deadline(spawn):
     t = start_target(spawn, protocol="tcp")
     with Engine(protocol="tcp") as e:
-        local = np.zeros(t["size"], np.uint8)
-        e.register(local)
-        seg = e.open_segment(t["name"])
+        local, seg = local_and_segment(e, t)
         t["peer"].signal(signal.SIGSTOP)
         try:
             b = e.submit([(Op.READ, addr(local), seg, t["addr"], t["size"])], timeout=20)
@@ -205,9 +203,7 @@ def test_stopped_peer_wait_timeout_cancel_deadline(spawn):
 def test_peer_killed_mid_transfer(spawn, protocol):
     t = start_target(spawn, protocol=protocol, size=16 << 20)
     with Engine(protocol=protocol) as e:
-        local = np.zeros(t["size"], np.uint8)
-        e.register(local)
-        seg = e.open_segment(t["name"])
+        local, seg = local_and_segment(e, t)
         t["peer"].signal(signal.SIGSTOP)  # requests are in flight and stay there
         reqs = [(Op.READ, addr(local) + i * (1 << 20), seg, t["addr"] + i * (1 << 20), 1 << 20)
                 for i in range(16)]
