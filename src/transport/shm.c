@@ -499,11 +499,6 @@ static void set_end(kvb_shm_t *s, kvb_shm_set_t *set, bool answered)
     set->nsegs = 0;
 }
 
-bool kvb__shm_copied(kvb_shm_set_t *set)
-{
-    return atomic_load(&set->left) == 0;
-}
-
 void kvb__shm_finish(kvb_shm_t *s, kvb_shm_set_t *set)
 {
     set_end(s, set, true);

@@ -93,9 +93,6 @@ typedef struct {
  * kvb__shm_finish. */
 void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t n,
                     kvb_shm_set_t *set);
-/* Whether none of a set's queued parts is left to copy (a small set's copies are made by
- * kvb__shm_finish): its finish will not wait. */
-bool kvb__shm_copied(kvb_shm_set_t *set);
 /* Copies a small set's copies, or queued parts on this thread too (the oldest first, which may
  * be the next set's) until the set's are done, then sets each job's status (KVB_ERR_SHM_COPY if
  * its memory is not reachable). */

@@ -61,7 +61,6 @@
  * frames we stop reading from it, and resume below TXQ_LOW. Bounds a target's memory per peer. */
 #define TXQ_HIGH 8192
 #define JOBS_MAX 128 /* same-host copies gathered before they run */
-#define JSETS    4   /* sets of them started or being filled at once (see start_jobs) */
 #define TXQ_LOW  1024
 #define TICK_MS  250 /* how often a progress thread with connections checks their deadlines */
 /* Answers copied into local device memory are waited for once this many bytes of them are queued,
@@ -166,11 +165,11 @@ struct tcp_conn {
     uint64_t their_incarnation;      /* ROLE_TARGET: the initiator's, from its hello */
     kvb_shm_peer_t *shm_peer;        /* ROLE_TARGET: its same-host link (bound through offer) */
     uint8_t ent[KVB_WIRE_SHM_ENTRY]; /* SINK_ENTRIES: a same-host request split across reads */
-    /* Same-host copies owed, in arrival order, in sets of up to JOBS_MAX: a ring of the
-     * `jstarted` sets started from jsets[jhead] on, whose copies the pool makes while this thread
-     * reads the next requests, and the set being filled after them (see start_jobs). */
-    job_set_t jsets[JSETS];
-    unsigned jhead, jstarted;
+    /* Same-host copies owed, in arrival order, in sets of up to JOBS_MAX: the set being filled
+     * (jsets[jfill]) and at most one started before it, whose copies the pool makes while this
+     * thread reads the next requests (see start_jobs). */
+    job_set_t jsets[2];
+    int jfill;
     uint8_t *rxbuf;
     size_t rx_len, rx_pos;
     int rx_state;
@@ -522,13 +521,12 @@ static void conn_close(tcp_conn_t *c)
     c->ndjobs = 0;
     if (c->rx_sink == SINK_BUF)
         free(c->rx_dst);
-    for (unsigned k = 0; k < JSETS; k++) { /* sets started before the connection failed */
-        job_set_t *js = &c->jsets[(c->jhead + k) % JSETS];
+    for (int k = 0; k < 2; k++) { /* a set started before the connection failed */
+        job_set_t *js = &c->jsets[k];
         kvb__shm_abandon(c->th->tp->engine->shm, &js->run); /* copies under way end first */
         set_unpin(c, js);
         js->n = 0;
     }
-    c->jstarted = 0;
     kvb__shm_peer_put(c->shm_peer);
     c->shm_peer = NULL;
     c->rx_dst = NULL;
@@ -1083,44 +1081,27 @@ static void answer_set(tcp_conn_t *c, job_set_t *js)
     js->n = 0;
 }
 
-static job_set_t *filling(tcp_conn_t *c)
-{
-    return &c->jsets[(c->jhead + c->jstarted) % JSETS];
-}
-
-/* Target side: answers the oldest started set, once its copies are done. */
-static void answer_oldest(tcp_conn_t *c)
-{
-    answer_set(c, &c->jsets[c->jhead]);
-    c->jhead = (c->jhead + 1) % JSETS;
-    c->jstarted--;
-}
-
-/* Target side: hands the set being filled to the copy pool and answers the sets started before
- * it whose copies are done - waiting for (and helping with) the oldest only when every set of
- * the ring is started - and fills the next set. The pool thus copies up to JSETS sets queued
- * while this thread reads the requests of the next and answers those before: with one set
- * started at a time, this thread, helping to finish it, took the next set's parts too and the
- * pool's thread ran out of work and slept until the next set came, 37 times per same-host KV
- * pull, a quarter of the pull (docs/performance-notes.md, "Same-host KV pulls"). */
+/* Target side: hands the set being filled to the copy pool, then finishes and answers the set
+ * started before it, and fills the other set next. The pool thus copies one set while this
+ * thread answers the one before and reads the requests of the next: with the sets run one after
+ * the other, the pool sat idle while each set's requests were read (about a tenth of a
+ * same-host KV pull, see docs/performance-notes.md, "Same-host KV pulls"). */
 static void start_jobs(tcp_conn_t *c)
 {
-    job_set_t *js = filling(c);
+    job_set_t *js = &c->jsets[c->jfill];
     if (js->n == 0)
         return;
     if (c->shm_peer) /* else every job already carries its error */
         kvb__shm_start(c->th->tp->engine->shm, c->shm_peer, js->jobs, js->n, &js->run);
-    c->jstarted++;
-    while (c->jstarted == JSETS || (c->jstarted > 0 && kvb__shm_copied(&c->jsets[c->jhead].run)))
-        answer_oldest(c);
+    answer_set(c, &c->jsets[!c->jfill]);
+    c->jfill = !c->jfill;
 }
 
 /* Target side: runs every same-host copy owed and queues their answers, in order. */
 static void flush_jobs(tcp_conn_t *c)
 {
     start_jobs(c);
-    while (c->jstarted > 0)
-        answer_oldest(c);
+    answer_set(c, &c->jsets[!c->jfill]);
 }
 
 /* Target side: request `k` of the same-host request run being read has come in (`ent`); owe
@@ -1150,9 +1131,9 @@ static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
         c->shm_peer = kvb__shm_offer_peer(c->offer);
     if (st == KVB_OK && !c->shm_peer)
         st = KVB_ERR_SHM_COPY; /* no same-host link bound to this connection */
-    if (filling(c)->n == JOBS_MAX)
+    if (c->jsets[c->jfill].n == JOBS_MAX)
         start_jobs(c);
-    job_set_t *js = filling(c);
+    job_set_t *js = &c->jsets[c->jfill];
     size_t i = js->n++;
     js->jobs[i] = (kvb_shm_job_t){.to_peer = read,
                                   .theirs = e.local,

@@ -573,9 +573,8 @@ Test(engine, many_small_requests_over_many_lanes_shm)
  * answers alone and the rest still land. Over TCP a batch freed with its READs in flight has its
  * bytes dropped, never written where it pointed (same-host, a copy under way may still land: see
  * the README); the next batch on the same lanes is whole. Same-host, the 3000 requests make 24
- * sets of copies, up to four started on the copy pool at a time while those before are answered
- * (the initiator's memory is kvb_alloc'd, so the target copies through its mapping, in the
- * pool). */
+ * sets of copies, each started on the copy pool while the one before is answered (the
+ * initiator's memory is kvb_alloc'd, so the target copies through its mapping, in the pool). */
 static void runs_with_failures(const char *proto)
 {
     bool shm = !strcmp(proto, "shm");
