@@ -229,8 +229,20 @@ int kvb__meta_list(kvb_meta_t *m, const char *prefix, kvb_meta_kv_t **out, size_
     int rc = m->ops->list(m, prefix, out, n);
     pthread_mutex_unlock(&m->io_mu);
     kvb__meta_note(m, rc, "list");
-    if (rc == KVB_OK && *n > 1)
-        qsort(*out, *n, sizeof **out, kv_cmp);
+    if (rc != KVB_OK || *n < 2)
+        return rc;
+    /* Sorted, each key once: a store may list a key twice (Redis's SCAN does, across pages). */
+    qsort(*out, *n, sizeof **out, kv_cmp);
+    size_t k = 1;
+    for (size_t i = 1; i < *n; i++) {
+        if (strcmp((*out)[i].key, (*out)[k - 1].key) != 0) {
+            (*out)[k++] = (*out)[i];
+        } else {
+            free((*out)[i].key);
+            free((*out)[i].value);
+        }
+    }
+    *n = k;
     return rc;
 }
 

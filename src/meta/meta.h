@@ -57,7 +57,7 @@ const char *kvb__meta_uri(const kvb_meta_t *m);
 uint32_t kvb__meta_ttl_ms(const kvb_meta_t *m);
 
 /* Plain store access. put: ttl_ms 0 never expires. get: *val malloc'd, NUL-terminated. list:
- * every key that starts with `prefix`, sorted by key; free with kvb__meta_kvs_free. */
+ * every key that starts with `prefix`, once each, sorted by key; free with kvb__meta_kvs_free. */
 int kvb__meta_put(kvb_meta_t *m, const char *key, const char *val, size_t len, uint32_t ttl_ms);
 int kvb__meta_get(kvb_meta_t *m, const char *key, char **val, size_t *len);
 int kvb__meta_del(kvb_meta_t *m, const char *key);

@@ -236,9 +236,9 @@ static int list_add(kvb_meta_kv_t **items, size_t *got, size_t *cap, const char 
     return KVB_OK;
 }
 
-/* The values of one SCAN page's keys, with one MGET (a round trip per page, not per key): keys
- * already listed (SCAN may return one twice) are left out, and a key that expired between the SCAN
- * and the MGET (nil) is skipped. */
+/* The values of one SCAN page's keys, with one MGET (a round trip per page, not per key): a key
+ * that expired between the SCAN and the MGET (nil) is skipped. A key SCAN returns twice is listed
+ * twice here; kvb__meta_list keeps one. */
 static int list_page(kvb_meta_t *m, const redisReply *keys, kvb_meta_kv_t **items, size_t *got,
                      size_t *cap)
 {
@@ -255,15 +255,8 @@ static int list_page(kvb_meta_t *m, const redisReply *keys, kvb_meta_kv_t **item
         const redisReply *key = keys->element[i];
         if (key->type != REDIS_REPLY_STRING || strlen(key->str) != key->len)
             continue; /* not a key of ours */
-        bool dup = false;
-        for (size_t j = 0; j < *got && !dup; j++)
-            dup = !strcmp((*items)[j].key, key->str);
-        for (size_t j = 1; j < k && !dup; j++)
-            dup = !strcmp(a[j], key->str);
-        if (!dup) {
-            a[k] = key->str;
-            l[k++] = key->len;
-        }
+        a[k] = key->str;
+        l[k++] = key->len;
     }
     redisReply *rep = NULL;
     int rc = k > 1 ? command(m, (int)k, a, l, &rep) : KVB_OK;
