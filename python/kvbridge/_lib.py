@@ -71,8 +71,15 @@ class ConfigBusyPoll(Structure):
     _fields_ = ConfigCongestion._fields_ + [("busy_poll_us", c_uint32)]
 
 
+class ConfigCpus(Structure):
+    """kvb_config_t of libraries that export kvb_engine_cpus: cpus after busy_poll_us."""
+    _fields_ = ConfigBusyPoll._fields_ + [("cpus", c_char_p)]
+
+
 def config_type() -> type:
     """The kvb_config_t layout the loaded library knows (the struct only grows at its end)."""
+    if hasattr(load(), "kvb_engine_cpus"):
+        return ConfigCpus
     if hasattr(load(), "kvb_engine_busy_poll_us"):
         return ConfigBusyPoll
     if hasattr(load(), "kvb_engine_tcp_congestion"):
@@ -275,7 +282,8 @@ def load() -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.restype = res
                 fn.argtypes = args
-            for name in ("kvb_engine_fabric_provider", "kvb_engine_tcp_congestion"):
+            for name in ("kvb_engine_fabric_provider", "kvb_engine_tcp_congestion",
+                         "kvb_engine_cpus"):
                 if hasattr(lib, name):  # optional: newer libraries only
                     getattr(lib, name).restype = c_char_p
                     getattr(lib, name).argtypes = [P]

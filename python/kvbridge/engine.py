@@ -207,7 +207,7 @@ _CONFIG_INT = ("port", "port_max", "progress_threads", "lanes", "timeout_ms", "c
                "copy_threads", "metadata_ttl_ms", "peer_timeout_ms", "max_connections",
                "shm_map_max", "busy_poll_us")
 _CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster",
-               "fabric_provider", "tcp_congestion")
+               "fabric_provider", "tcp_congestion", "cpus")
 
 
 class Engine:
@@ -223,7 +223,9 @@ class Engine:
     shm_map_max, fabric_provider where the library has the libfabric path
     (kvbridge.has_fabric()), tcp_congestion (the TCP connections' congestion control, such as
     "cubic"; default KVB_TCP_CONGESTION, else the system's) and busy_poll_us (microseconds the
-    engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off).
+    engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off)
+    and cpus (the CPUs of its data threads, a list such as "0-1,4": progress threads, then copy
+    threads, one CPU each in turn; default KVB_CPUS, else unbound).
     Unknown keywords raise TypeError.
 
     Every method is thread-safe, close() included (see close()); blocking ones release the GIL.
@@ -311,6 +313,16 @@ class Engine:
             return 0
         with self._gate.use() as h:
             return int(fn(h))
+
+    @property
+    def cpus(self) -> str:
+        """The CPUs the engine's data threads run on, as a list such as "0-1" ("" when the
+        scheduler places them, or with an older library)."""
+        fn = getattr(self._lib, "kvb_engine_cpus", None)
+        if fn is None:
+            return ""
+        with self._gate.use() as h:
+            return (fn(h) or b"").decode()
 
     @property
     def closed(self) -> bool:

@@ -3,6 +3,7 @@
 processes: every byte verified, failures (unknown segment, bad addresses, a stopped peer, a peer
 killed mid-transfer, timeouts), 8 threads at once."""
 
+import os
 import signal
 import threading
 import time
@@ -393,6 +394,33 @@ def test_busy_poll():
                 with a.submit(reqs) as batch:
                     assert batch.wait(10)
                 assert np.array_equal(dst, src)
+
+
+def test_cpus():
+    with Engine(cpus="") as e:
+        assert e.cpus == ""  # unbound
+    for bad in ("x", "0-", "1-0", "1024"):
+        with pytest.raises(errors.InvalidArgError):
+            Engine(cpus=bad)
+    mine = sorted(os.sched_getaffinity(0))
+    listed = f"{mine[-1]},{mine[0]}"
+    with Engine(cpus=listed, copy_threads=1) as a:
+        assert a.cpus == listed
+        placed = {}
+        for tid in os.listdir("/proc/self/task"):  # before b's threads of the same names
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name in ("kvb-tcp-0", "kvb-copy-0"):
+                placed[name] = os.sched_getaffinity(int(tid))
+        assert placed == {"kvb-tcp-0": {mine[-1]}, "kvb-copy-0": {mine[0]}}
+        with Engine(protocol="tcp") as b:
+            src, dst = pattern(9, 1 << 20), np.zeros(1 << 20, np.uint8)
+            b.register(src)
+            a.register(dst)
+            with a.open_segment(b.name) as seg:
+                with a.submit([Request(Op.READ, addr(dst), seg, addr(src), 1 << 20)]) as batch:
+                    assert batch.wait(10)
+            assert np.array_equal(dst, src)
 
 
 def _fabric_engine(**kw):

@@ -60,6 +60,7 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
     d.fabric_provider = env_or("KVB_FABRIC_PROVIDER", NULL);
     d.tcp_congestion = env_or("KVB_TCP_CONGESTION", NULL);
     d.busy_poll_us = env_busy_poll();
+    d.cpus = env_or("KVB_CPUS", NULL);
     d.copy_threads = 1;
     d.cluster = "default";
     d.metadata_ttl_ms = 10000;
@@ -258,6 +259,26 @@ static bool is_loopback(const char *addr)
            !strcmp(addr, "[::1]");
 }
 
+/* The CPUs of the data threads (cfg.cpus), checked against those this process may run on now. */
+static int take_cpus(kvb_engine_t *e, const char *list)
+{
+    e->cfg.cpus = NULL; /* the caller's string; cpus_text is ours */
+    if (!list || !*list)
+        return KVB_OK;
+    char err[160];
+    if (kvb__cpus_parse(list, &e->cpus, err, sizeof err)) {
+        const char *env = getenv("KVB_CPUS");
+        KVB_ERROR("cpus %s%s", err, env && !strcmp(env, list) ? " (from KVB_CPUS)" : "");
+        return KVB_ERR_INVALID_ARG;
+    }
+    size_t len = kvb__cpus_format(&e->cpus, NULL, 0);
+    if (!(e->cpus_text = malloc(len + 1)))
+        return KVB_ERR_NOMEM;
+    kvb__cpus_format(&e->cpus, e->cpus_text, len + 1);
+    e->cfg.cpus = e->cpus_text;
+    return KVB_OK;
+}
+
 /* The cluster secret from the config or KVB_SECRET_FILE, and the rule that a non-loopback bind
  * needs one unless the caller said `insecure`. */
 static int take_secret(kvb_engine_t *e, const kvb_config_t *cfg)
@@ -346,6 +367,8 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     }
     /* The caller's string; the transport puts the system's default in tcp_congestion if empty. */
     e->cfg.tcp_congestion = e->tcp_congestion[0] ? e->tcp_congestion : NULL;
+    if ((rc = take_cpus(e, cfg.cpus)))
+        goto fail_free;
     if ((rc = take_secret(e, &cfg)))
         goto fail_free;
     if ((rc = init_locks(e)) || (rc = kvb__registry_init(&e->registry)))
@@ -401,9 +424,10 @@ int kvb_engine_create(const kvb_config_t *cfg_in, kvb_engine_t **out)
     strcpy(e->hello.name, e->segment_name);
     if ((rc = e->tp_ops->start(e->tp)) || (rc = kvb__segdesc_start(e->segbind)))
         goto fail_tp;
-    KVB_INFO("engine %s up (incarnation %016llx, TCP congestion control %s%s)", e->segment_name,
-             (unsigned long long)e->hello.incarnation, e->tcp_congestion,
-             e->cfg.tcp_congestion ? "" : ", the system's");
+    KVB_INFO("engine %s up (incarnation %016llx, TCP congestion control %s%s, data threads on "
+             "CPUs %s)",
+             e->segment_name, (unsigned long long)e->hello.incarnation, e->tcp_congestion,
+             e->cfg.tcp_congestion ? "" : ", the system's", e->cpus_text ? e->cpus_text : "any");
     *out = e;
     return KVB_OK;
 fail_tp:
@@ -420,6 +444,7 @@ fail_registry:
     kvb__registry_fini(&e->registry);
 fail_free:
     kvb__secret_free(e->secret, e->secret_len);
+    free(e->cpus_text);
     free(e->notify_ring);
     free(e);
     return rc;
@@ -477,6 +502,7 @@ void kvb__engine_put(kvb_engine_t *e)
         pthread_rwlock_destroy(&e->paths_lock); /* the last batch's cancel may have used it */
         kvb__batch_cache_drain(e);
         pthread_mutex_destroy(&e->batch_mu);
+        free(e->cpus_text);
         free(e);
     }
 }
@@ -524,6 +550,11 @@ const char *kvb_engine_tcp_congestion(const kvb_engine_t *e)
 uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *e)
 {
     return e ? e->cfg.busy_poll_us : 0;
+}
+
+const char *kvb_engine_cpus(const kvb_engine_t *e)
+{
+    return e && e->cpus_text ? e->cpus_text : "";
 }
 
 const char *kvb_engine_fabric_provider(const kvb_engine_t *e)

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/auth.h"
+#include "common/cpus.h"
 #include "engine/export.h"
 #include "engine/registry.h"
 #include "engine/wire.h"
@@ -261,6 +262,8 @@ struct kvb_engine {
     char advertise_addr[KVB_NAME_MAX + 1];
     char segment_name[KVB_NAME_MAX + 1];
     char tcp_congestion[16]; /* TCP_CA_NAME_MAX: the configured algorithm, then the one in use */
+    kvb_cpus_t cpus;         /* where the data threads run (cfg.cpus); n == 0: anywhere */
+    char *cpus_text;         /* cpus as a list, for kvb_engine_cpus; NULL: none */
     kvb_hello_t hello;       /* our identity: incarnation, pid, host id, name */
     kvb_registry_t registry;
     const kvb_transport_ops_t *tp_ops;

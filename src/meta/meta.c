@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/cpus.h"
 #include "common/log.h"
 
 int kvb__meta_hostport(const char *s, size_t n, char *host, size_t cap, uint16_t *port)
@@ -400,7 +401,7 @@ static int ensure_keeper(kvb_meta_t *m)
 {
     if (m->keeper_started)
         return KVB_OK;
-    if (pthread_create(&m->keeper, NULL, keeper_main, m) != 0)
+    if (kvb__thread_create(&m->keeper, NULL, -1, "kvb-meta", keeper_main, m) != 0)
         return KVB_ERR_SYSTEM;
     m->keeper_started = true;
     return KVB_OK;

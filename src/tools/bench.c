@@ -26,6 +26,7 @@
 
 #include "common/clock.h"
 #include "common/copy.h"
+#include "common/cpus.h"
 #include "kvbridge/engine.h"
 #include "tools/cli.h"
 
@@ -45,6 +46,7 @@ typedef struct {
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
     char congestion[16];         /* the TCP congestion control of the initiator's engine */
     uint32_t busy_poll_us;       /* the busy polling of the initiator's engine */
+    char cpus[64];               /* the CPUs of its data threads (--cpus), "" if unbound */
     const char *kv_model;        /* --kv: the KV-shaped workload instead */
     const char *metadata;        /* --metadata URI: segments found through a store */
     const char *cluster, *name;
@@ -463,6 +465,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf("  TCP congestion control %s\n", o->congestion);
     if (o->busy_poll_us)
         printf("  busy polling %u us\n", o->busy_poll_us);
+    if (o->cpus[0])
+        printf("  engines' data threads on CPUs %s\n", o->cpus);
     if (o->ceiling_gbps > 0) {
         uint64_t llc = kvb__llc_size();
         double ratio = gbps / o->ceiling_gbps;
@@ -506,6 +510,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             json_object_set_new(j, "fabric_provider", json_string(o->fabric_in_use));
         json_object_set_new(j, "tcp_congestion", json_string(o->congestion));
         json_object_set_new(j, "busy_poll_us", json_integer(o->busy_poll_us));
+        json_object_set_new(j, "cpus", json_string(o->cpus));
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
             json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
@@ -573,6 +578,7 @@ static int run_initiator(bench_opts_t *o)
     snprintf(o->fabric_in_use, sizeof o->fabric_in_use, "%s", kvb_engine_fabric_provider(e));
     snprintf(o->congestion, sizeof o->congestion, "%s", kvb_engine_tcp_congestion(e));
     o->busy_poll_us = kvb_engine_busy_poll_us(e);
+    snprintf(o->cpus, sizeof o->cpus, "%s", kvb_engine_cpus(e));
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
         goto out;
@@ -964,6 +970,10 @@ static void usage(FILE *f)
         "  --busy-poll US            engines' busy polling in microseconds (0: off; default\n"
         "                            KVB_BUSY_POLL_US, else 0); --latency's raw ping-pong\n"
         "                            then polls as long\n"
+        "  --cpus LIST               CPUs of the engines' data threads, such as 0,1 (progress\n"
+        "                            threads, then copy threads, one CPU each in turn;\n"
+        "                            default KVB_CPUS, else unbound); the copy ceiling's\n"
+        "                            threads then run on the same CPUs\n"
         "  --lanes N                 connections per peer (default 2)\n"
         "  --progress-threads N      engine progress threads (default 1)\n"
         "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -1000,6 +1010,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"fabric-provider", 1, 0, 'W'},
                                           {"tcp-congestion", 1, 0, 'Z'},
                                           {"busy-poll", 1, 0, 'U'},
+                                          {"cpus", 1, 0, 'A'},
                                           {"verify", 0, 0, 'v'},
                                           {"loopback", 0, 0, 'l'},
                                           {"json", 0, 0, 'j'},
@@ -1160,6 +1171,16 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             uint64_t us;
             bad = kvb_cli_parse_uint(optarg, KVB_BUSY_POLL_MAX_US, &us) ||
                   setenv("KVB_BUSY_POLL_US", optarg, 1) != 0;
+            break;
+        }
+        case 'A': { /* every engine and copy ceiling of this process and its children reads it */
+            kvb_cpus_t cpus;
+            char err[160];
+            if (kvb__cpus_parse(optarg, &cpus, err, sizeof err)) {
+                fprintf(stderr, "kvbridge bench: --cpus %s\n", err);
+                return 2;
+            }
+            bad = setenv("KVB_CPUS", optarg, 1) != 0;
             break;
         }
         case 'h':

@@ -312,6 +312,9 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
                m->name, (unsigned long long)tokens, m->layers, n,
                (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3, reps,
                t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9);
+        const char *cpus = kvb_engine_cpus(s.engine);
+        if (*cpus)
+            printf("  engines' data threads on CPUs %s\n", cpus);
         if (cs)
             printf("  ceiling %.3f GB/s (median; %.3f-%.3f), measured after each pull (%s) -> "
                    "bytes/ceiling %.2f ms; ratio %.3f (the median of the %d pairs' ratios; "
@@ -329,10 +332,10 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
             printf("{\"kv_model\":\"%s\",\"tokens\":%llu,\"protocol\":\"%s\",\"bytes\":%llu,"
                    "\"median_ms\":%.3f,\"min_ms\":%.3f,\"max_ms\":%.3f,\"gbps\":%.4f,"
                    "\"ceiling_gbps\":%.4f,\"ratio\":%.4f,\"ratio_min\":%.4f,\"ratio_max\":%.4f,"
-                   "\"verified\":%s}\n",
+                   "\"verified\":%s,\"cpus\":\"%s\"}\n",
                    m->name, (unsigned long long)tokens, path, (unsigned long long)bytes, med * 1e3,
                    t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9, ceiling, r_med,
-                   ratio[0], ratio[reps - 1], verify ? (bad ? "false" : "true") : "null");
+                   ratio[0], ratio[reps - 1], verify ? (bad ? "false" : "true") : "null", cpus);
     } else {
         fprintf(stderr, "bench --kv: transfer failed: %s\n", kvb_strerror(rc));
     }
@@ -463,6 +466,10 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     }
     close(name_pipe[1]);
     close(life[0]);
+    if (getenv("KVB_PIN_P_INIT"))
+        setenv("KVB_PIN_P", getenv("KVB_PIN_P_INIT"), 1);
+    if (getenv("KVB_PIN_C_INIT"))
+        setenv("KVB_PIN_C", getenv("KVB_PIN_C_INIT"), 1);
     uint64_t *csrc = NULL, *cdst = NULL;
     kvb_ceiling_session_t *cs = kv_ceiling(m, n, pool, protocol, reps, &csrc, &cdst);
     kvb_ceiling_t c = {0};

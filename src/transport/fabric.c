@@ -579,7 +579,8 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
         return KVB_ERR_SYSTEM;
     }
     fp->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (fp->wake_fd < 0 || pthread_create(&fp->thread, NULL, progress_main, fp)) {
+    if (fp->wake_fd < 0 ||
+        kvb__thread_create(&fp->thread, NULL, -1, "kvb-fabric", progress_main, fp)) {
         path_free(fp);
         return KVB_ERR_SYSTEM;
     }

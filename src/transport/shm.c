@@ -291,6 +291,12 @@ static bool pool_take(kvb_shm_t *s);
 static void *pool_main(void *arg)
 {
     kvb_shm_t *s = arg;
+    if (getenv("KVB_PIN_C")) {
+        cpu_set_t cs;
+        CPU_ZERO(&cs);
+        CPU_SET(atoi(getenv("KVB_PIN_C")), &cs);
+        pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
+    }
     pthread_mutex_lock(&s->pool_mu);
     while (!s->pool_stop)
         if (!pool_take(s))
@@ -1154,7 +1160,7 @@ static int start_listener(kvb_shm_t *s)
         KVB_WARN("shared-memory listener: %s; same-host peers will use TCP", strerror(errno));
         return KVB_ERR_SYSTEM;
     }
-    if (pthread_create(&s->ctl, NULL, ctl_main, s) != 0)
+    if (kvb__thread_create(&s->ctl, NULL, -1, "kvb-shm", ctl_main, s) != 0)
         return KVB_ERR_SYSTEM;
     s->ctl_started = true;
     return KVB_OK;
@@ -1179,7 +1185,11 @@ static int start_pool(kvb_shm_t *s, int n)
     if (!s->queue || (n && !s->threads))
         return KVB_ERR_NOMEM;
     for (int i = 0; i < n; i++) {
-        if (pthread_create(&s->threads[i], NULL, pool_main, s) != 0)
+        /* Each after the progress threads in the engine's CPU list (cfg.cpus). */
+        char name[24]; /* "kvb-copy-16", "kvb-tcp-63" at most: a thread name holds 15 */
+        snprintf(name, sizeof name, "kvb-copy-%d", i);
+        if (kvb__thread_create(&s->threads[i], &s->engine->cpus,
+                               s->engine->cfg.progress_threads + i, name, pool_main, s) != 0)
             return KVB_ERR_SYSTEM;
         s->nthreads = i + 1;
     }

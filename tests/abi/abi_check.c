@@ -31,6 +31,7 @@
     X(kvb_engine_fabric_provider)                                                                  \
     X(kvb_engine_tcp_congestion)                                                                   \
     X(kvb_engine_busy_poll_us)                                                                     \
+    X(kvb_engine_cpus)                                                                             \
     X(kvb_alloc)                                                                                   \
     X(kvb_free)                                                                                    \
     X(kvb_register)                                                                                \
@@ -185,6 +186,7 @@ static kvb_engine_t *make_engine(const char *key)
     CHECK(CALL(kvb_engine_fabric_provider, e) != NULL);   /* "" unless an RDMA NIC is here */
     CHECK(CALL(kvb_engine_tcp_congestion, e)[0] != '\0'); /* the system's default */
     CHECK(CALL(kvb_engine_busy_poll_us, e) == cfg.busy_poll_us);
+    CHECK(strcmp(CALL(kvb_engine_cpus, e), cfg.cpus ? cfg.cpus : "") == 0); /* KVB_CPUS, or "" */
     char want[64];
     snprintf(want, sizeof want, "127.0.0.1:%u", (unsigned)port);
     const char *name = CALL(kvb_engine_segment_name, e);

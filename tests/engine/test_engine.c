@@ -8,6 +8,8 @@
 #include <netinet/in.h>
 #include <linux/tcp.h> /* struct tcp_info with its byte counts (glibc's lacks them) */
 #include <pthread.h>
+#include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -309,6 +311,110 @@ Test(engine, busy_polling_tcp)
 Test(engine, busy_polling_shm)
 {
     busy_polling("shm");
+}
+
+/* The CPUs a thread of this process named `name` may run on, as the kernel lists them ("0-1"),
+ * or "" if there is no such thread. */
+static void thread_cpus(const char *name, char *out, size_t outsz)
+{
+    out[0] = '\0';
+    DIR *d = opendir("/proc/self/task");
+    cr_assert_not_null(d);
+    for (struct dirent *t; (t = readdir(d));) {
+        char path[300], comm[32] = "", line[256];
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", t->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        bool match = fgets(comm, sizeof comm, f) && !strncmp(comm, name, strlen(name)) &&
+                     comm[strlen(name)] == '\n';
+        fclose(f);
+        snprintf(path, sizeof path, "/proc/self/task/%s/status", t->d_name);
+        if (!match || !(f = fopen(path, "re")))
+            continue;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "Cpus_allowed_list: %63s", out) == 1)
+                break;
+        fclose(f);
+    }
+    closedir(d);
+    cr_assert_lt(strlen(out), outsz);
+}
+
+/* cpus: checked where it is set (the config, KVB_CPUS); each data thread runs on its CPU of the
+ * list from its start - progress threads first, then copy threads, wrapping around - and is
+ * named; bytes move as they do unbound, on both paths. */
+Test(engine, data_threads_on_cpus)
+{
+    cpu_set_t set;
+    cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+    int first = -1, last = -1;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &set)) {
+            first = first < 0 ? c : first;
+            last = c;
+        }
+    kvb_config_t c;
+    kvb_engine_t *e = NULL;
+    cr_assert_eq(unsetenv("KVB_CPUS"), 0);
+    kvb_config_init(&c);
+    cr_expect_null(c.cpus, "unbound unless asked for");
+    static const char *bad[] = {"x", "0-", "1-0", "0,,1", "1024", "0 1"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        c.cpus = bad[i];
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "cpus \"%s\"", bad[i]);
+        cr_assert_eq(setenv("KVB_CPUS", bad[i], 1), 0);
+        kvb_config_init(&c);
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "KVB_CPUS=%s", bad[i]);
+        cr_assert_eq(unsetenv("KVB_CPUS"), 0);
+    }
+    cr_assert_null(e);
+
+    char list[32], want[32], got[64];
+    snprintf(list, sizeof list, "%d,%d", last, first);
+    cr_assert_eq(setenv("KVB_CPUS", list, 1), 0);
+    kvb_config_init(&c);
+    cr_assert_eq(unsetenv("KVB_CPUS"), 0);
+    cr_expect_str_eq(c.cpus, list);
+    c.progress_threads = 2;
+    c.copy_threads = 1;
+    kvb_engine_t *a;
+    cr_assert_eq(kvb_engine_create(&c, &a), KVB_OK);
+    cr_expect_str_eq(kvb_engine_cpus(a), list, "the list in the order given");
+    static const char *names[] = {"kvb-tcp-0", "kvb-tcp-1", "kvb-copy-0"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(want, sizeof want, "%d", i % 2 ? first : last);
+        thread_cpus(names[i], got, sizeof got);
+        cr_expect_str_eq(got, want, "%s", names[i]);
+    }
+    thread_cpus("kvb-shm", got, sizeof got); /* the same-host listener: not a data thread */
+    cr_expect_str_neq(got, "");
+
+    for (int round = 0; round < 4; round++) {
+        /* b unbound (the scheduler places its threads), same-host copies or the TCP lanes; a
+         * the initiator, then the target. */
+        kvb_engine_t *b = make_proto(1, 2, round / 2 ? "tcp" : "auto");
+        cr_expect_str_eq(kvb_engine_cpus(b), "");
+        kvb_engine_t *from = round % 2 ? b : a, *to = round % 2 ? a : b;
+        size_t size = 8 << 20;
+        uint8_t *src, *dst;
+        kvb_segment_t s = pattern_pair(from, to, size, 21 + (uint64_t)round, &src, &dst);
+        const char *path = NULL;
+        cr_assert_eq(kvb_segment_transport(from, s, &path), KVB_OK);
+        cr_expect_str_eq(path, round / 2 ? "tcp" : "shm");
+        kvb_request_t r[8];
+        for (size_t i = 0; i < 8; i++)
+            r[i] = (kvb_request_t){KVB_OP_READ, dst + (i << 20), s, (uintptr_t)src + (i << 20),
+                                   1 << 20};
+        move_ok(from, r, 8, 10000);
+        cr_expect_eq(memcmp(dst, src, size), 0, "round %d", round);
+        kvb_segment_close(from, s);
+        kvb_engine_destroy(b);
+        cr_assert_eq(kvb_unregister(a, round % 2 ? src : dst), KVB_OK);
+        free(src);
+        free(dst);
+    }
+    kvb_engine_destroy(a);
 }
 
 /* Bytes this process received and had acknowledged on its TCP connections to `port` (lanes it

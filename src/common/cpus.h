@@ -1,0 +1,35 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CPU lists ("0-3,8,10-11", as Linux writes them) and the engine's named, optionally pinned,
+ * threads: where an engine's data threads run when its configuration gives them CPUs (engine.h,
+ * `cpus`), and how the bench's copy ceiling runs its threads on the same ones. */
+#ifndef KVB_COMMON_CPUS_H
+#define KVB_COMMON_CPUS_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* CPU numbers go up to CPU_SETSIZE - 1 (glibc's cpu_set_t), and a list names at most as many. */
+#define KVB_CPUS_MAX 1024
+
+typedef struct {
+    int n;                      /* 0: no list, threads run wherever the scheduler puts them */
+    uint16_t cpu[KVB_CPUS_MAX]; /* in the order given, each range ascending */
+} kvb_cpus_t;
+
+/* Parses `s` into *out: comma-separated CPU numbers and ranges "a-b" (a <= b), decimal, no blanks,
+ * each CPU one this process may run on now (sched_getaffinity). On error returns -1 with a
+ * sentence in err (never longer than errlen) and leaves *out untouched; else 0. */
+int kvb__cpus_parse(const char *s, kvb_cpus_t *out, char *err, size_t errlen);
+
+/* Writes `c` as a list into buf ("0-3,8": runs of consecutive CPUs as ranges, in the order
+ * given), "" for an empty one. Returns the length it needed (a longer one than bufsz was cut). */
+size_t kvb__cpus_format(const kvb_cpus_t *c, char *buf, size_t bufsz);
+
+/* pthread_create, the thread named `name` (at most 15 characters, what `top -H`, `ps -L` and
+ * `perf` show) and, when `cpus` holds a list and ordinal >= 0, bound to cpus->cpu[ordinal % n]
+ * from its first instruction. Returns pthread_create's result. */
+int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,
+                       void *(*fn)(void *), void *arg);
+
+#endif
