@@ -260,15 +260,29 @@ latency_goal() { # name label -- bench args
 }
 latency_goal latency-64b "" --
 latency_goal latency-64b-busy " busy polling $BUSY_US us (the ping-pong too)" -- --busy-poll "$BUSY_US"
+# One `bench --kv` run of $REPS pulls, each paired with its ceiling: kv_goal NAME MODEL TOKENS
+# PROTOCOL LABEL [bench options].
+kv_goal() {
+    local name=$1 model=$2 tokens=$3 proto=$4 label=$5 kv kr
+    shift 5
+    say "KV-shaped workload $model, $tokens tokens, over $proto$label"
+    kv=$("$BIN" bench --kv "$model" --tokens "$tokens" --protocol "$proto" --reps "$REPS" --json "$@" 2>/dev/null | tail -n 1)
+    kr=$(echo "$kv" | field ratio)
+    echo "$name,$model $tokens tokens over $proto$label ($(echo "$kv" | field bytes) B),$(echo "$kv" | field median_ms) ms,$(echo "$kv" | field ceiling_gbps) GB/s ceiling,$kr,<= 1.15,$(awk -v r="$kr" 'BEGIN {print (r <= 0 ? "no" : r < 1 ? "ceiling below kvbridge" : r <= 1.15 ? "yes" : "no")}'),$(echo "$kv" | field ratio_min | round)-$(echo "$kv" | field ratio_max | round)" >> "$OUT/goals.csv"
+}
 for shape in "llama3-8b 4096" "llama3-70b 2048" "deepseek-v3 8192"; do
   set -- $shape
   for proto in tcp shm; do
-    say "KV-shaped workload $1, $2 tokens, over $proto"
-    kv=$("$BIN" bench --kv "$1" --tokens "$2" --protocol "$proto" --reps "$REPS" --json 2>/dev/null | tail -n 1)
-    kr=$(echo "$kv" | field ratio)
-    echo "kv-$1-$proto,$1 $2 tokens over $proto ($(echo "$kv" | field bytes) B),$(echo "$kv" | field median_ms) ms,$(echo "$kv" | field ceiling_gbps) GB/s ceiling,$kr,<= 1.15,$(awk -v r="$kr" 'BEGIN {print (r <= 0 ? "no" : r < 1 ? "ceiling below kvbridge" : r <= 1.15 ? "yes" : "no")}'),$(echo "$kv" | field ratio_min | round)-$(echo "$kv" | field ratio_max | round)" >> "$OUT/goals.csv"
+    kv_goal "kv-$1-$proto" "$1" "$2" "$proto" ""
   done
 done
+# The MLA shape again with the engines' data threads on CPUs of their own (cpus, unbound by
+# default; README, "CPUs for the data threads"): the CPUs this process may run on, of which the
+# progress and copy threads take the first two, as the copy ceiling's threads then do.
+CPUS=$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status)
+if [ "$(nproc)" -ge 2 ]; then
+    kv_goal kv-deepseek-v3-shm-cpus deepseek-v3 8192 shm " data threads on CPUs $CPUS" --cpus "$CPUS"
+fi
 say ""
 
 # ---- report -----------------------------------------------------------------------------------
@@ -282,7 +296,8 @@ say ""
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
     echo "the fork; one pass over the buffers not counted, then the best of 4 windows alternating two"
     echo "syscall sizes), and the best of memcpy, rep movsb and streaming stores with the copy path's"
-    echo "2 threads over memfd pages (one pass not counted, then the best of 4 runs); across the veth"
+    echo "2 threads over memfd pages, bound to CPUs of their own and unbound in turn (with --cpus, on"
+    echo "those CPUs; one pass not counted, then the best of 4 runs); across the veth"
     echo "pair (RPS over every CPU on both ends, so a flow arrives in order) the same raw stream from"
     echo "the initiator's namespace to the target's - each measured in the same run as the figure it"
     echo "divides; KV ceilings move the same blocks as the pull they divide, each pull's in source"
