@@ -277,11 +277,18 @@ for shape in "llama3-8b 4096" "llama3-70b 2048" "deepseek-v3 8192"; do
   done
 done
 # The MLA shape again with the engines' data threads on CPUs of their own (cpus, unbound by
-# default; README, "CPUs for the data threads"): the CPUs this process may run on, of which the
-# progress and copy threads take the first two, as the copy ceiling's threads then do.
-CPUS=$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status)
-if [ "$(nproc)" -ge 2 ]; then
-    kv_goal kv-deepseek-v3-shm-cpus deepseek-v3 8192 shm " data threads on CPUs $CPUS" --cpus "$CPUS"
+# default; README, "CPUs for the data threads"): the first two CPUs this process may run on, the
+# progress thread's and the copy thread's, as the copy ceiling's threads then are.
+CPUS=$(awk '/^Cpus_allowed_list:/ {
+    n = split($2, r, ","); k = 0
+    for (i = 1; i <= n && k < 2; i++) {
+        lo = r[i]; hi = r[i]; if (split(r[i], ab, "-") == 2) { lo = ab[1]; hi = ab[2] }
+        for (c = lo + 0; c <= hi + 0 && k < 2; c++) { out = out (k ? "," : "") c; k++ }
+    }
+    if (k == 2) print out
+}' /proc/self/status)
+if [ -n "$CPUS" ]; then
+    kv_goal kv-deepseek-v3-shm-cpus deepseek-v3 8192 shm " data threads on CPUs ${CPUS/,/ and }" --cpus "$CPUS"
 fi
 say ""
 

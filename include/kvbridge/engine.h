@@ -99,16 +99,17 @@ typedef struct {
      * KVB_ERR_INVALID_ARG). */
     uint32_t busy_poll_us;
     /* CPUs for this engine's data threads, as a list such as "0-3,8" (Linux's notation; each CPU
-     * one this process may run on): the progress threads, then the copy threads, each run on the
+     * one the thread calling kvb_engine_create may run on, as sched_getaffinity says): the
+     * progress threads, then the copy threads, each run on the
      * next CPU of the list in turn (progress thread i on the i-th CPU listed, copy thread j on the
      * (progress_threads + j)-th, wrapping around), from their start. NULL or "" (default): the
      * scheduler places them. On a host whose cores are shared by more threads than it has, a
      * waking copy thread may be placed on the CPU of the thread that woke it and share it for
      * milliseconds while another CPU idles; CPUs of their own keep the copies side by side (see
-     * the README's Performance section). A list this process may not run on fails
-     * kvb_engine_create (KVB_ERR_INVALID_ARG). kvb_config_init() takes the default from KVB_CPUS
-     * when it is set. The threads are named kvb-tcp-N, kvb-copy-N (and kvb-shm, kvb-fabric,
-     * kvb-cuda, kvb-meta for the others, which no list binds). */
+     * the README's Performance section). A malformed list, or one naming a CPU the calling thread
+     * may not run on, fails kvb_engine_create (KVB_ERR_INVALID_ARG). kvb_config_init() takes the
+     * default from KVB_CPUS when it is set. The threads are named kvb-tcp-N, kvb-copy-N (and
+     * kvb-shm, kvb-fabric, kvb-cuda, kvb-meta for the others, which no list binds). */
     const char *cpus;
 } kvb_config_t;
 
@@ -189,8 +190,9 @@ KVB_API const char *kvb_engine_tcp_congestion(const kvb_engine_t *engine);
 /* The busy polling this engine's threads do, in microseconds (0: none; see busy_poll_us). */
 KVB_API uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *engine);
 
-/* The CPUs this engine's data threads run on, as a list such as "0-1,4" in the order they are
- * taken (see `cpus`), or "" when the scheduler places them. Valid while the engine is. */
+/* The CPUs this engine's data threads run on (see `cpus`), in the order they are taken, written
+ * back as a list with runs of consecutive CPUs as ranges ("0,1,2,5" reads "0-2,5"), or "" when
+ * the scheduler places them. Valid while the engine is. */
 KVB_API const char *kvb_engine_cpus(const kvb_engine_t *engine);
 
 /* Access rights granted to peers on a registered region. */

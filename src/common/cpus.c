@@ -120,13 +120,18 @@ static void *start(void *p)
 }
 
 int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,
-                       void *(*fn)(void *), void *arg)
+                       int index, void *(*fn)(void *), void *arg)
 {
+    char label[16] = ""; /* the most a thread name holds, with its NUL */
+    if (name && index >= 0)
+        snprintf(label, sizeof label, "%.10s-%u", name, (unsigned)index % 10000u);
+    else if (name)
+        snprintf(label, sizeof label, "%.15s", name);
     start_t *st = calloc(1, sizeof *st);
     if (!st)
         return ENOMEM;
     *st = (start_t){.fn = fn, .arg = arg};
-    snprintf(st->name, sizeof st->name, "%s", name ? name : "");
+    memcpy(st->name, label, sizeof label);
     pthread_attr_t attr;
     int rc = pthread_attr_init(&attr);
     if (rc) {
@@ -146,7 +151,7 @@ int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const 
     pthread_attr_destroy(&attr);
     if (rc)
         free(st);
-    else if (name && *name)
-        (void)pthread_setname_np(*t, name);
+    else if (label[0]) /* not st->name: st is the thread's once it runs */
+        (void)pthread_setname_np(*t, label);
     return rc;
 }

@@ -26,10 +26,11 @@ int kvb__cpus_parse(const char *s, kvb_cpus_t *out, char *err, size_t errlen);
  * given), "" for an empty one. Returns the length it needed (a longer one than bufsz was cut). */
 size_t kvb__cpus_format(const kvb_cpus_t *c, char *buf, size_t bufsz);
 
-/* pthread_create, the thread named `name` (at most 15 characters, what `top -H`, `ps -L` and
- * `perf` show) and, when `cpus` holds a list and ordinal >= 0, bound to cpus->cpu[ordinal % n]
- * from its first instruction. Returns pthread_create's result. */
+/* pthread_create, the thread named `name`, or `name`-`index` when index >= 0 (what `top -H`,
+ * `ps -L` and `perf` show; cut at 15 characters, the most a thread name holds) and, when `cpus`
+ * holds a list and ordinal >= 0, bound to cpus->cpu[ordinal % n] from its first instruction.
+ * Returns 0 or pthread_create's error (ENOMEM if the start could not be allocated). */
 int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,
-                       void *(*fn)(void *), void *arg);
+                       int index, void *(*fn)(void *), void *arg);
 
 #endif

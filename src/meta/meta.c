@@ -401,7 +401,7 @@ static int ensure_keeper(kvb_meta_t *m)
 {
     if (m->keeper_started)
         return KVB_OK;
-    if (kvb__thread_create(&m->keeper, NULL, -1, "kvb-meta", keeper_main, m) != 0)
+    if (kvb__thread_create(&m->keeper, NULL, -1, "kvb-meta", -1, keeper_main, m) != 0)
         return KVB_ERR_SYSTEM;
     m->keeper_started = true;
     return KVB_OK;

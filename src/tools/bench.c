@@ -46,7 +46,7 @@ typedef struct {
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
     char congestion[16];         /* the TCP congestion control of the initiator's engine */
     uint32_t busy_poll_us;       /* the busy polling of the initiator's engine */
-    char cpus[64];               /* the CPUs of its data threads (--cpus), "" if unbound */
+    char cpus[256];              /* the CPUs of its data threads (--cpus), "" if unbound */
     const char *kv_model;        /* --kv: the KV-shaped workload instead */
     const char *metadata;        /* --metadata URI: segments found through a store */
     const char *cluster, *name;
@@ -970,10 +970,12 @@ static void usage(FILE *f)
         "  --busy-poll US            engines' busy polling in microseconds (0: off; default\n"
         "                            KVB_BUSY_POLL_US, else 0); --latency's raw ping-pong\n"
         "                            then polls as long\n"
-        "  --cpus LIST               CPUs of the engines' data threads, such as 0,1 (progress\n"
-        "                            threads, then copy threads, one CPU each in turn;\n"
-        "                            default KVB_CPUS, else unbound); the copy ceiling's\n"
-        "                            threads then run on the same CPUs\n"
+        "  --cpus LIST               CPUs of both engines' data threads, such as 0,1 (progress\n"
+        "                            threads, then copy threads, one CPU each in turn; \"\":\n"
+        "                            unbound; default KVB_CPUS, else unbound); the copy\n"
+        "                            ceiling's threads then run on the list's first CPUs. Over\n"
+        "                            TCP both progress threads take the first: one core for\n"
+        "                            both ends of the stream\n"
         "  --lanes N                 connections per peer (default 2)\n"
         "  --progress-threads N      engine progress threads (default 1)\n"
         "  --verify                  seeded pattern; check every byte that arrives\n"
@@ -1176,7 +1178,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         case 'A': { /* every engine and copy ceiling of this process and its children reads it */
             kvb_cpus_t cpus;
             char err[160];
-            if (kvb__cpus_parse(optarg, &cpus, err, sizeof err)) {
+            if (*optarg && kvb__cpus_parse(optarg, &cpus, err, sizeof err)) { /* "": unbound */
                 fprintf(stderr, "kvbridge bench: --cpus %s\n", err);
                 return 2;
             }

@@ -466,10 +466,6 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     }
     close(name_pipe[1]);
     close(life[0]);
-    if (getenv("KVB_PIN_P_INIT"))
-        setenv("KVB_PIN_P", getenv("KVB_PIN_P_INIT"), 1);
-    if (getenv("KVB_PIN_C_INIT"))
-        setenv("KVB_PIN_C", getenv("KVB_PIN_C_INIT"), 1);
     uint64_t *csrc = NULL, *cdst = NULL;
     kvb_ceiling_session_t *cs = kv_ceiling(m, n, pool, protocol, reps, &csrc, &cdst);
     kvb_ceiling_t c = {0};

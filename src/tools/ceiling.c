@@ -428,8 +428,9 @@ struct kvb_ceiling_session {
     /* copy */
     uint8_t *a, *b;
     /* Where the copying threads run: thread i on cpus.cpu[i % n] - with KVB_CPUS (bench --cpus)
-     * in every run, on the CPUs the copy path's threads have; without it in every other run, on
-     * the first `parallel` CPUs this process may use, the runs between unbound. */
+     * in every run, on the list's first CPUs (where the copy path's threads run with one progress
+     * thread); without it in every other run, on the first `parallel` CPUs this thread may use,
+     * the runs between unbound. */
     kvb_cpus_t cpus;
     bool cpus_given;
 };
@@ -584,7 +585,7 @@ static double copy_once(const uint8_t *a, uint8_t *b, const set_t *ws, const kvb
                           .step = (size_t)threads,
                           .end_ns = t0 + (uint64_t)(secs * 1e9),
                           .way = way};
-        if (kvb__thread_create(&t[i], cpus, i, "ceiling-copy", copy_main, &c[i])) {
+        if (kvb__thread_create(&t[i], cpus, i, "ceiling-copy", i, copy_main, &c[i])) {
             threads = i; /* the ones started still count; the run is shorter of one thread */
             break;
         }

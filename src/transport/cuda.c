@@ -649,7 +649,7 @@ static int cuda_create(kvb_engine_t *e, kvb_provider_t **out)
                              "cuStreamCreate"))
             cp->devs[d].stream = NULL;
     kvb__cuda_ctx_restore(prev);
-    if (!cp->devs || kvb__thread_create(&cp->worker, NULL, -1, "kvb-cuda", worker, cp)) {
+    if (!cp->devs || kvb__thread_create(&cp->worker, NULL, -1, "kvb-cuda", -1, worker, cp)) {
         pthread_mutex_destroy(&cp->mu);
         pthread_cond_destroy(&cp->cv);
         free(cp->devs);

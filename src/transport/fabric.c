@@ -580,7 +580,7 @@ static int fab_create(kvb_engine_t *e, kvb_provider_t **out)
     }
     fp->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (fp->wake_fd < 0 ||
-        kvb__thread_create(&fp->thread, NULL, -1, "kvb-fabric", progress_main, fp)) {
+        kvb__thread_create(&fp->thread, NULL, -1, "kvb-fabric", -1, progress_main, fp)) {
         path_free(fp);
         return KVB_ERR_SYSTEM;
     }

@@ -291,12 +291,6 @@ static bool pool_take(kvb_shm_t *s);
 static void *pool_main(void *arg)
 {
     kvb_shm_t *s = arg;
-    if (getenv("KVB_PIN_C")) {
-        cpu_set_t cs;
-        CPU_ZERO(&cs);
-        CPU_SET(atoi(getenv("KVB_PIN_C")), &cs);
-        pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
-    }
     pthread_mutex_lock(&s->pool_mu);
     while (!s->pool_stop)
         if (!pool_take(s))
@@ -1160,7 +1154,7 @@ static int start_listener(kvb_shm_t *s)
         KVB_WARN("shared-memory listener: %s; same-host peers will use TCP", strerror(errno));
         return KVB_ERR_SYSTEM;
     }
-    if (kvb__thread_create(&s->ctl, NULL, -1, "kvb-shm", ctl_main, s) != 0)
+    if (kvb__thread_create(&s->ctl, NULL, -1, "kvb-shm", -1, ctl_main, s) != 0)
         return KVB_ERR_SYSTEM;
     s->ctl_started = true;
     return KVB_OK;
@@ -1185,11 +1179,10 @@ static int start_pool(kvb_shm_t *s, int n)
     if (!s->queue || (n && !s->threads))
         return KVB_ERR_NOMEM;
     for (int i = 0; i < n; i++) {
-        /* Each after the progress threads in the engine's CPU list (cfg.cpus). */
-        char name[24]; /* "kvb-copy-16", "kvb-tcp-63" at most: a thread name holds 15 */
-        snprintf(name, sizeof name, "kvb-copy-%d", i);
+        /* In the engine's CPU list (cfg.cpus), after the progress threads. */
         if (kvb__thread_create(&s->threads[i], &s->engine->cpus,
-                               s->engine->cfg.progress_threads + i, name, pool_main, s) != 0)
+                               s->engine->cfg.progress_threads + i, "kvb-copy", i, pool_main,
+                               s) != 0)
             return KVB_ERR_SYSTEM;
         s->nthreads = i + 1;
     }

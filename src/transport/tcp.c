@@ -1875,12 +1875,6 @@ static void *thread_main(void *arg)
     tcp_thread_t *th = arg;
     struct epoll_event evs[MAX_EVENTS];
     tls_self = th;
-    if (getenv("KVB_PIN_P")) {
-        cpu_set_t cs;
-        CPU_ZERO(&cs);
-        CPU_SET(atoi(getenv("KVB_PIN_P")), &cs);
-        pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
-    }
     uint64_t spin_ns = th->tp->spin_ns, busy_at = 0;
     while (!atomic_load(&th->tp->stop)) {
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
@@ -2069,9 +2063,7 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
     if (rc == KVB_OK)
         tp->nthreads = e->cfg.progress_threads;
     for (int i = 0; i < tp->nthreads && rc == KVB_OK; i++) {
-        char name[24]; /* "kvb-copy-16", "kvb-tcp-63" at most: a thread name holds 15 */
-        snprintf(name, sizeof name, "kvb-tcp-%d", i);
-        if (kvb__thread_create(&tp->threads[i].tid, &e->cpus, i, name, thread_main,
+        if (kvb__thread_create(&tp->threads[i].tid, &e->cpus, i, "kvb-tcp", i, thread_main,
                                &tp->threads[i]) != 0)
             rc = KVB_ERR_SYSTEM;
         else

@@ -33,12 +33,12 @@ Test(cpus, refuses_what_is_not_a_list_of_cpus_it_may_run_on)
 {
     int first, last, missing;
     allowed(&first, &last, &missing);
-    char unallowed[16], reversed[32], huge[KVB_CPUS_MAX * 2 + 8];
+    char unallowed[16], reversed[32], huge[(KVB_CPUS_MAX + 1) * 6]; /* CPUs < 1024: 4 digits */
     snprintf(unallowed, sizeof unallowed, "%d", missing);
     snprintf(reversed, sizeof reversed, "%d-%d", first + 1, first);
     /* KVB_CPUS_MAX + 1 entries, each one this process may run on: too many. */
     size_t len = 0;
-    for (int i = 0; i <= KVB_CPUS_MAX; i++)
+    for (int i = 0; i <= KVB_CPUS_MAX && len < sizeof huge; i++)
         len += (size_t)snprintf(huge + len, sizeof huge - len, "%s%d", i ? "," : "", first);
     cr_assert_lt(len, sizeof huge);
     const char *bad[] = {"",
@@ -127,9 +127,12 @@ Test(cpus, a_thread_runs_where_its_ordinal_says_and_is_named)
         seen_t s;
         memset(&s, 0, sizeof s);
         pthread_t t;
-        cr_assert_eq(kvb__thread_create(&t, &c, ordinal, "kvb-test", report, &s), 0);
+        cr_assert_eq(kvb__thread_create(&t, &c, ordinal, "kvb-test", ordinal, report, &s), 0);
         cr_assert_eq(pthread_join(t, NULL), 0);
-        cr_expect_str_eq(s.name, "kvb-test");
+        char want[16] = "kvb-test";
+        if (ordinal >= 0)
+            snprintf(want, sizeof want, "kvb-test-%d", ordinal);
+        cr_expect_str_eq(s.name, want);
         if (ordinal < 0) { /* no ordinal: wherever this process may run */
             cpu_set_t mine;
             cr_assert_eq(sched_getaffinity(0, sizeof mine, &mine), 0);
@@ -139,13 +142,13 @@ Test(cpus, a_thread_runs_where_its_ordinal_says_and_is_named)
         cr_expect_eq(CPU_COUNT(&s.set), 1, "ordinal %d", ordinal);
         cr_expect(CPU_ISSET(c.cpu[ordinal % 2], &s.set), "ordinal %d", ordinal);
     }
-    /* No list: unbound, still named. */
+    /* No list: unbound, still named; a name too long for a thread cut to fit, its index kept. */
     seen_t s;
     memset(&s, 0, sizeof s);
     pthread_t t;
-    cr_assert_eq(kvb__thread_create(&t, NULL, 0, "kvb-free", report, &s), 0);
+    cr_assert_eq(kvb__thread_create(&t, NULL, 0, "kvb-a-long-name", 12345, report, &s), 0);
     cr_assert_eq(pthread_join(t, NULL), 0);
-    cr_expect_str_eq(s.name, "kvb-free");
+    cr_expect_str_eq(s.name, "kvb-a-long-2345");
     cpu_set_t mine;
     cr_assert_eq(sched_getaffinity(0, sizeof mine, &mine), 0);
     cr_expect(CPU_EQUAL(&s.set, &mine));

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -378,6 +379,19 @@ Test(engine, data_threads_on_cpus)
     cr_expect_str_eq(c.cpus, list);
     c.progress_threads = 2;
     c.copy_threads = 1;
+    /* A caller built before `cpus` existed: its struct ends where the field would start, and
+     * KVB_CPUS (read when the engine is created) still binds the threads. */
+    kvb_config_t old;
+    kvb_config_init_v(&old, offsetof(kvb_config_t, cpus));
+    cr_assert_eq(setenv("KVB_CPUS", list, 1), 0);
+    cr_assert_eq(kvb_engine_create(&old, &e), KVB_OK);
+    cr_assert_eq(unsetenv("KVB_CPUS"), 0);
+    cr_expect_str_eq(kvb_engine_cpus(e), list);
+    kvb_engine_destroy(e);
+    cr_assert_eq(kvb_engine_create(&old, &e), KVB_OK);
+    cr_expect_str_eq(kvb_engine_cpus(e), "", "unbound without KVB_CPUS");
+    kvb_engine_destroy(e);
+
     kvb_engine_t *a;
     cr_assert_eq(kvb_engine_create(&c, &a), KVB_OK);
     cr_expect_str_eq(kvb_engine_cpus(a), list, "the list in the order given");
