@@ -467,10 +467,13 @@ static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
     kvb_batch_t *b = ops ? ops->batch : NULL;
     kvb_op_t *unreached = NULL;
     int drive = b ? b->drive_path : -1;
-    /* Requests come in runs on one region: the previous op's region, and its path when every
-     * path asked for it answers per region alone (region_reach). */
+    /* Requests come in runs: on one remote region (the previous op's), and from local memory
+     * where every path asked gave the same answer as for the previous op (the span their
+     * reaches() widened), so the paths are asked once per run, not per request. */
     const kvb_region_desc_t *last = NULL;
-    int last_path = -1;
+    const kvb_region_t *run_pin = NULL;
+    kvb_span_t run = {0, 0}; /* empty: no run yet */
+    int run_path = -1;
     while (ops) {
         kvb_op_t *op = ops;
         ops = ops->next;
@@ -479,20 +482,27 @@ static void route(kvb_engine_t *e, kvb_peer_t *p, kvb_op_t *ops)
             op->rregion = last;
         else
             op->rregion = rl ? kvb__region_find(rl->d, rl->n, op->remote, op->len) : NULL;
-        int path = op->rregion && op->rregion == last ? last_path : -1;
-        bool per_region = true;
-        for (size_t i = 0; i < e->norder && path < 0; i++) {
-            unsigned id = e->order[i];
-            const kvb_provider_ops_t *pv = kvb__provider(id);
-            if (!(p->paths & (1u << id)))
-                continue;
-            per_region = per_region && pv->region_reach;
-            if (pv->reaches(e->path_state[id], p, op))
-                path = (int)id;
-        }
-        if (op->rregion != last || last_path < 0) {
+        /* check_request made local + len not wrap */
+        uint64_t lo = (uintptr_t)op->local, hi = lo + op->len;
+        int path = -1;
+        if (op->rregion == last && op->pin == run_pin && lo >= run.lo && hi <= run.hi) {
+            path = run_path;
+        } else {
+            kvb_span_t all = KVB_SPAN_ALL;
+            for (size_t i = 0; i < e->norder && path < 0; i++) {
+                unsigned id = e->order[i];
+                if (!(p->paths & (1u << id)))
+                    continue;
+                kvb_span_t s = {lo, hi};
+                if (kvb__provider(id)->reaches(e->path_state[id], p, op, &s))
+                    path = (int)id;
+                all.lo = s.lo > all.lo ? s.lo : all.lo;
+                all.hi = s.hi < all.hi ? s.hi : all.hi;
+            }
             last = op->rregion;
-            last_path = per_region ? path : -1;
+            run_pin = op->pin;
+            run = all;
+            run_path = path;
         }
         if (path < 0) {
             op->next = unreached;

@@ -176,6 +176,12 @@ struct kvb_transport_ops {
     int (*reply)(kvb_transport_t *tp, uint64_t conn_id, const void *msg, size_t len);
 };
 
+/* Local addresses [lo, hi), hi exclusive (reaches()). */
+typedef struct {
+    uint64_t lo, hi;
+} kvb_span_t;
+#define KVB_SPAN_ALL ((kvb_span_t){0, UINT64_MAX})
+
 /* A data path: one way for bytes to reach a peer's registered memory. The engine creates every
  * built-in provider that works here, lets each make key blobs for the regions it registers
  * (they travel in the handshake), attaches those that reach a peer once its control connection
@@ -185,7 +191,6 @@ struct kvb_provider_ops {
     uint8_t id;         /* KVB_PATH_* */
     bool device_only;   /* it never carries a request between host memory on both sides */
     bool remote_region; /* its reaches() looks at op->rregion (the engine finds it only then) */
-    bool region_reach;  /* its reaches() looks at nothing else of the op: one answer per region */
     /* Engine-wide state; KVB_ERR_UNSUPPORTED: this path does not work here (the engine runs
      * without it). NULL: the path needs none. */
     int (*create)(kvb_engine_t *e, kvb_provider_t **out);
@@ -211,8 +216,11 @@ struct kvb_provider_ops {
     void (*detach)(kvb_peer_t *peer);
     /* True if this path can carry `op` to the attached peer: its local memory (op->pin) and its
      * remote range (op->rregion, NULL if the peer's list names no region holding it, which only a
-     * two-sided path may leave to the target to check). May block once per local allocation. */
-    bool (*reaches)(kvb_provider_t *pv, kvb_peer_t *peer, const kvb_op_t *op);
+     * two-sided path may leave to the target to check). May block once per local allocation.
+     * *span comes in as op's own local range; a path widens it to the local addresses for which
+     * its answer is the same for every op of the same op->pin and op->rregion, and the engine
+     * then asks once per such run of requests, not per request. */
+    bool (*reaches)(kvb_provider_t *pv, kvb_peer_t *peer, const kvb_op_t *op, kvb_span_t *span);
     /* Starts ops (linked through op->next, all of this path). Never blocks on the network; each
      * op ends exactly once through kvb__op_done, with its data placed or an error. */
     void (*submit)(kvb_provider_t *pv, kvb_peer_t *peer, kvb_op_t *ops);

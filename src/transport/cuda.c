@@ -226,9 +226,10 @@ static const cuda_map_t *map_of(cuda_peer_t *cpp, const kvb_peer_t *p, const cud
     return m->mapped ? m : NULL;
 }
 
-static bool cuda_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+static bool cuda_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op, kvb_span_t *span)
 {
     (void)pv;
+    *span = KVB_SPAN_ALL; /* the answer is the remote region's, whatever the local side */
     cuda_peer_t *cpp = p->path_state[KVB_PATH_CUDA];
     cuda_key_t k;
     if (!cpp || !op_key(op, &k))
@@ -697,7 +698,6 @@ const kvb_provider_ops_t kvb__cuda_provider = {
     .name = "cuda",
     .id = KVB_PATH_CUDA,
     .remote_region = true,
-    .region_reach = true,
     .device_only = true,
     .create = cuda_create,
     .stop = cuda_stop,

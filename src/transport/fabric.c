@@ -849,11 +849,12 @@ static bool peer_addr(fab_path_t *fp, kvb_peer_t *p, const blob_t *b, fi_addr_t 
     return ok;
 }
 
-static bool fab_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+static bool fab_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op, kvb_span_t *span)
 {
     fab_path_t *fp = (fab_path_t *)pv;
     blob_t b;
     fi_addr_t fa;
+    *span = KVB_SPAN_ALL; /* the answer is the local and the remote region's */
     /* The peer's key says it registered that memory with its provider (device memory too,
      * where it offers FI_HMEM); ours, that our side of it is registered here. */
     return op->pin && op->pin->path_state[KVB_PATH_FABRIC] && op->rregion &&

@@ -1113,11 +1113,16 @@ static int share(kvb_shm_link_t *l, uint64_t id)
     return rc;
 }
 
-bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
+bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len, uint64_t *span_base,
+                           uint64_t *span_size)
 {
     pthread_mutex_lock(&l->mu);
     /* A broken link reaches nothing: the peer may hold stale mappings (link_break). */
     bool broken = l->broken, hit = kvb__range_within(addr, len, l->hit_base, l->hit_len);
+    if (hit && !broken) {
+        *span_base = l->hit_base;
+        *span_size = l->hit_len;
+    }
     pthread_mutex_unlock(&l->mu);
     if (broken || hit)
         return !broken;
@@ -1136,6 +1141,10 @@ bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len)
     }
     broken = l->broken;
     pthread_mutex_unlock(&l->mu);
+    if (ok && !broken) {
+        *span_base = base;
+        *span_size = alen;
+    }
     return !broken && (ok || l->cma_ok);
 }
 
@@ -1316,12 +1325,20 @@ static void path_detach(kvb_peer_t *p)
 
 /* Host memory on both sides, and ours where the target can reach it (may block once per
  * kvb_alloc allocation, to share it). */
-static bool path_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+static bool path_reaches(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op, kvb_span_t *span)
 {
     (void)pv;
-    return (!op->pin || op->pin->kind == KVB_MEM_CPU) &&
-           (!op->rregion || op->rregion->kind == KVB_MEM_CPU) &&
-           kvb__shm_link_reaches(p->path_state[KVB_PATH_SHM], (uintptr_t)op->local, op->len);
+    if ((op->pin && op->pin->kind != KVB_MEM_CPU) ||
+        (op->rregion && op->rregion->kind != KVB_MEM_CPU)) {
+        *span = KVB_SPAN_ALL; /* never device memory, wherever it lies */
+        return false;
+    }
+    /* The answer is the local allocation's: all of a shared one holds it. */
+    uint64_t base = span->lo, size = span->hi - span->lo;
+    bool ok = kvb__shm_link_reaches(p->path_state[KVB_PATH_SHM], (uintptr_t)op->local, op->len,
+                                    &base, &size);
+    *span = (kvb_span_t){base, base + size};
+    return ok;
 }
 
 static void path_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)

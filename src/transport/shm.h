@@ -43,8 +43,11 @@ int kvb__shm_link_open(kvb_shm_t *s, const kvb_hello_t *target,
                        uint64_t deadline, kvb_shm_link_t **out);
 void kvb__shm_link_close(kvb_shm_link_t *l);
 /* True if the target can reach local [addr, addr+len): kvb_alloc memory (shared with it on first
- * use, which blocks for one local round trip) or, where the kernel allows, any memory. */
-bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len);
+ * use, which blocks for one local round trip) or, where the kernel allows, any memory. Where the
+ * range lies in a shared allocation, *span_base and *span_size are set to that allocation (the
+ * same answer holds for all of it); else they are left as they are. */
+bool kvb__shm_link_reaches(kvb_shm_link_t *l, uint64_t addr, uint64_t len, uint64_t *span_base,
+                           uint64_t *span_size);
 bool kvb__shm_link_cma(const kvb_shm_link_t *l);
 
 /* Target side. An offer is made on each authenticated connection from a same-host initiator: a

@@ -395,6 +395,17 @@ static void op_end(kvb_op_t *op, int status)
     kvb__op_done(op, status, status ? 0 : op->len);
 }
 
+/* Ends a list of ops (linked by op->next, NULL-terminated) with one status: their bounce buffers
+ * given back, then the ops of each batch ended under one hold of its lock (kvb__ops_done). */
+static void ops_end(kvb_op_t *ops, int status)
+{
+    for (kvb_op_t *op = ops; op; op = op->next) {
+        kvb__stage_put(op->stage);
+        op->stage = NULL;
+    }
+    kvb__ops_done(ops, status);
+}
+
 /* Initiator: the copies into local device memory queued by this read pass are done: end their
  * ops. */
 static void flush_dev_ops(tcp_conn_t *c)
@@ -402,15 +413,10 @@ static void flush_dev_ops(tcp_conn_t *c)
     if (!c->dops_head)
         return;
     int rc = kvb__stage_wait(c->sq);
-    kvb_op_t *op = c->dops_head;
+    kvb_op_t *ops = c->dops_head;
     c->dops_head = c->dops_tail = NULL;
     c->dops_bytes = 0;
-    while (op) {
-        kvb_op_t *next = op->next;
-        op->next = NULL;
-        op_end(op, rc);
-        op = next;
-    }
+    ops_end(ops, rc);
 }
 
 /* Initiator: a READ answer for local device memory is in its bounce buffer; queue the copy into
@@ -444,11 +450,7 @@ static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
 
 static void fail_op_list(kvb_op_t *op, int err)
 {
-    while (op) {
-        kvb_op_t *next = op->next;
-        op_end(op, err);
-        op = next;
-    }
+    ops_end(op, err);
 }
 
 /* Target side: releases the regions a set's requests pinned (their copies are done). */
@@ -1295,11 +1297,7 @@ static void end_run_ops(tcp_conn_t *c, uint64_t done)
         c->inflight_tail = NULL;
     pthread_mutex_unlock(&c->mu);
     last->next = NULL;
-    for (kvb_op_t *op = first, *next; op; op = next) {
-        next = op->next;
-        op->next = NULL;
-        op_end(op, KVB_OK);
-    }
+    ops_end(first, KVB_OK);
 }
 
 static void init_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
@@ -2706,10 +2704,11 @@ static int lanes_reg(kvb_provider_t *pv, kvb_region_t *reg, uint8_t *key, size_t
 
 /* The lanes carry bytes between host memory on both sides; the target checks the remote range
  * itself, so a range its list does not name (registered since) may still be tried. */
-static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op)
+static bool lanes_reach(kvb_provider_t *pv, kvb_peer_t *p, const kvb_op_t *op, kvb_span_t *span)
 {
     (void)pv;
     (void)p;
+    *span = KVB_SPAN_ALL; /* the answer is the local region's */
     /* Device memory goes through bounce buffers on either side (the target stages its own). */
     return !op->pin || kvb__stage_can(op->pin->kind);
 }
