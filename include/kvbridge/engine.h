@@ -111,9 +111,20 @@ typedef struct {
      * default from KVB_CPUS when it is set. The threads are named kvb-tcp-N, kvb-copy-N (and
      * kvb-shm, kvb-fabric, kvb-cuda, kvb-meta for the others, which no list binds). */
     const char *cpus;
+    /* How long a progress thread that took in a peer's requests keeps polling its connections
+     * for the next ones before it sleeps, in microseconds: KVB_LINGER_DEFAULT_US (100) by
+     * default, 0 sleeps at once, at most KVB_BUSY_POLL_MAX_US; busy_poll_us, where longer, takes
+     * its place. Unlike busy_poll_us it never makes a thread in kvb_batch_wait poll, and so never
+     * competes with the threads that move a batch's bytes: a peer that submits its next batch
+     * soon after the last one's answers finds the target's thread awake, and that round trip
+     * skips one wake-up, for up to this long of one core after each burst of requests (see the
+     * README's Performance section). kvb_config_init() takes the default from KVB_LINGER_US when
+     * it is set (as KVB_BUSY_POLL_US: a bad value fails kvb_engine_create). */
+    uint32_t linger_us;
 } kvb_config_t;
 
-#define KVB_BUSY_POLL_MAX_US 100000u
+#define KVB_BUSY_POLL_MAX_US  100000u
+#define KVB_LINGER_DEFAULT_US 100u
 
 /* Metadata. `metadata` selects how kvb_segment_open finds a segment by name:
  *   "p2p" (default)                 no store: the name is the peer's "host:port"
@@ -189,6 +200,10 @@ KVB_API const char *kvb_engine_tcp_congestion(const kvb_engine_t *engine);
 
 /* The busy polling this engine's threads do, in microseconds (0: none; see busy_poll_us). */
 KVB_API uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *engine);
+
+/* How long this engine's progress threads poll for more requests after taking some in, in
+ * microseconds (see linger_us; busy_poll_us where longer). */
+KVB_API uint32_t kvb_engine_linger_us(const kvb_engine_t *engine);
 
 /* The CPUs this engine's data threads run on (see `cpus`), in the order they are taken, written
  * back as a list with runs of consecutive CPUs as ranges ("0,1,2,5" reads "0-2,5"), or "" when

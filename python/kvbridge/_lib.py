@@ -76,8 +76,15 @@ class ConfigCpus(Structure):
     _fields_ = ConfigBusyPoll._fields_ + [("cpus", c_char_p)]
 
 
+class ConfigLinger(Structure):
+    """kvb_config_t of libraries that export kvb_engine_linger_us: linger_us after cpus."""
+    _fields_ = ConfigCpus._fields_ + [("linger_us", c_uint32)]
+
+
 def config_type() -> type:
     """The kvb_config_t layout the loaded library knows (the struct only grows at its end)."""
+    if hasattr(load(), "kvb_engine_linger_us"):
+        return ConfigLinger
     if hasattr(load(), "kvb_engine_cpus"):
         return ConfigCpus
     if hasattr(load(), "kvb_engine_busy_poll_us"):
@@ -287,9 +294,10 @@ def load() -> ctypes.CDLL:
                 if hasattr(lib, name):  # optional: newer libraries only
                     getattr(lib, name).restype = c_char_p
                     getattr(lib, name).argtypes = [P]
-            if hasattr(lib, "kvb_engine_busy_poll_us"):
-                lib.kvb_engine_busy_poll_us.restype = c_uint32
-                lib.kvb_engine_busy_poll_us.argtypes = [P]
+            for name in ("kvb_engine_busy_poll_us", "kvb_engine_linger_us"):
+                if hasattr(lib, name):
+                    getattr(lib, name).restype = c_uint32
+                    getattr(lib, name).argtypes = [P]
             _path = getattr(lib, "_name", cand)
             _lib = lib
             return lib

@@ -205,7 +205,7 @@ class Stats:
 
 _CONFIG_INT = ("port", "port_max", "progress_threads", "lanes", "timeout_ms", "connect_timeout_ms",
                "copy_threads", "metadata_ttl_ms", "peer_timeout_ms", "max_connections",
-               "shm_map_max", "busy_poll_us")
+               "shm_map_max", "busy_poll_us", "linger_us")
 _CONFIG_STR = ("bind_addr", "advertise_addr", "segment_name", "metadata", "protocol", "cluster",
                "fabric_provider", "tcp_congestion", "cpus")
 
@@ -223,9 +223,11 @@ class Engine:
     shm_map_max, fabric_provider where the library has the libfabric path
     (kvbridge.has_fabric()), tcp_congestion (the TCP connections' congestion control, such as
     "cubic"; default KVB_TCP_CONGESTION, else the system's) and busy_poll_us (microseconds the
-    engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off)
-    and cpus (the CPUs of its data threads, a list such as "0-1,4": progress threads, then copy
-    threads, one CPU each in turn; default KVB_CPUS, else unbound).
+    engine's threads poll before they sleep, 0 to 100000; default KVB_BUSY_POLL_US, else 0: off),
+    cpus (the CPUs of its data threads, a list such as "0-1,4": progress threads, then copy
+    threads, one CPU each in turn; default KVB_CPUS, else unbound) and linger_us (microseconds a
+    progress thread polls for more requests after some came in, 0 to 100000; default
+    KVB_LINGER_US, else 100).
     Unknown keywords raise TypeError.
 
     Every method is thread-safe, close() included (see close()); blocking ones release the GIL.
@@ -309,6 +311,16 @@ class Engine:
         """The busy polling of the engine's threads in microseconds (0: off, or an older
         library)."""
         fn = getattr(self._lib, "kvb_engine_busy_poll_us", None)
+        if fn is None:
+            return 0
+        with self._gate.use() as h:
+            return int(fn(h))
+
+    @property
+    def linger_us(self) -> int:
+        """How long the engine's progress threads poll for more requests after some came in, in
+        microseconds (linger_us, or busy_poll_us where longer; 0 with an older library)."""
+        fn = getattr(self._lib, "kvb_engine_linger_us", None)
         if fn is None:
             return 0
         with self._gate.use() as h:

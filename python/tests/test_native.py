@@ -396,6 +396,24 @@ def test_busy_poll():
                 assert np.array_equal(dst, src)
 
 
+def test_linger(monkeypatch):
+    monkeypatch.delenv("KVB_LINGER_US", raising=False)
+    with Engine() as e:
+        assert e.linger_us == 100  # on by default
+    with Engine(linger_us=0) as e:
+        assert e.linger_us == 0
+    with Engine(linger_us=50, busy_poll_us=300) as e:
+        assert e.linger_us == 300  # busy polling, where longer, takes its place
+    with pytest.raises(errors.InvalidArgError):
+        Engine(linger_us=100001)
+    monkeypatch.setenv("KVB_LINGER_US", "12us")
+    with pytest.raises(errors.InvalidArgError):
+        Engine()
+    monkeypatch.setenv("KVB_LINGER_US", "7")
+    with Engine() as e:
+        assert e.linger_us == 7
+
+
 def test_cpus():
     with Engine(cpus="") as e:
         assert e.cpus == ""  # unbound

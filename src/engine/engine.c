@@ -27,13 +27,14 @@ static const char *env_or(const char *name, const char *dflt)
     return v && *v ? v : dflt;
 }
 
-/* KVB_BUSY_POLL_US: a decimal number of microseconds. Anything else (or too large) becomes a
- * value kvb_engine_create refuses, so a typo is an error rather than a silent default. */
-static uint32_t env_busy_poll(void)
+/* KVB_BUSY_POLL_US, KVB_LINGER_US: a decimal number of microseconds, `dflt` where unset.
+ * Anything else (or too large) becomes a value kvb_engine_create refuses, so a typo is an error
+ * rather than a silent default. */
+static uint32_t env_us(const char *name, uint32_t dflt)
 {
-    const char *v = env_or("KVB_BUSY_POLL_US", NULL);
+    const char *v = env_or(name, NULL);
     if (!v)
-        return 0;
+        return dflt;
     char *end;
     errno = 0;
     unsigned long long us = strtoull(v, &end, 10);
@@ -59,8 +60,9 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
     d.protocol = env_or("KVB_PROTOCOL", "auto");
     d.fabric_provider = env_or("KVB_FABRIC_PROVIDER", NULL);
     d.tcp_congestion = env_or("KVB_TCP_CONGESTION", NULL);
-    d.busy_poll_us = env_busy_poll();
+    d.busy_poll_us = env_us("KVB_BUSY_POLL_US", 0);
     d.cpus = env_or("KVB_CPUS", NULL);
+    d.linger_us = env_us("KVB_LINGER_US", KVB_LINGER_DEFAULT_US);
     d.copy_threads = 1;
     d.cluster = "default";
     d.metadata_ttl_ms = 10000;
@@ -198,6 +200,20 @@ static void region_release(void *ctx, kvb_region_t *reg)
             kvb__provider(id)->dereg(e->path_state[id], reg);
 }
 
+/* A time in microseconds from the config (`field`) or the environment (`env`), up to
+ * KVB_BUSY_POLL_MAX_US; says which was wrong. */
+static bool check_us(const char *field, const char *env, uint32_t us, uint32_t dflt)
+{
+    if (us <= KVB_BUSY_POLL_MAX_US)
+        return true;
+    if (us == UINT32_MAX && env_us(env, dflt) == UINT32_MAX) /* a bad value */
+        KVB_ERROR("%s=\"%.32s\" is not a number of microseconds up to %u", env, getenv(env),
+                  KVB_BUSY_POLL_MAX_US);
+    else
+        KVB_ERROR("%s %u is over the maximum of %u", field, us, KVB_BUSY_POLL_MAX_US);
+    return false;
+}
+
 static int check_config(const kvb_config_t *c)
 {
     if (c->metadata_ttl_ms && c->metadata_ttl_ms < 1000) {
@@ -212,16 +228,9 @@ static int check_config(const kvb_config_t *c)
                   c->progress_threads, c->lanes, c->port, c->port_max);
         return KVB_ERR_INVALID_ARG;
     }
-    if (c->busy_poll_us > KVB_BUSY_POLL_MAX_US) {
-        const char *env = getenv("KVB_BUSY_POLL_US");
-        if (c->busy_poll_us == UINT32_MAX && env_busy_poll() == UINT32_MAX) /* a bad value */
-            KVB_ERROR("KVB_BUSY_POLL_US=\"%.32s\" is not a number of microseconds up to %u", env,
-                      KVB_BUSY_POLL_MAX_US);
-        else
-            KVB_ERROR("busy_poll_us %u is over the maximum of %u", c->busy_poll_us,
-                      KVB_BUSY_POLL_MAX_US);
+    if (!check_us("busy_poll_us", "KVB_BUSY_POLL_US", c->busy_poll_us, 0) ||
+        !check_us("linger_us", "KVB_LINGER_US", c->linger_us, KVB_LINGER_DEFAULT_US))
         return KVB_ERR_INVALID_ARG;
-    }
     return KVB_OK;
 }
 
@@ -550,6 +559,13 @@ const char *kvb_engine_tcp_congestion(const kvb_engine_t *e)
 uint32_t kvb_engine_busy_poll_us(const kvb_engine_t *e)
 {
     return e ? e->cfg.busy_poll_us : 0;
+}
+
+uint32_t kvb_engine_linger_us(const kvb_engine_t *e)
+{
+    if (!e)
+        return 0;
+    return e->cfg.linger_us > e->cfg.busy_poll_us ? e->cfg.linger_us : e->cfg.busy_poll_us;
 }
 
 const char *kvb_engine_cpus(const kvb_engine_t *e)

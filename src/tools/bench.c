@@ -46,6 +46,7 @@ typedef struct {
     char fabric_in_use[64];      /* the provider the initiator's engine runs it on, or "" */
     char congestion[16];         /* the TCP congestion control of the initiator's engine */
     uint32_t busy_poll_us;       /* the busy polling of the initiator's engine */
+    uint32_t linger_us;          /* its progress threads' polling after requests */
     char cpus[256];              /* the CPUs of its data threads (--cpus), "" if unbound */
     const char *kv_model;        /* --kv: the KV-shaped workload instead */
     const char *metadata;        /* --metadata URI: segments found through a store */
@@ -465,6 +466,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         printf("  TCP congestion control %s\n", o->congestion);
     if (o->busy_poll_us)
         printf("  busy polling %u us\n", o->busy_poll_us);
+    printf("  progress threads linger %u us after requests\n", o->linger_us);
     if (o->cpus[0])
         printf("  engines' data threads on CPUs %s\n", o->cpus);
     if (o->ceiling_gbps > 0) {
@@ -510,6 +512,7 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             json_object_set_new(j, "fabric_provider", json_string(o->fabric_in_use));
         json_object_set_new(j, "tcp_congestion", json_string(o->congestion));
         json_object_set_new(j, "busy_poll_us", json_integer(o->busy_poll_us));
+        json_object_set_new(j, "linger_us", json_integer(o->linger_us));
         json_object_set_new(j, "cpus", json_string(o->cpus));
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
@@ -578,6 +581,7 @@ static int run_initiator(bench_opts_t *o)
     snprintf(o->fabric_in_use, sizeof o->fabric_in_use, "%s", kvb_engine_fabric_provider(e));
     snprintf(o->congestion, sizeof o->congestion, "%s", kvb_engine_tcp_congestion(e));
     o->busy_poll_us = kvb_engine_busy_poll_us(e);
+    o->linger_us = kvb_engine_linger_us(e);
     snprintf(o->cpus, sizeof o->cpus, "%s", kvb_engine_cpus(e));
     if ((rc = kvb_segment_regions(e, seg, 0, &region, 1, &nregions)) || nregions == 0) {
         fprintf(stderr, "bench: segment %s has no registered memory\n", o->segment);
@@ -701,8 +705,9 @@ static void pin_to(int cpu)
 }
 
 /* Receives exactly len bytes. With spin_ns, polls the socket without sleeping until that long
- * passes with nothing read, as an engine's threads do with busy polling (cfg.busy_poll_us), so
- * that the ping-pong measures what a round trip costs with the same wakes skipped. */
+ * passes with nothing read, as an engine's threads do (a waiting thread with busy polling,
+ * cfg.busy_poll_us; a progress thread after requests, cfg.linger_us), so that the ping-pong
+ * measures what a round trip costs with the same wakes skipped. */
 static bool recv_all(int fd, uint8_t *b, uint64_t len, uint64_t spin_ns)
 {
     uint64_t got = 0, busy_at = kvb__now_ns();
@@ -719,7 +724,8 @@ static bool recv_all(int fd, uint8_t *b, uint64_t len, uint64_t spin_ns)
     return true;
 }
 
-/* A child that echoes `len`-byte messages; returns the client fd. The socket is the kind the
+/* A child that echoes `len`-byte messages, polling spin_ns for the next after each as a target's
+ * progress thread does (cfg.linger_us); returns the client fd. The socket is the kind the
  * measured requests ride: a Unix socket (local) for same-host peers, whose lanes are Unix sockets,
  * else loopback TCP. */
 static int start_echo(uint64_t len, bool local, uint64_t spin_ns, pid_t *pid)
@@ -789,8 +795,9 @@ static int run_latency(bench_opts_t *o)
     pid_t echo = -1;
     bool unix_lanes = !strcmp(o->path, "shm"); /* a same-host peer's lanes are Unix sockets */
     o->busy_poll_us = kvb_engine_busy_poll_us(e);
+    o->linger_us = kvb_engine_linger_us(e); /* the target's, from the same defaults */
     uint64_t spin_ns = (uint64_t)o->busy_poll_us * 1000;
-    int fd = local ? start_echo(o->block, unix_lanes, spin_ns, &echo) : -1;
+    int fd = local ? start_echo(o->block, unix_lanes, (uint64_t)o->linger_us * 1000, &echo) : -1;
     enum { ROUNDS = 20, PER = 250 };
     double *kl = calloc(ROUNDS * PER, sizeof *kl), *rl = calloc(ROUNDS * PER, sizeof *rl);
     size_t nk = 0, nr = 0;
@@ -823,9 +830,9 @@ static int run_latency(bench_opts_t *o)
     if (!rc) {
         double k50 = pct(kl, nk, 0.5), k99 = pct(kl, nk, 0.99);
         double r50 = pct(rl, nr, 0.5), r99 = pct(rl, nr, 0.99);
-        char spun[48] = "";
-        if (o->busy_poll_us)
-            snprintf(spun, sizeof spun, " (both busy-polling %u us)", o->busy_poll_us);
+        char spun[96];
+        snprintf(spun, sizeof spun, " (the echo lingering %u us%s)", o->linger_us,
+                 o->busy_poll_us ? ", both busy-polling" : "");
         printf("kvbridge bench --latency: %llu-byte READ round trip over %s: p50 %.1f us, p99 "
                "%.1f us\n  raw %s ping-pong: p50 %.1f us, p99 %.1f us; ratio p50 %.2f%s\n",
                (unsigned long long)o->block, o->path, k50, k99,
@@ -833,9 +840,10 @@ static int run_latency(bench_opts_t *o)
         if (o->json)
             printf("{\"latency_block\":%llu,\"protocol\":\"%s\",\"lat_p50_us\":%.2f,"
                    "\"lat_p99_us\":%.2f,\"raw_socket\":\"%s\",\"raw_p50_us\":%.2f,"
-                   "\"raw_p99_us\":%.2f,\"ratio_p50\":%.3f,\"busy_poll_us\":%u}\n",
+                   "\"raw_p99_us\":%.2f,\"ratio_p50\":%.3f,\"busy_poll_us\":%u,"
+                   "\"linger_us\":%u}\n",
                    (unsigned long long)o->block, o->path, k50, k99, unix_lanes ? "unix" : "tcp",
-                   r50, r99, k50 / r50, o->busy_poll_us);
+                   r50, r99, k50 / r50, o->busy_poll_us, o->linger_us);
     }
     if (fd >= 0)
         close(fd);
@@ -970,6 +978,10 @@ static void usage(FILE *f)
         "  --busy-poll US            engines' busy polling in microseconds (0: off; default\n"
         "                            KVB_BUSY_POLL_US, else 0); --latency's raw ping-pong\n"
         "                            then polls as long\n"
+        "  --linger US               how long the engines' progress threads poll for more\n"
+        "                            requests after some came in (0: sleep at once; default\n"
+        "                            KVB_LINGER_US, else 100); --latency's raw echo lingers\n"
+        "                            as long\n"
         "  --cpus LIST               CPUs of both engines' data threads, such as 0,1 (progress\n"
         "                            threads, then copy threads, one CPU each in turn; \"\":\n"
         "                            unbound; default KVB_CPUS, else unbound); the copy\n"
@@ -997,6 +1009,8 @@ static void usage(FILE *f)
         "                            deepseek-v3) through the KV layer; --reps N (default 5)\n");
 }
 
+enum { OPT_LINGER = 256 }; /* long options without a letter */
+
 static int parse_args(int argc, char **argv, bench_opts_t *o)
 {
     static const struct option longs[] = {{"mode", 1, 0, 'm'},
@@ -1012,6 +1026,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                                           {"fabric-provider", 1, 0, 'W'},
                                           {"tcp-congestion", 1, 0, 'Z'},
                                           {"busy-poll", 1, 0, 'U'},
+                                          {"linger", 1, 0, OPT_LINGER},
                                           {"cpus", 1, 0, 'A'},
                                           {"verify", 0, 0, 'v'},
                                           {"loopback", 0, 0, 'l'},
@@ -1173,6 +1188,12 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             uint64_t us;
             bad = kvb_cli_parse_uint(optarg, KVB_BUSY_POLL_MAX_US, &us) ||
                   setenv("KVB_BUSY_POLL_US", optarg, 1) != 0;
+            break;
+        }
+        case OPT_LINGER: { /* every engine of this process and its children reads it */
+            uint64_t us;
+            bad = kvb_cli_parse_uint(optarg, KVB_BUSY_POLL_MAX_US, &us) ||
+                  setenv("KVB_LINGER_US", optarg, 1) != 0;
             break;
         }
         case 'A': { /* every engine and copy ceiling of this process and its children reads it */

@@ -182,10 +182,12 @@ struct tcp_conn {
     const char *refused; /* ROLE_TARGET: why the handshake was refused, if not for the secret */
     uint8_t *rx_dst;     /* SINK_REGION / SINK_BUF */
     kvb_region_t *rx_pin;
-    uint8_t *rx_stage; /* a WRITE to device memory lands here first */
-    kvb_op_t *rx_op;   /* SINK_OP */
-    uint64_t rx_run;   /* ROLE_INIT: requests the answer run being read still answers */
-    uint64_t rx_off;   /* ROLE_INIT, SINK_RUN: bytes of rx_op (the run's current request) in */
+    kvb_region_t *rx_hold; /* ROLE_TARGET: the region the last request found, pinned for the
+                            * rest of the read pass (target_range) */
+    uint8_t *rx_stage;     /* a WRITE to device memory lands here first */
+    kvb_op_t *rx_op;       /* SINK_OP */
+    uint64_t rx_run;       /* ROLE_INIT: requests the answer run being read still answers */
+    uint64_t rx_off;       /* ROLE_INIT, SINK_RUN: bytes of rx_op (the run's current request) in */
     /* Device memory through bounce buffers: copies queued during a read pass, waited for once at
      * its end (or before any answer that must follow them). ROLE_TARGET: requests answered then,
      * in order; ROLE_INIT: READ answers whose bytes go into local device memory. */
@@ -237,7 +239,8 @@ struct kvb_transport {
     tcp_thread_t *threads;
     atomic_uint next_thread;
     atomic_bool stop;
-    uint64_t spin_ns; /* cfg.busy_poll_us: how long a thread polls after traffic before it sleeps */
+    uint64_t spin_ns; /* how long a progress thread polls after requests before it sleeps:
+                       * cfg.linger_us, or cfg.busy_poll_us where longer */
 };
 
 typedef struct {
@@ -377,6 +380,14 @@ static void conn_fail(tcp_conn_t *c, int err, const char *what)
         c->th->need_scan = true;
 }
 
+/* Target side: lets go of the region a read pass held (target_range). */
+static void release_hold(tcp_conn_t *c)
+{
+    if (c->rx_hold)
+        kvb__region_unpin(c->registry, c->rx_hold);
+    c->rx_hold = NULL;
+}
+
 /* Returns a sent (or dropped) frame to c's free list. Caller holds c->mu. */
 static void frame_release(tcp_conn_t *c, tcp_frame_t *f)
 {
@@ -508,6 +519,7 @@ static void conn_close(tcp_conn_t *c)
     if (c->rx_pin)
         kvb__region_unpin(c->registry, c->rx_pin);
     c->rx_pin = NULL;
+    release_hold(c);
     kvb__stage_put(c->rx_stage);
     c->rx_stage = NULL;
     /* Device copies still queued write into bounce buffers and device memory: let them finish
@@ -799,6 +811,25 @@ static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigne
     return st;
 }
 
+/* Target side: checks a request's range and pins its region. A read pass's requests mostly fall
+ * in one region: the connection keeps a pin of its own on the region the last one found
+ * (c->rx_hold, until the pass ends: release_hold), so the next is pinned again without the
+ * registry's lock and search - unless that region is going or lacks the rights asked. */
+static int target_range(tcp_conn_t *c, uint64_t addr, uint64_t len, unsigned access,
+                        kvb_region_t **pin)
+{
+    if (c->rx_hold && kvb__region_repin(c->rx_hold, addr, len, access)) {
+        *pin = c->rx_hold;
+        return KVB_OK;
+    }
+    int st = check_range(c->registry, addr, len, access, false, pin);
+    if (st == KVB_OK) {
+        release_hold(c);
+        c->rx_hold = kvb__region_repin(*pin, addr, len, access) ? *pin : NULL;
+    }
+    return st;
+}
+
 /* Target side: the device copies owed are done - answer their requests, in order. */
 static void flush_dev_jobs(tcp_conn_t *c)
 {
@@ -903,7 +934,6 @@ static int answer_read(tcp_conn_t *c, const kvb_frame_hdr_t *h, int st, kvb_regi
 /* Target side: a request header arrived; decide where its payload goes and what to answer. */
 static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
-    kvb_registry_t *reg = &c->th->tp->engine->registry;
     if (c->auth != AUTH_DONE) {
         /* Before the proof only the handshake's own frames: no region, data or notification. */
         int want = c->auth == AUTH_HELLO ? KVB_FRAME_HELLO : KVB_FRAME_AUTH;
@@ -938,14 +968,14 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return KVB_OK;
     case KVB_FRAME_READ_REQ: { /* answered right away, straight from the region */
         kvb_region_t *pin = NULL;
-        int st = check_range(reg, h->addr, h->len, access, false, &pin);
+        int st = target_range(c, h->addr, h->len, access, &pin);
         if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
             return answer_staged_read(c, h, pin);
         flush_dev_jobs(c);
         return answer_read(c, h, st, pin);
     }
     case KVB_FRAME_WRITE_REQ:
-        c->rx_status = check_range(reg, h->addr, h->len, access, false, &c->rx_pin);
+        c->rx_status = target_range(c, h->addr, h->len, access, &c->rx_pin);
         c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
         c->rx_dst = c->rx_status ? NULL : (uint8_t *)(uintptr_t)h->addr;
         if (c->rx_dst && c->rx_pin->kind != KVB_MEM_CPU) { /* device memory: bounce it */
@@ -1647,6 +1677,7 @@ static void read_frames(tcp_conn_t *c)
 static void conn_read(tcp_conn_t *c)
 {
     read_frames(c);
+    release_hold(c);
     if (!c->close_req && c->rx_lowat && !c->local) { /* see LOWAT_MIN */
         uint64_t left = c->rx_state == RX_PAYLOAD ? c->rx_plen - c->rx_got : 0;
         int want = left < LOWAT_MIN ? 1 : left > LOWAT_MAX ? (int)LOWAT_MAX : (int)left;
@@ -1876,11 +1907,13 @@ static void *thread_main(void *arg)
     uint64_t spin_ns = th->tp->spin_ns, busy_at = 0;
     while (!atomic_load(&th->tp->stop)) {
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
-         * without sleeping; so does a thread that busy-polls (cfg.busy_poll_us), for spin_ns after
-         * it last took in requests, unless a connection waits for room to send. Answers are not
-         * polled for here: a batch on one connection is polled by its waiting thread
-         * (tcp_drive), and one spread over several is large enough not to notice a wake (on 2
-         * cores, polling for its answers cost 64 KiB READs at batch 128 a fifth). */
+         * without sleeping; so does a thread for spin_ns after it last took in requests
+         * (cfg.linger_us, or cfg.busy_poll_us where longer), unless a connection waits for room
+         * to send: a peer's next batch, submitted once the last one's answers are in, then
+         * finds it awake. Answers are not polled for here: a batch on one connection is polled
+         * by its waiting thread (tcp_drive, with busy polling only), and one spread over several
+         * is large enough not to notice a wake (on 2 cores, polling for its answers cost 64 KiB
+         * READs at batch 128 a fifth). */
         bool spin = spin_ns && kvb__now_ns() - busy_at < spin_ns &&
                     atomic_load_explicit(&th->out_armed, memory_order_relaxed) == 0;
         int n = epoll_wait(th->epfd, evs, MAX_EVENTS,
@@ -2028,7 +2061,7 @@ static int tcp_create(kvb_engine_t *e, kvb_transport_t **out)
     if (!tp)
         return KVB_ERR_NOMEM;
     tp->engine = e;
-    tp->spin_ns = (uint64_t)e->cfg.busy_poll_us * 1000;
+    tp->spin_ns = (uint64_t)kvb_engine_linger_us(e) * 1000;
     tp->listen_fd = tp->local_fd = -1;
     pthread_mutex_init(&tp->targets_mu, NULL);
     tp->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);

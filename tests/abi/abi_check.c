@@ -31,6 +31,7 @@
     X(kvb_engine_fabric_provider)                                                                  \
     X(kvb_engine_tcp_congestion)                                                                   \
     X(kvb_engine_busy_poll_us)                                                                     \
+    X(kvb_engine_linger_us)                                                                        \
     X(kvb_engine_cpus)                                                                             \
     X(kvb_alloc)                                                                                   \
     X(kvb_free)                                                                                    \
@@ -186,6 +187,8 @@ static kvb_engine_t *make_engine(const char *key)
     CHECK(CALL(kvb_engine_fabric_provider, e) != NULL);   /* "" unless an RDMA NIC is here */
     CHECK(CALL(kvb_engine_tcp_congestion, e)[0] != '\0'); /* the system's default */
     CHECK(CALL(kvb_engine_busy_poll_us, e) == cfg.busy_poll_us);
+    CHECK(CALL(kvb_engine_linger_us, e) ==
+          (cfg.linger_us > cfg.busy_poll_us ? cfg.linger_us : cfg.busy_poll_us));
     /* "" unless KVB_CPUS binds the threads (then the list, written back with runs as ranges) */
     CHECK(CALL(kvb_engine_cpus, e) && (cfg.cpus && *cfg.cpus) == (*CALL(kvb_engine_cpus, e) != 0));
     char want[64];

@@ -216,16 +216,44 @@ static double cpu_ms(void)
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static kvb_engine_t *make_spinning(const char *protocol, uint32_t busy_poll_us)
+static kvb_engine_t *make_polling(const char *protocol, uint32_t busy_poll_us, uint32_t linger_us)
 {
     kvb_config_t c;
     kvb_config_init(&c);
     c.protocol = protocol;
     c.busy_poll_us = busy_poll_us;
+    c.linger_us = linger_us;
     kvb_engine_t *e;
     cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
     cr_assert_eq(kvb_engine_busy_poll_us(e), busy_poll_us);
+    cr_assert_eq(kvb_engine_linger_us(e), linger_us > busy_poll_us ? linger_us : busy_poll_us);
     return e;
+}
+
+static kvb_engine_t *make_spinning(const char *protocol, uint32_t busy_poll_us)
+{
+    return make_polling(protocol, busy_poll_us, KVB_LINGER_DEFAULT_US);
+}
+
+/* Milliseconds of this process's CPU in the 150 ms after one 4 KiB READ from a to b, and in 200
+ * ms half a second later (only the engines' ticks then). */
+static void cpu_after_read(kvb_engine_t *a, kvb_engine_t *b, uint64_t seed, double *spun,
+                           double *idle)
+{
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, 4096, seed, &src, &dst);
+    kvb_request_t r = {KVB_OP_READ, dst, s, (uintptr_t)src, 4096};
+    double t0 = cpu_ms();
+    move_ok(a, &r, 1, 10000);
+    usleep(150000);
+    *spun = cpu_ms() - t0;
+    usleep(350000);
+    t0 = cpu_ms();
+    usleep(200000);
+    *idle = cpu_ms() - t0;
+    cr_assert_eq(memcmp(dst, src, 4096), 0);
+    free(src);
+    free(dst);
 }
 
 /* Busy polling: checked where it is set; data moves the same on every path and batch shape
@@ -285,23 +313,76 @@ static void busy_polling(const char *protocol)
      * for it), since the machine may be loaded. */
     a = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
     b = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
-    s = pattern_pair(a, b, 4096, 12, &src, &dst);
-    r[0] = (kvb_request_t){KVB_OP_READ, dst, s, (uintptr_t)src, 4096};
-    double t0 = cpu_ms();
-    move_ok(a, r, 1, 10000);
-    usleep(150000);
-    double spun = cpu_ms() - t0;
-    usleep(350000); /* the spin is over: only the engines' ticks remain */
-    t0 = cpu_ms();
-    usleep(200000);
-    double idle = cpu_ms() - t0;
+    double spun, idle;
+    cpu_after_read(a, b, 12, &spun, &idle);
     cr_expect_gt(spun, 20, "%.1f ms of CPU in the 150 ms of a transfer: no busy polling", spun);
     cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, half a second after the transfer", idle);
-    cr_assert_eq(memcmp(dst, src, 4096), 0);
     kvb_engine_destroy(a);
     kvb_engine_destroy(b);
-    free(src);
-    free(dst);
+}
+
+/* Lingering: on by default (KVB_LINGER_DEFAULT_US), checked where it is set; a target's progress
+ * thread polls for that long after it took requests in (the longest there is, 100 ms, burns CPU
+ * the way busy polling does), then sleeps; 0 sleeps at once. */
+static void lingering(const char *protocol)
+{
+    kvb_config_t c;
+    kvb_engine_t *e = NULL;
+    cr_assert_eq(unsetenv("KVB_LINGER_US"), 0);
+    kvb_config_init(&c);
+    cr_expect_eq(c.linger_us, KVB_LINGER_DEFAULT_US, "on unless told otherwise");
+    c.linger_us = KVB_BUSY_POLL_MAX_US + 1;
+    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
+    static const char *bad[] = {"abc", "-5", "12us", "100001", "99999999999999999999999"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        cr_assert_eq(setenv("KVB_LINGER_US", bad[i], 1), 0);
+        kvb_config_init(&c);
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "KVB_LINGER_US=%s", bad[i]);
+    }
+    cr_assert_null(e);
+    cr_assert_eq(setenv("KVB_LINGER_US", "0", 1), 0);
+    kvb_config_init(&c);
+    cr_expect_eq(c.linger_us, 0);
+    cr_assert_eq(unsetenv("KVB_LINGER_US"), 0);
+    /* busy polling, where longer, takes its place */
+    kvb_engine_destroy(make_polling(protocol, 300, 50));
+    /* A caller built before `linger_us` existed gets the default, or KVB_LINGER_US. */
+    kvb_config_t old;
+    kvb_config_init_v(&old, offsetof(kvb_config_t, linger_us));
+    cr_assert_eq(kvb_engine_create(&old, &e), KVB_OK);
+    cr_expect_eq(kvb_engine_linger_us(e), KVB_LINGER_DEFAULT_US);
+    kvb_engine_destroy(e);
+    cr_assert_eq(setenv("KVB_LINGER_US", "7", 1), 0);
+    cr_assert_eq(kvb_engine_create(&old, &e), KVB_OK);
+    cr_assert_eq(unsetenv("KVB_LINGER_US"), 0);
+    cr_expect_eq(kvb_engine_linger_us(e), 7);
+    kvb_engine_destroy(e);
+
+    kvb_engine_t *a = make_polling(protocol, 0, KVB_BUSY_POLL_MAX_US);
+    kvb_engine_t *b = make_polling(protocol, 0, KVB_BUSY_POLL_MAX_US);
+    double spun, idle;
+    cpu_after_read(a, b, 13, &spun, &idle);
+    cr_expect_gt(spun, 20, "%.1f ms of CPU in the 150 ms after requests: no lingering", spun);
+    cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, half a second after the transfer", idle);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+
+    a = make_polling(protocol, 0, 0);
+    b = make_polling(protocol, 0, 0);
+    cpu_after_read(a, b, 14, &spun, &idle);
+    cr_expect_lt(spun, 20, "%.1f ms of CPU in the 150 ms after requests with lingering off", spun);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+}
+
+Test(engine, lingering_tcp)
+{
+    lingering("tcp");
+}
+
+Test(engine, lingering_shm)
+{
+    lingering("shm");
 }
 
 Test(engine, busy_polling_tcp)
