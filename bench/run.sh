@@ -65,7 +65,7 @@ run() { "$BIN" bench "$@" --json 2>/dev/null | tail -n 1; }
 kvb_gbps() { run --loopback --buffer-size "$BUF" "$@" | field gbps; }
 # A ceiling on the same working set: a raw TCP stream over $LANES connections, or the best copy
 # (memcpy, rep movsb or streaming stores) with the copy path's 2 threads; TCP: one warm pass over the buffers, then
-# the best of 4 windows (two syscall sizes, alternating); copy: one warm pass, then the best of 4
+# the best of 6 windows (three syscall sizes in turn); copy: one warm pass, then the best of 4
 # runs within the duration.
 ceiling() { run --baseline "$1" --block-size "$2" --duration "$3" --buffer-size "$BUF" --lanes "$LANES" | field gbps; }
 
@@ -258,6 +258,7 @@ latency_goal() { # name label -- bench args
     lr=$(echo "$lat" | field ratio_p50)
     echo "$name,64 B READ round trip p50$label (p99 $(echo "$lat" | field lat_p99_us) us),$(echo "$lat" | field lat_p50_us) us,$(echo "$lat" | field raw_p50_us) us raw $(echo "$lat" | field raw_socket) ping-pong,$lr,<= 1.3,$(awk -v r="$lr" 'BEGIN {print (r <= 1.3 ? "yes" : "no")}')," >> "$OUT/goals.csv"
 }
+# The raw ping-pong's echo lingers as the target's progress thread does (linger_us, default 100).
 latency_goal latency-64b "" --
 latency_goal latency-64b-busy " busy polling $BUSY_US us (the ping-pong too)" -- --busy-poll "$BUSY_US"
 # One `bench --kv` run of $REPS pulls, each paired with its ceiling: kv_goal NAME MODEL TOKENS
@@ -301,8 +302,8 @@ say ""
     echo "($(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s)."
     echo "Working set: $BUF per side; last-level cache: $llc. Ceilings: a raw loopback TCP stream"
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
-    echo "the fork; one pass over the buffers not counted, then the best of 4 windows alternating two"
-    echo "syscall sizes), and the best of memcpy, rep movsb and streaming stores with the copy path's"
+    echo "the fork; one pass over the buffers not counted, then the best of 6 windows, three syscall"
+    echo "sizes in turn), and the best of memcpy, rep movsb and streaming stores with the copy path's"
     echo "2 threads over memfd pages, bound to CPUs of their own and unbound in turn (with --cpus, on"
     echo "those CPUs; one pass not counted, then the best of 4 runs); across the veth"
     echo "pair (RPS over every CPU on both ends, so a flow arrives in order) the same raw stream from"
@@ -310,7 +311,8 @@ say ""
     echo "divides; KV ceilings move the same blocks as the pull they divide, each pull's in source"
     echo "order."
     echo "TCP congestion control: $CC (KVB_TCP_CONGESTION; the system's default is $CC_SYSTEM), the"
-    echo "same for kvbridge's connections, the raw streams and iperf3."
+    echo "same for kvbridge's connections, the raw streams and iperf3. The engines' progress threads"
+    echo "linger ${KVB_LINGER_US:-100} us after requests (linger_us; the latency ping-pong's echo as long)."
     if [ -n "$(damon_pids)" ]; then
         echo "DAMON's kdamond ran beside it: $(awk -v t=$(( $(damon_ticks) - DAMON_START )) \
             -v hz="$(getconf CLK_TCK)" -v s=$((SECONDS - START)) 'BEGIN {printf "%.1f", s ? 100 * t / hz / s : 0}')% of one"

@@ -48,7 +48,9 @@
 #define THREADS_MAX 16
 #define IOVS_MAX    256
 #define RUNS_MAX    16
-#define CONNECT_MS  60000                         /* the sender populates its buffer first */
+#define NSIZES      3            /* syscall sizes a TCP ceiling tries (syscall_sizes) */
+#define CHUNK_MAX   (8ull << 20) /* the largest: kvbridge's lanes' TX_MAX_BYTES */
+#define CONNECT_MS  60000        /* the sender populates its buffer first */
 #define WARM_MAX_NS (120ull * 1000 * 1000 * 1000) /* a warm pass slower than this: give up */
 
 /* kvb_ceiling_net: where the receiver listens, and the namespace the sender joins ("": none). */
@@ -200,8 +202,8 @@ typedef struct {
 typedef struct {
     int fd;
     uint8_t *buf;
-    uint64_t block, chunk; /* chunk: bytes offered to one sendmsg or recvmsg */
-    uint64_t sizes[2];     /* the two chunks tried, window by window (see syscall_sizes) */
+    uint64_t block, chunk;  /* chunk: bytes offered to one sendmsg or recvmsg */
+    uint64_t sizes[NSIZES]; /* the chunks tried, window by window (see syscall_sizes) */
     cursor_t at;
 } end_t;
 
@@ -226,15 +228,19 @@ static uint64_t chunk_of(uint64_t block)
     return c / block > IOVS_MAX ? IOVS_MAX * block : c;
 }
 
-/* Two sizes per syscall, tried in alternate windows, the best window counting: the blocks
- * gathered into at least 1 MiB, and 15/16 of that. On this project's VMs writes and reads of
- * exactly 1 MiB (or 128 KiB) stream at 3.7-4.5 GB/s where 960 KiB (or 124 KiB) ones stream at
- * 6-8 GB/s - iperf3 -l 1048576 against -l 1032192 shows it too (36.5 vs 50.6 Gbit/s) - and a
- * ceiling must not depend on the size a benchmark happened to pick. */
-static void syscall_sizes(uint64_t block, uint64_t out[2])
+/* Three sizes per syscall, tried in turn window by window, the best window counting: the blocks
+ * gathered into at least 1 MiB, 15/16 of that, and the blocks gathered into up to 8 MiB, what
+ * kvbridge's lanes offer one sendmsg. On this project's VMs writes and reads of exactly 1 MiB (or
+ * 128 KiB) stream at 3.7-4.5 GB/s where 960 KiB (or 124 KiB) ones stream at 6-8 GB/s - iperf3 -l
+ * 1048576 against -l 1032192 shows it too (36.5 vs 50.6 Gbit/s) - and on another host 1 MiB
+ * READs through kvbridge's 8 MiB sends moved 5.8-6.4 GB/s against a stream of 1 MiB and 960 KiB
+ * syscalls at 5.5-5.7: a ceiling must not depend on the size a benchmark happened to pick. */
+static void syscall_sizes(uint64_t block, uint64_t out[NSIZES])
 {
     out[0] = chunk_of(block);
     out[1] = (out[0] - out[0] / 16 + 4095) / 4096 * 4096;
+    uint64_t big = block >= CHUNK_MAX ? block : CHUNK_MAX / block * block;
+    out[2] = big / block > IOVS_MAX ? IOVS_MAX * block : big;
 }
 
 /* Threads per side: each side gets half the CPUs, at most one thread per connection (on two
@@ -270,7 +276,7 @@ static int64_t group_round(group_t *g, bool send)
         end_t *e = g->e[i];
         uint8_t cmd;
         if (send && recv(e->fd, &cmd, 1, MSG_DONTWAIT) == 1) /* the receiver's next window */
-            e->chunk = e->sizes[cmd & 1];
+            e->chunk = e->sizes[cmd % NSIZES];
         struct iovec iov[IOVS_MAX];
         struct msghdr m = {.msg_iov = iov};
         m.msg_iovlen = (size_t)cursor_iov(&e->at, send ? e->at.src : e->at.dst, e->buf, e->block,
@@ -323,7 +329,7 @@ static void *receive_main(void *arg)
             break;
         uint64_t r = now < w->t0 ? UINT64_MAX : (now - w->t0) / w->window_ns;
         for (int i = 0; r != cur && r != UINT64_MAX && i < g->n; i++) {
-            uint8_t cmd = (uint8_t)(r & 1); /* a new window: both ends change size */
+            uint8_t cmd = (uint8_t)(r % NSIZES); /* a new window: both ends change size */
             g->e[i]->chunk = g->e[i]->sizes[cmd];
             g->ok = g->ok && send(g->e[i]->fd, &cmd, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1;
         }
@@ -724,17 +730,17 @@ int kvb_ceiling_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_cei
         out->gbps = 0;
         return -1;
     }
-    uint64_t sz[2];
+    uint64_t sz[NSIZES];
     char cc[16];
     syscall_sizes(s->ws.block, sz);
     congestion_name(cc, sizeof cc);
     snprintf(out->method, sizeof out->method,
              "raw %s TCP stream (%s), %d connection%s, %d thread%s per side, %llu B blocks in "
-             "%llu or %llu B syscalls, one warm pass, then the best of %d windows",
+             "%llu, %llu or %llu B syscalls, one warm pass, then the best of %d windows",
              net_peer[0] ? "cross-namespace" : "loopback", cc, s->parallel,
              s->parallel == 1 ? "" : "s", s->threads, s->threads == 1 ? "" : "s",
              (unsigned long long)s->ws.block, (unsigned long long)sz[0], (unsigned long long)sz[1],
-             runs);
+             (unsigned long long)sz[2], runs);
     return 0;
 }
 
