@@ -259,26 +259,52 @@ static void cpu_after_read(kvb_engine_t *a, kvb_engine_t *b, uint64_t seed, doub
 /* Busy polling: checked where it is set; data moves the same on every path and batch shape
  * (one connection, which the waiting thread polls, or several); threads spin after traffic for
  * as long as they were told, and not longer. */
-static void busy_polling(const char *protocol)
+/* A setting in microseconds: the uint32_t of kvb_config_t at `off` and its variable `env` -
+ * `dflt` where unset, over the maximum refused from the config and from the environment (so is
+ * what is not a number), and 250 taken from the environment. */
+static void us_setting(size_t off, const char *env, uint32_t dflt)
 {
     kvb_config_t c;
+    uint32_t *us = (uint32_t *)((char *)&c + off);
     kvb_engine_t *e = NULL;
-    cr_assert_eq(unsetenv("KVB_BUSY_POLL_US"), 0);
+    cr_assert_eq(unsetenv(env), 0);
     kvb_config_init(&c);
-    cr_expect_eq(c.busy_poll_us, 0, "off unless asked for");
-    c.busy_poll_us = KVB_BUSY_POLL_MAX_US + 1;
+    cr_expect_eq(*us, dflt, "%s unset", env);
+    *us = KVB_BUSY_POLL_MAX_US + 1;
     cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
     static const char *bad[] = {"abc", "-5", "12us", "100001", "99999999999999999999999"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        cr_assert_eq(setenv("KVB_BUSY_POLL_US", bad[i], 1), 0);
+        cr_assert_eq(setenv(env, bad[i], 1), 0);
         kvb_config_init(&c);
-        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "KVB_BUSY_POLL_US=%s", bad[i]);
+        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "%s=%s", env, bad[i]);
     }
     cr_assert_null(e);
-    cr_assert_eq(setenv("KVB_BUSY_POLL_US", "250", 1), 0);
+    cr_assert_eq(setenv(env, "250", 1), 0);
     kvb_config_init(&c);
-    cr_expect_eq(c.busy_poll_us, 250);
-    cr_assert_eq(unsetenv("KVB_BUSY_POLL_US"), 0);
+    cr_expect_eq(*us, 250);
+    cr_assert_eq(unsetenv(env), 0);
+}
+
+/* With the longest spin there is (100 ms, busy polling or lingering): after a transfer the
+ * target's progress thread (b's, which took the request in) polls without sleeping - the process
+ * burns CPU - and once the spin has passed it sleeps. The window holds the whole spin; loose
+ * bounds (a fifth of a core for it), since the machine may be loaded. */
+static void spins_then_sleeps(const char *protocol, uint32_t busy_poll_us, uint32_t linger_us,
+                              uint64_t seed)
+{
+    kvb_engine_t *a = make_polling(protocol, busy_poll_us, linger_us);
+    kvb_engine_t *b = make_polling(protocol, busy_poll_us, linger_us);
+    double spun, idle;
+    cpu_after_read(a, b, seed, &spun, &idle);
+    cr_expect_gt(spun, 20, "%.1f ms of CPU in the 150 ms after requests: no spin", spun);
+    cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, half a second after the transfer", idle);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+}
+
+static void busy_polling(const char *protocol)
+{
+    us_setting(offsetof(kvb_config_t, busy_poll_us), "KVB_BUSY_POLL_US", 0); /* off by default */
 
     kvb_engine_t *a = make_spinning(protocol, 300), *b = make_spinning(protocol, 300);
     size_t size = 4 << 20;
@@ -307,18 +333,7 @@ static void busy_polling(const char *protocol)
     free(src);
     free(dst);
 
-    /* The longest spin there is (100 ms): after a transfer the target's progress thread (b's,
-     * which took the request in) polls without sleeping - the process burns CPU - and once the
-     * spin has passed it sleeps. The window holds the whole spin; loose bounds (a fifth of a core
-     * for it), since the machine may be loaded. */
-    a = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
-    b = make_spinning(protocol, KVB_BUSY_POLL_MAX_US);
-    double spun, idle;
-    cpu_after_read(a, b, 12, &spun, &idle);
-    cr_expect_gt(spun, 20, "%.1f ms of CPU in the 150 ms of a transfer: no busy polling", spun);
-    cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, half a second after the transfer", idle);
-    kvb_engine_destroy(a);
-    kvb_engine_destroy(b);
+    spins_then_sleeps(protocol, KVB_BUSY_POLL_MAX_US, KVB_LINGER_DEFAULT_US, 12);
 }
 
 /* Lingering: on by default (KVB_LINGER_DEFAULT_US), checked where it is set; a target's progress
@@ -326,24 +341,8 @@ static void busy_polling(const char *protocol)
  * the way busy polling does), then sleeps; 0 sleeps at once. */
 static void lingering(const char *protocol)
 {
-    kvb_config_t c;
+    us_setting(offsetof(kvb_config_t, linger_us), "KVB_LINGER_US", KVB_LINGER_DEFAULT_US);
     kvb_engine_t *e = NULL;
-    cr_assert_eq(unsetenv("KVB_LINGER_US"), 0);
-    kvb_config_init(&c);
-    cr_expect_eq(c.linger_us, KVB_LINGER_DEFAULT_US, "on unless told otherwise");
-    c.linger_us = KVB_BUSY_POLL_MAX_US + 1;
-    cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG);
-    static const char *bad[] = {"abc", "-5", "12us", "100001", "99999999999999999999999"};
-    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        cr_assert_eq(setenv("KVB_LINGER_US", bad[i], 1), 0);
-        kvb_config_init(&c);
-        cr_expect_eq(kvb_engine_create(&c, &e), KVB_ERR_INVALID_ARG, "KVB_LINGER_US=%s", bad[i]);
-    }
-    cr_assert_null(e);
-    cr_assert_eq(setenv("KVB_LINGER_US", "0", 1), 0);
-    kvb_config_init(&c);
-    cr_expect_eq(c.linger_us, 0);
-    cr_assert_eq(unsetenv("KVB_LINGER_US"), 0);
     /* busy polling, where longer, takes its place */
     kvb_engine_destroy(make_polling(protocol, 300, 50));
     /* A caller built before `linger_us` existed gets the default, or KVB_LINGER_US. */
@@ -358,17 +357,10 @@ static void lingering(const char *protocol)
     cr_expect_eq(kvb_engine_linger_us(e), 7);
     kvb_engine_destroy(e);
 
-    kvb_engine_t *a = make_polling(protocol, 0, KVB_BUSY_POLL_MAX_US);
-    kvb_engine_t *b = make_polling(protocol, 0, KVB_BUSY_POLL_MAX_US);
-    double spun, idle;
-    cpu_after_read(a, b, 13, &spun, &idle);
-    cr_expect_gt(spun, 20, "%.1f ms of CPU in the 150 ms after requests: no lingering", spun);
-    cr_expect_lt(idle, 30, "%.1f ms of CPU in 200 ms, half a second after the transfer", idle);
-    kvb_engine_destroy(a);
-    kvb_engine_destroy(b);
+    spins_then_sleeps(protocol, 0, KVB_BUSY_POLL_MAX_US, 13);
 
-    a = make_polling(protocol, 0, 0);
-    b = make_polling(protocol, 0, 0);
+    kvb_engine_t *a = make_polling(protocol, 0, 0), *b = make_polling(protocol, 0, 0);
+    double spun, idle;
     cpu_after_read(a, b, 14, &spun, &idle);
     cr_expect_lt(spun, 20, "%.1f ms of CPU in the 150 ms after requests with lingering off", spun);
     kvb_engine_destroy(a);
