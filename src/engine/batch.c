@@ -326,10 +326,25 @@ void kvb__op_dst_unlock(kvb_op_t *op)
     kvb__batch_dst_unlock(op->batch);
 }
 
-/* Checks request i and pins its local region; `prev` is the previous request's pin, which it
- * reuses without the registry's lock when the range lies in it (requests come in runs). */
+/* Pins of one region counted while a submit checks its requests and added at once - one atomic
+ * add for a run of requests into the region, not one each. The first request's pin holds the
+ * region meanwhile. */
+typedef struct {
+    kvb_region_t *region; /* the region the last request found, pinned */
+    unsigned n;           /* pins counted for it since, not added yet */
+} owed_pins_t;
+
+static void owed_settle(owed_pins_t *o)
+{
+    kvb__region_pin_n(o->region, o->n);
+    o->n = 0;
+}
+
+/* Checks request i and pins its local region into *pin: the region the previous request found
+ * (owed) is pinned without the registry's lock when the range lies in it (requests come in runs),
+ * its pin counted there. *pin stays set on a failure after the pin (the caller unpins it). */
 static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint64_t *nops,
-                         kvb_region_t *prev, kvb_region_t **pin)
+                         owed_pins_t *owed, kvb_region_t **pin)
 {
     uint64_t end, chunks;
     if ((r->opcode != KVB_OP_READ && r->opcode != KVB_OP_WRITE) || !r->local || r->len == 0 ||
@@ -341,22 +356,21 @@ static int check_request(kvb_engine_t *e, const kvb_request_t *r, size_t i, uint
         KVB_WARN("request %zu: address + length overflows", i);
         return KVB_ERR_OVERFLOW;
     }
-    int rc = KVB_OK;
-    if (prev && kvb__region_repin(prev, (uintptr_t)r->local, r->len, 0))
-        *pin = prev;
-    else
-        rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
-                                 KVB_ERR_LOCAL_NOT_REGISTERED, pin);
-    if (rc) {
-        KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
-        return rc;
+    if (owed->region && kvb__region_covers(owed->region, (uintptr_t)r->local, r->len, 0)) {
+        *pin = owed->region;
+        owed->n++;
+    } else {
+        owed_settle(owed);
+        int rc = kvb__registry_check(&e->registry, (uintptr_t)r->local, r->len, 0,
+                                     KVB_ERR_LOCAL_NOT_REGISTERED, pin);
+        if (rc) {
+            KVB_WARN("request %zu: local range %p+%zu is not registered", i, r->local, r->len);
+            return rc;
+        }
+        owed->region = *pin;
     }
     chunks = r->len / KVB_CHUNK_SIZE + (r->len % KVB_CHUNK_SIZE != 0); /* no len + CHUNK - 1 wrap */
-    if (kvb__add_u64(*nops, chunks, nops)) {
-        kvb__region_unpin(&e->registry, *pin);
-        return KVB_ERR_OVERFLOW;
-    }
-    return KVB_OK;
+    return kvb__add_u64(*nops, chunks, nops) ? KVB_ERR_OVERFLOW : KVB_OK;
 }
 
 static int batch_alloc(kvb_engine_t *e, size_t n, uint64_t nops, const kvb_batch_opts_t *o,
@@ -541,18 +555,24 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
     if (o && o->notify_segment && ((o->notify_len && !o->notify) || o->notify_len > KVB_NOTIFY_MAX))
         return o->notify_len > KVB_NOTIFY_MAX ? KVB_ERR_TOO_LARGE : KVB_ERR_INVALID_ARG;
     /* Check everything, pin local regions and resolve every segment before anything is queued,
-     * so that an error submits nothing. */
-    kvb_peer_t **peers = n ? calloc(n, sizeof *peers) : NULL;
-    kvb_region_t **pins = n ? calloc(n, sizeof *pins) : NULL;
-    if (n && (!peers || !pins)) {
-        free(peers);
-        free(pins);
+     * so that an error submits nothing. Up to ON_STACK requests keep their peers and pins here. */
+    enum { ON_STACK = 128 };
+    kvb_peer_t *peers_here[ON_STACK] = {0};
+    kvb_region_t *pins_here[ON_STACK] = {0};
+    bool heap = n > ON_STACK;
+    kvb_peer_t **peers = heap ? calloc(n, sizeof *peers) : peers_here;
+    kvb_region_t **pins = heap ? calloc(n, sizeof *pins) : pins_here;
+    if (!peers || !pins) {
+        free(heap ? peers : NULL);
+        free(heap ? pins : NULL);
         return KVB_ERR_NOMEM;
     }
     uint64_t nops = 0;
     int rc = KVB_OK;
+    owed_pins_t owed = {NULL, 0};
     for (size_t i = 0; i < n && rc == KVB_OK; i++)
-        rc = check_request(e, &reqs[i], i, &nops, i ? pins[i - 1] : NULL, &pins[i]);
+        rc = check_request(e, &reqs[i], i, &nops, &owed, &pins[i]);
+    owed_settle(&owed); /* every pins[i] counted before any is let go */
     if (rc == KVB_OK && nops > UINT32_MAX)
         rc = KVB_ERR_TOO_LARGE;
     /* Requests come grouped by segment in practice: reuse the previous lookup. */
@@ -595,8 +615,10 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
         if (peers[i] && (i == 0 || peers[i] != peers[i - 1]))
             kvb__peer_release(peers[i]);
     }
-    free(peers);
-    free(pins);
+    if (heap) {
+        free(peers);
+        free(pins);
+    }
     return rc;
 }
 

@@ -335,10 +335,21 @@ void kvb__region_unpin_n(kvb_registry_t *r, kvb_region_t *reg, unsigned n)
     }
 }
 
+bool kvb__region_covers(kvb_region_t *reg, uint64_t addr, uint64_t len, unsigned access)
+{
+    return len != 0 && kvb__range_within(addr, len, reg->addr, reg->len) &&
+           (reg->access & access) == access && !atomic_load(&reg->removed);
+}
+
+void kvb__region_pin_n(kvb_region_t *reg, unsigned n)
+{
+    if (n)
+        atomic_fetch_add(&reg->refs, n);
+}
+
 bool kvb__region_repin(kvb_region_t *reg, uint64_t addr, uint64_t len, unsigned access)
 {
-    if (len == 0 || !kvb__range_within(addr, len, reg->addr, reg->len) ||
-        (reg->access & access) != access || atomic_load(&reg->removed))
+    if (!kvb__region_covers(reg, addr, len, access))
         return false;
     atomic_fetch_add(&reg->refs, 1);
     return true;

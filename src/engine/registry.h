@@ -115,6 +115,11 @@ void kvb__region_unpin_n(kvb_registry_t *r, kvb_region_t *region, unsigned n);
  * keeps its removal from completing meanwhile). False where the range or the access does not fit
  * or the region is being removed: then ask kvb__registry_check. */
 bool kvb__region_repin(kvb_region_t *region, uint64_t addr, uint64_t len, unsigned access);
+/* kvb__region_repin's test without the pin: for a caller that counts the pins it owes a region it
+ * holds pinned, and adds them at once with kvb__region_pin_n. */
+bool kvb__region_covers(kvb_region_t *region, uint64_t addr, uint64_t len, unsigned access);
+/* Adds n pins to `region`, which the caller holds pinned. */
+void kvb__region_pin_n(kvb_region_t *region, unsigned n);
 
 /* True if any registered or draining region overlaps [addr, addr+len). */
 bool kvb__registry_overlaps(kvb_registry_t *r, uint64_t addr, uint64_t len);

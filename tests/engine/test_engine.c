@@ -611,6 +611,58 @@ Test(engine, register_rules)
     kvb_engine_destroy(a);
 }
 
+/* A submit that fails on a later request lets go of every pin the earlier ones took - runs in
+ * one region are counted and pinned at once - and of nothing more: right after, both local regions
+ * unregister at once (a pin left would say BUSY), and a batch of the same runs still moves. Sizes
+ * below and above the requests the submit keeps on its stack. */
+Test(engine, failed_submit_leaves_no_pins)
+{
+    kvb_engine_t *a = make(1, 1), *b = make(1, 1);
+    size_t size = 1 << 20;
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, 21, &src, &dst);
+    uint8_t *other = calloc(1, size);
+    cr_assert_eq(kvb_register(a, other, size, NULL, KVB_ACCESS_RW), KVB_OK);
+    static const size_t counts[] = {3, 128, 129, 600};
+    for (size_t c = 0; c < sizeof counts / sizeof *counts; c++) {
+        size_t n = counts[c];
+        kvb_request_t *r = calloc(n, sizeof *r);
+        for (size_t i = 0; i < n; i++) { /* runs of 7 in dst, then 5 in other, in turn */
+            uint8_t *base = i % 12 < 7 ? dst : other;
+            uint64_t off = (i * 1024) % size;
+            r[i] = (kvb_request_t){KVB_OP_READ, base + off, s, (uintptr_t)src + off, 1024};
+        }
+        static uint8_t unregistered[64];
+        kvb_request_t last = r[n - 1];
+        r[n - 1].local = unregistered;
+        kvb_batch_t *batch = NULL;
+        cr_expect_eq(kvb_batch_submit(a, r, n, NULL, &batch), KVB_ERR_LOCAL_NOT_REGISTERED);
+        cr_expect_null(batch);
+        r[n - 1] = last;
+        r[0].len = 0; /* the first one bad: nothing pinned yet */
+        cr_expect_eq(kvb_batch_submit(a, r, n, NULL, &batch), KVB_ERR_INVALID_ARG);
+        r[0].len = 1024;
+        cr_assert_eq(kvb_unregister(a, dst), KVB_OK, "%zu requests: a pin of dst left", n);
+        cr_assert_eq(kvb_unregister(a, other), KVB_OK, "%zu requests: a pin of other left", n);
+        cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        cr_assert_eq(kvb_register(a, other, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        move_ok(a, r, n, 10000);
+        for (size_t i = 0; i < n; i++)
+            cr_assert_eq(memcmp(r[i].local, src + (r[i].remote - (uintptr_t)src), 1024), 0,
+                         "%zu requests: request %zu", n, i);
+        cr_assert_eq(kvb_unregister(a, dst), KVB_OK, "%zu requests: the batch left a pin", n);
+        cr_assert_eq(kvb_unregister(a, other), KVB_OK);
+        cr_assert_eq(kvb_register(a, dst, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        cr_assert_eq(kvb_register(a, other, size, NULL, KVB_ACCESS_RW), KVB_OK);
+        free(r);
+    }
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(src);
+    free(dst);
+    free(other);
+}
+
 /* Many small requests between two engines with several lanes and progress threads each. */
 static void many_small_requests(const char *protocol)
 {
