@@ -557,8 +557,8 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
     /* Check everything, pin local regions and resolve every segment before anything is queued,
      * so that an error submits nothing. Up to ON_STACK requests keep their peers and pins here. */
     enum { ON_STACK = 128 };
-    kvb_peer_t *peers_here[ON_STACK] = {0};
-    kvb_region_t *pins_here[ON_STACK] = {0};
+    kvb_peer_t *peers_here[ON_STACK];
+    kvb_region_t *pins_here[ON_STACK];
     bool heap = n > ON_STACK;
     kvb_peer_t **peers = heap ? calloc(n, sizeof *peers) : peers_here;
     kvb_region_t **pins = heap ? calloc(n, sizeof *pins) : pins_here;
@@ -566,6 +566,10 @@ static int submit(kvb_engine_t *e, const kvb_request_t *reqs, size_t n, const kv
         free(heap ? peers : NULL);
         free(heap ? pins : NULL);
         return KVB_ERR_NOMEM;
+    }
+    if (!heap) { /* only the n used */
+        memset(peers_here, 0, n * sizeof *peers);
+        memset(pins_here, 0, n * sizeof *pins);
     }
     uint64_t nops = 0;
     int rc = KVB_OK;
