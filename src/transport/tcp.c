@@ -176,12 +176,12 @@ struct tcp_conn {
     kvb_frame_hdr_t rx_hdr;
     uint64_t rx_plen, rx_got;
     int rx_sink, rx_status;
-    int rx_lowat;        /* the socket's SO_RCVLOWAT as set; 0: unknown (a change was refused) */
-    bool local;          /* a Unix socket (same-host lane): no TCP options, no wake threshold */
-    uint32_t cred_pid;   /* ROLE_TARGET, local: the connecting process, as the kernel says */
-    const char *refused; /* ROLE_TARGET: why the handshake was refused, if not for the secret */
-    uint8_t *rx_dst;     /* SINK_REGION / SINK_BUF */
-    kvb_region_t *rx_pin;
+    int rx_lowat;          /* the socket's SO_RCVLOWAT as set; 0: unknown (a change was refused) */
+    bool local;            /* a Unix socket (same-host lane): no TCP options, no wake threshold */
+    uint32_t cred_pid;     /* ROLE_TARGET, local: the connecting process, as the kernel says */
+    const char *refused;   /* ROLE_TARGET: why the handshake was refused, if not for the secret */
+    uint8_t *rx_dst;       /* SINK_REGION / SINK_BUF */
+    kvb_region_t *rx_pin;  /* ROLE_TARGET: a WRITE's region, until its payload is in */
     kvb_region_t *rx_hold; /* ROLE_TARGET: the region the last request found, pinned for the
                             * rest of the read pass (target_range) */
     uint8_t *rx_stage;     /* a WRITE to device memory lands here first */
@@ -459,11 +459,6 @@ static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
     c->dops_bytes += op->len;
 }
 
-static void fail_op_list(kvb_op_t *op, int err)
-{
-    ops_end(op, err);
-}
-
 /* Target side: releases the regions a set's requests pinned (their copies are done). */
 static void set_unpin(tcp_conn_t *c, job_set_t *js)
 {
@@ -548,7 +543,7 @@ static void conn_close(tcp_conn_t *c)
     kvb__shm_offer_drop(c->offer);
     c->offer = NULL;
     pthread_mutex_unlock(&c->rx_mu);
-    fail_op_list(inflight, err);
+    ops_end(inflight, err);
     /* Break the peer <-> lane reference cycle: a closed lane no longer needs its peer. */
     pthread_mutex_lock(&c->mu);
     kvb_peer_t *p = c->peer;
@@ -811,18 +806,20 @@ static int check_range(kvb_registry_t *reg, uint64_t addr, uint64_t len, unsigne
     return st;
 }
 
-/* Target side: checks a request's range and pins its region. A read pass's requests mostly fall
- * in one region: the connection keeps a pin of its own on the region the last one found
- * (c->rx_hold, until the pass ends: release_hold), so the next is pinned again without the
- * registry's lock and search - unless that region is going or lacks the rights asked. */
-static int target_range(tcp_conn_t *c, uint64_t addr, uint64_t len, unsigned access,
+/* Target side: checks a request's range and pins its region (check_range; shm: a same-host
+ * request). A read pass's requests mostly fall in one region: the connection keeps a pin of its
+ * own on the region the last one found (c->rx_hold, until the pass ends: release_hold), so the
+ * next is pinned again without the registry's lock and search - unless that region is going, lacks
+ * the rights asked, or is device memory that a same-host copy cannot reach. */
+static int target_range(tcp_conn_t *c, uint64_t addr, uint64_t len, unsigned access, bool shm,
                         kvb_region_t **pin)
 {
-    if (c->rx_hold && kvb__region_repin(c->rx_hold, addr, len, access)) {
+    if (c->rx_hold && (!shm || c->rx_hold->kind == KVB_MEM_CPU) &&
+        kvb__region_repin(c->rx_hold, addr, len, access)) {
         *pin = c->rx_hold;
         return KVB_OK;
     }
-    int st = check_range(c->registry, addr, len, access, false, pin);
+    int st = check_range(c->registry, addr, len, access, shm, pin);
     if (st == KVB_OK) {
         release_hold(c);
         c->rx_hold = kvb__region_repin(*pin, addr, len, access) ? *pin : NULL;
@@ -968,14 +965,14 @@ static int target_on_header(tcp_conn_t *c, const kvb_frame_hdr_t *h)
         return KVB_OK;
     case KVB_FRAME_READ_REQ: { /* answered right away, straight from the region */
         kvb_region_t *pin = NULL;
-        int st = target_range(c, h->addr, h->len, access, &pin);
+        int st = target_range(c, h->addr, h->len, access, false, &pin);
         if (st == KVB_OK && pin->kind != KVB_MEM_CPU)
             return answer_staged_read(c, h, pin);
         flush_dev_jobs(c);
         return answer_read(c, h, st, pin);
     }
     case KVB_FRAME_WRITE_REQ:
-        c->rx_status = target_range(c, h->addr, h->len, access, &c->rx_pin);
+        c->rx_status = target_range(c, h->addr, h->len, access, false, &c->rx_pin);
         c->rx_sink = c->rx_status ? SINK_DRAIN : SINK_REGION;
         c->rx_dst = c->rx_status ? NULL : (uint8_t *)(uintptr_t)h->addr;
         if (c->rx_dst && c->rx_pin->kind != KVB_MEM_CPU) { /* device memory: bounce it */
@@ -1137,8 +1134,7 @@ static void flush_jobs(tcp_conn_t *c)
 }
 
 /* Target side: request `k` of the same-host request run being read has come in (`ent`); owe
- * its copy. The run's requests mostly fall in one region: the region the last one pinned is
- * pinned again without a lookup, and c->rx_pin keeps it pinned until the run's frame ends. */
+ * its copy (its region pinned by target_range, mostly without a lookup). */
 static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
 {
     const kvb_frame_hdr_t *run = &c->rx_hdr;
@@ -1148,17 +1144,7 @@ static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
     bool read = run->type == KVB_FRAME_READ_REQ;
     unsigned access = read ? KVB_ACCESS_READ : KVB_ACCESS_WRITE;
     kvb_region_t *pin = NULL;
-    int st = KVB_OK;
-    if (c->rx_pin && kvb__region_repin(c->rx_pin, e.remote, e.len, access)) {
-        pin = c->rx_pin;
-    } else {
-        st = check_range(c->registry, e.remote, e.len, access, true, &pin);
-        if (st == KVB_OK) {
-            if (c->rx_pin)
-                kvb__region_unpin(c->registry, c->rx_pin);
-            c->rx_pin = kvb__region_repin(pin, e.remote, e.len, access) ? pin : NULL;
-        }
-    }
+    int st = target_range(c, e.remote, e.len, access, true, &pin);
     if (st == KVB_OK && !c->shm_peer)
         c->shm_peer = kvb__shm_offer_peer(c->offer);
     if (st == KVB_OK && !c->shm_peer)
@@ -1187,12 +1173,8 @@ static int owe_shm(tcp_conn_t *c, const uint8_t *ent, uint64_t k)
 static int target_on_frame(tcp_conn_t *c, const kvb_frame_hdr_t *h)
 {
     kvb_engine_t *e = c->th->tp->engine;
-    if (h->flags & KVB_FRAME_F_SHM) { /* a request run: every request is owed (owe_shm) */
-        if (c->rx_pin)
-            kvb__region_unpin(c->registry, c->rx_pin);
-        c->rx_pin = NULL;
+    if (h->flags & KVB_FRAME_F_SHM) /* a request run: every request is owed (owe_shm) */
         return KVB_OK;
-    }
     switch (h->type) {
     case KVB_FRAME_HELLO: {
         int rc = send_challenge(c, c->rx_dst, h->len);
@@ -2534,8 +2516,8 @@ static void lane_append(tcp_conn_t *c, kvb_op_t *head)
     }
     pthread_mutex_unlock(&c->mu);
     if (dead)
-        fail_op_list(head, err);
-    fail_op_list(failed, KVB_ERR_NOMEM);
+        ops_end(head, err);
+    ops_end(failed, KVB_ERR_NOMEM);
     if (rc)
         conn_fail(c, rc, "send failed");
 }
@@ -2631,7 +2613,7 @@ static void tcp_submit(kvb_transport_t *tp, kvb_peer_t *p, kvb_op_t *ops)
     int lost = atomic_load(&p->lost);
     tcp_peer_t *tpp = p->tp;
     if (lost || !tpp || tpp->nlanes == 0) {
-        fail_op_list(ops, lost ? lost : KVB_ERR_PEER_LOST);
+        ops_end(ops, lost ? lost : KVB_ERR_PEER_LOST);
         return;
     }
     /* Consecutive ops stay on one lane until LANE_SPREAD bytes, so small requests coalesce into
@@ -2755,7 +2737,7 @@ static void hand_over(kvb_peer_t *p, kvb_stage_queue_t **q, kvb_op_t **head, kvb
                       uint64_t *queued)
 {
     if (q && *queued && kvb__stage_wait(*q))
-        fail_op_list(*head, KVB_ERR_DEVICE);
+        ops_end(*head, KVB_ERR_DEVICE);
     else if (*head)
         tcp_submit(p->engine->tp, p, *head);
     *head = NULL;
@@ -2794,7 +2776,7 @@ static void lanes_submit(kvb_provider_t *pv, kvb_peer_t *p, kvb_op_t *ops)
             hand_over(p, q, &head, &tail, &queued);
     }
     hand_over(p, q, &head, &tail, &queued);
-    fail_op_list(failed, KVB_ERR_DEVICE);
+    ops_end(failed, KVB_ERR_DEVICE);
 }
 
 static int lanes_progress(kvb_batch_t *b, uint64_t deadline)
