@@ -31,6 +31,17 @@ static inline int kvb__ms_left(uint64_t deadline)
     return ms > INT32_MAX ? INT32_MAX : (int)ms;
 }
 
+/* One step of a polling loop: tells the core that this thread spins (it gives a sibling
+ * hyperthread the core meanwhile and leaves the loop without a memory-order flush). */
+static inline void kvb__cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
 /* Absolute CLOCK_MONOTONIC timespec for pthread_cond_timedwait. */
 static inline struct timespec kvb__timespec_of(uint64_t ns)
 {

@@ -491,15 +491,6 @@ static void unlink_locked(cuda_path_t *cp, cuda_group_t *g)
     g->next = NULL;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ volatile("yield");
-#endif
-}
-
 /* How long the worker looks for new groups before it sleeps: batches submitted back to back then
  * find it awake, and their submits wake no one (a futex wake costs the submitter microseconds). */
 #define LINGER_NS 100000
@@ -525,7 +516,7 @@ static void *worker(void *arg)
             while (atomic_load_explicit(&cp->seq, memory_order_relaxed) == seen &&
                    kvb__now_ns() < until)
                 for (int i = 0; i < 64; i++)
-                    cpu_relax();
+                    kvb__cpu_relax();
             pthread_mutex_lock(&cp->mu);
             if (atomic_load(&cp->seq) != seen)
                 continue;
