@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* A decimal CPU number at *p, below CPU_SETSIZE: 0, advancing *p past it; -1 if there is no
  * number there, -2 if it is too large. */
@@ -117,6 +118,12 @@ static void *start(void *p)
     if (st.name[0])
         (void)pthread_setname_np(pthread_self(), st.name); /* only for people reading `top` */
     return st.fn(st.arg);
+}
+
+int kvb__threads_per_side(int conns)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN), t = cpus >= 2 ? cpus / 2 : 1;
+    return conns < 1 ? 1 : t < conns ? (int)t : conns;
 }
 
 int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,

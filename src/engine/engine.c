@@ -51,8 +51,8 @@ void kvb_config_init_v(kvb_config_t *cfg, size_t size)
     memset(&d, 0, sizeof d);
     d.bind_addr = "127.0.0.1";
     d.metadata = "p2p";
-    d.progress_threads = 1;
     d.lanes = 2;
+    d.progress_threads = kvb__threads_per_side(d.lanes); /* 1 on two CPUs, else one per lane */
     d.timeout_ms = 30000;
     d.connect_timeout_ms = 5000;
     /* Environment defaults for programs that cannot pass a config (a framework's connector);

@@ -246,7 +246,8 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     cfg.protocol = o->protocol;
     cfg.fabric_provider = o->fabric_provider;
     cfg.lanes = (int)o->lanes;
-    cfg.progress_threads = (int)o->progress;
+    if (o->progress) /* else the engine's default (kvb_config_init) */
+        cfg.progress_threads = (int)o->progress;
     cfg.metadata = o->metadata;
     cfg.cluster = o->cluster;
     cfg.segment_name = o->name;
@@ -560,7 +561,8 @@ static int run_initiator(bench_opts_t *o)
     cfg.protocol = o->protocol;
     cfg.fabric_provider = o->fabric_provider;
     cfg.lanes = (int)o->lanes;
-    cfg.progress_threads = (int)o->progress;
+    if (o->progress) /* else the engine's default (kvb_config_init) */
+        cfg.progress_threads = (int)o->progress;
     cfg.metadata = o->metadata;
     cfg.cluster = o->cluster;
     kvb_engine_t *e;
@@ -992,7 +994,8 @@ static void usage(FILE *f)
         "                            TCP both progress threads take the first: one core for\n"
         "                            both ends of the stream\n"
         "  --lanes N                 connections per peer (default 2)\n"
-        "  --progress-threads N      engine progress threads (default 1)\n"
+        "  --progress-threads N      engine progress threads (default: the engine's, one per\n"
+        "                            lane with half the CPUs for them, 1 on two CPUs)\n"
         "  --verify                  seeded pattern; check every byte that arrives\n"
         "  --gpu                     buffers in GPU memory (CUDA device 0) on both sides;\n"
         "  --gpu-local, --gpu-remote   only the initiator's, or only the target's; prints\n"
@@ -1066,7 +1069,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                         .buffer = 256 << 20,
                         .seed = 42,
                         .lanes = 2,
-                        .progress = 1};
+                        .progress = 0};
     int c, which = -1;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, &which)) != -1) {

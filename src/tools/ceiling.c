@@ -243,15 +243,6 @@ static void syscall_sizes(uint64_t block, uint64_t out[NSIZES])
     out[2] = big / block > IOVS_MAX ? IOVS_MAX * block : big;
 }
 
-/* Threads per side: each side gets half the CPUs, at most one thread per connection (on two
- * cores, two threads per side contend for the CPUs and stream 15-20% less than one). */
-static int threads_per_side(int conns)
-{
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    long t = cpus >= 2 ? cpus / 2 : 1;
-    return t < conns ? (int)t : conns;
-}
-
 /* Polls a group's sockets for `events`; false when a socket failed or the peer left. */
 static bool wait_group(const group_t *g, short events)
 {
@@ -411,7 +402,7 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
         e[i] = end_of(ws, fd, buf, i);
     }
-    int threads = threads_per_side(ws->conns);
+    int threads = kvb__threads_per_side(ws->conns);
     run_groups(e, ws->conns, threads, NULL, g, t, send_main);
     for (int k = 0; k < threads; k++)
         pthread_join(t[k], NULL);
@@ -469,7 +460,7 @@ static int tcp_open(kvb_ceiling_session_t *s)
         sender(&sa, ws);
     }
     s->buf = s->pid > 0 ? kvb_cli_populated(ws->buffer) : NULL;
-    s->threads = threads_per_side(ws->conns);
+    s->threads = kvb__threads_per_side(ws->conns);
     uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
     while (s->buf && s->n < ws->conns && !s->reaped && kvb__now_ns() < until) {
         struct pollfd pl = {.fd = lfd, .events = POLLIN};

@@ -94,6 +94,44 @@ Test(engine, config_is_checked)
     cr_expect_eq(kvb_engine_create(NULL, NULL), KVB_ERR_INVALID_ARG);
 }
 
+/* Threads of this process whose name starts with `prefix`. */
+static int threads_named(const char *prefix)
+{
+    DIR *d = opendir("/proc/self/task");
+    cr_assert_not_null(d);
+    int n = 0;
+    for (struct dirent *t; (t = readdir(d));) {
+        char path[300], name[32] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", t->d_name);
+        FILE *f = t->d_name[0] != '.' ? fopen(path, "r") : NULL;
+        if (f && fgets(name, sizeof name, f) && !strncmp(name, prefix, strlen(prefix)))
+            n++;
+        if (f)
+            fclose(f);
+    }
+    closedir(d);
+    return n;
+}
+
+/* One progress thread per default lane where half the CPUs cover them, else half the CPUs (one
+ * on two): what the defaults start, and what a config asks for instead. */
+Test(engine, progress_threads_follow_the_cpus_by_default)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN), half = cpus / 2 < 1 ? 1 : cpus / 2;
+    kvb_config_t c;
+    kvb_config_init(&c);
+    cr_assert_eq(c.lanes, 2);
+    cr_assert_eq(c.progress_threads, half < 2 ? half : 2, "%ld CPUs", cpus);
+    kvb_engine_t *e;
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    cr_expect_eq(threads_named("kvb-tcp"), c.progress_threads);
+    kvb_engine_destroy(e);
+    c.progress_threads = 3;
+    cr_assert_eq(kvb_engine_create(&c, &e), KVB_OK);
+    cr_expect_eq(threads_named("kvb-tcp"), 3);
+    kvb_engine_destroy(e);
+}
+
 Test(engine, ports_and_names)
 {
     kvb_engine_t *a = make(1, 1), *b, *c;
