@@ -170,9 +170,11 @@ fi
 
 # Across two network namespaces joined by a veth pair (where this runs as root and may make
 # them): a real interface with its own addresses instead of loopback. The ceiling there is the
-# same raw TCP stream as on loopback, its receiver in the target's namespace and its sender in
-# the initiator's (`bench --baseline tcp --bind ADDR --peer-netns NS`), interleaved; iperf3 with
-# the same connection count runs between the same namespaces beside it, as a cross-check (it
+# same raw TCP stream as on loopback, flowing the way the measured data does - a READ's from the
+# target's namespace into the initiator's, a WRITE's back (`bench --baseline tcp --bind ADDR
+# --peer-netns NS`: the receiver here, the sender in NS) - interleaved; iperf3 with the same
+# connection count and direction (-R for a READ) runs between the same namespaces beside it, as a
+# cross-check (it
 # measured 1.9-2.4 GB/s where kvbridge moved 2.8-4.1: one thread and 1 MiB writes, no ceiling).
 VETH_A=kvbb-a-$$ VETH_B=kvbb-b-$$ VETH_DIR=$(mktemp -d)
 veth_cleanup() { # the namespaces' processes, then the namespaces (their veth ends go with them)
@@ -218,19 +220,25 @@ veth_goals() {
     [ -n "$seg" ] || { echo "veth: skipped (the target did not start: $(cat "$dir/target.out"))" >&2; return 0; }
     veth_pair() { # name workload target block -- kvbridge args
         local name=$1 work=$2 target=$3 block=$4; shift 5
-        local ks=() cs=() is=() km cm im r
+        local ks=() cs=() is=() km cm im r rx_ns rx_addr tx_ns dir_read=0
+        case " $* " in *" --operation read "*) dir_read=1 ;; esac
+        local rev="" # iperf3's server sends (-R) where the target sends: a READ
+        [ "$dir_read" = 1 ] && rev=-R
         for i in $(seq "$REPS"); do
             say "veth $name: run $i/$REPS"
             ks+=("$(ip netns exec "$b" "$BIN" bench --mode initiator --segment "$seg" \
                 --secret-file "$dir/secret" --buffer-size "$BUF" --duration "$GOAL_SECS" "$@" \
                 --json 2>/dev/null | tail -n 1 | field gbps)")
-            cs+=("$(ip netns exec "$a" "$BIN" bench --baseline tcp --bind 10.203.7.1 --peer-netns "$b" \
+            # The raw stream goes the way the data does: a READ's from the target's namespace
+            # into the initiator's (receiver there, sender in the target's), a WRITE's back.
+            if [ "$dir_read" = 1 ]; then rx_ns=$b rx_addr=10.203.7.2 tx_ns=$a; else rx_ns=$a rx_addr=10.203.7.1 tx_ns=$b; fi
+            cs+=("$(ip netns exec "$rx_ns" "$BIN" bench --baseline tcp --bind "$rx_addr" --peer-netns "$tx_ns" \
                 --block-size "$block" --duration "$GOAL_SECS" --buffer-size "$BUF" --lanes "$LANES" \
                 --json 2>/dev/null | tail -n 1 | field gbps)")
             local port=$((20000 + RANDOM % 20000))
             ip netns exec "$a" iperf3 -s -1 -p "$port" -B 10.203.7.1 >/dev/null 2>&1 &
             sleep 0.3
-            is+=("$(ip netns exec "$b" iperf3 -c 10.203.7.1 -p "$port" "${IPERF_CC[@]}" -l 1M -P "$LANES" \
+            is+=("$(ip netns exec "$b" iperf3 -c 10.203.7.1 -p "$port" "${IPERF_CC[@]}" -l 1M -P "$LANES" $rev \
                 -t "$GOAL_SECS" -J 2>/dev/null | tr -d '\n' |
                 sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p' |
                 awk '{printf "%.3f", $1 / 8e9}')")
