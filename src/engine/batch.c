@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <sanitizer/asan_interface.h> /* no-ops unless built with AddressSanitizer */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,18 +109,63 @@ static bool batch_done(const kvb_batch_t *b)
            b->notify_state != KVB_NOTIFY_SENT;
 }
 
+/* A request's state leaves PENDING: stored so that a copy looking without the lock
+ * (kvb__op_dst_held) sees it whole. Caller holds b->mu. */
+static void req_end(kvb_req_t *r, kvb_req_state_t state)
+{
+    __atomic_store_n(&r->state, state, __ATOMIC_SEQ_CST);
+}
+
+/* Waits out the copies into b's destinations that began before the requests just ended were
+ * published as ended. A copy announces itself in the current epoch's slot, then checks that the
+ * epoch did not move, and only then looks at its requests (kvb__batch_copy_begin): one that
+ * began after the epoch moved sees the ends and drops its bytes; one counted in the old slot is
+ * waited for here. Copies never take mu and never block (a non-blocking receive, a queued device
+ * copy), so the wait is one copy's length; copies begun meanwhile count in the new slot and do
+ * not hold it up. Caller holds b->mu, which orders the epoch's moves. */
+static void copies_drain(kvb_batch_t *b)
+{
+    unsigned old = atomic_fetch_add(&b->copy_epoch, 1) & 1u;
+    for (unsigned spins = 0; atomic_load(&b->copying[old]) != 0; spins++) {
+        if (spins < 256)
+            kvb__cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+unsigned kvb__batch_copy_begin(kvb_batch_t *b)
+{
+    for (;;) {
+        unsigned e = atomic_load(&b->copy_epoch);
+        atomic_fetch_add(&b->copying[e & 1u], 1);
+        if (atomic_load(&b->copy_epoch) == e)
+            return e & 1u;
+        atomic_fetch_sub(&b->copying[e & 1u], 1); /* an end came in between: look again */
+    }
+}
+
+void kvb__batch_copy_end(kvb_batch_t *b, unsigned slot)
+{
+    atomic_fetch_sub(&b->copying[slot & 1u], 1);
+}
+
 /* Ends every request still pending with `state`/`error`. Caller holds b->mu. */
 static void end_pending(kvb_batch_t *b, kvb_req_state_t state, int error)
 {
+    bool ended = false;
     for (size_t i = 0; i < b->n && b->open > 0; i++) {
         if (b->reqs[i].state == KVB_REQ_PENDING) {
-            b->reqs[i].state = state;
+            req_end(&b->reqs[i], state);
             b->reqs[i].error = error;
             b->open--;
+            ended = true;
             if (state == KVB_REQ_TIMEOUT)
                 atomic_fetch_add_explicit(&b->engine->st_failed, 1, memory_order_relaxed);
         }
     }
+    if (ended)
+        copies_drain(b);
     if (b->notify_state == KVB_NOTIFY_WAITING || b->notify_state == KVB_NOTIFY_SENT) {
         b->notify_state = KVB_NOTIFY_DONE;
         b->notify_error = error;
@@ -167,8 +213,8 @@ static void op_account(kvb_batch_t *b, kvb_op_t *op, int status, uint64_t bytes,
     op->ended = 1;
     if (r->state != KVB_REQ_PENDING)
         return;
-    if (status < 0) {
-        r->state = status == KVB_ERR_TIMEOUT ? KVB_REQ_TIMEOUT : KVB_REQ_FAILED;
+    if (status < 0) { /* its other ops may be copying: the caller drains (t->failed) */
+        req_end(r, status == KVB_ERR_TIMEOUT ? KVB_REQ_TIMEOUT : KVB_REQ_FAILED);
         r->error = status;
         b->open--;
         t->failed++;
@@ -178,8 +224,8 @@ static void op_account(kvb_batch_t *b, kvb_op_t *op, int status, uint64_t bytes,
     t->paths |= 1u << op->path;
     t->path_bytes[op->path] += bytes;
     t->path_ops[op->path]++;
-    if (--r->ops_left == 0) {
-        r->state = KVB_REQ_COMPLETED;
+    if (--r->ops_left == 0) { /* every byte in: no copy for it is left to wait for */
+        req_end(r, KVB_REQ_COMPLETED);
         b->open--;
         t->completed++;
     }
@@ -218,6 +264,8 @@ void kvb__op_done(kvb_op_t *op, int status, uint64_t bytes)
     } else {
         op_tally_t t = {0};
         op_account(b, op, status, bytes, &t);
+        if (t.failed)
+            copies_drain(b);
         tally_add(b->engine, &t);
         notify = notify_due(b);
         b->held--;
@@ -250,6 +298,8 @@ void kvb__ops_done(kvb_op_t *ops, int status)
         pthread_mutex_lock(&b->mu);
         for (; end && end->batch == b && end->req != KVB_OP_NOTIFY_REQ; end = end->next, n++)
             op_account(b, end, status, status ? 0 : end->len, &t);
+        if (t.failed)
+            copies_drain(b);
         tally_add(b->engine, &t);
         bool notify = notify_due(b);
         b->held -= n;
@@ -296,34 +346,12 @@ void kvb__batch_unlinger(kvb_batch_t *b)
     batch_release(b);
 }
 
-void kvb__batch_dst_lock(kvb_batch_t *b)
-{
-    pthread_mutex_lock(&b->mu);
-}
-
 uint8_t *kvb__op_dst_held(const kvb_op_t *op)
 {
     const kvb_batch_t *b = op->batch;
-    return b->freed || b->reqs[op->req].state != KVB_REQ_PENDING ? NULL : op->local;
-}
-
-void kvb__batch_dst_unlock(kvb_batch_t *b)
-{
-    pthread_mutex_unlock(&b->mu);
-}
-
-uint8_t *kvb__op_dst_lock(kvb_op_t *op)
-{
-    kvb__batch_dst_lock(op->batch);
-    uint8_t *dst = kvb__op_dst_held(op);
-    if (!dst)
-        kvb__batch_dst_unlock(op->batch);
-    return dst;
-}
-
-void kvb__op_dst_unlock(kvb_op_t *op)
-{
-    kvb__batch_dst_unlock(op->batch);
+    bool ended = __atomic_load_n(&b->freed, __ATOMIC_SEQ_CST) ||
+                 __atomic_load_n(&b->reqs[op->req].state, __ATOMIC_SEQ_CST) != KVB_REQ_PENDING;
+    return ended ? NULL : op->local;
 }
 
 /* Pins of one region counted while a submit checks its requests and added at once - one atomic
@@ -783,8 +811,8 @@ void kvb_batch_free(kvb_batch_t *b)
     if (!b)
         return;
     pthread_mutex_lock(&b->mu);
-    end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED);
-    b->freed = true;
+    end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED); /* waits out copies into them */
+    __atomic_store_n(&b->freed, true, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&b->mu);
     cancel_paths(b);
     atomic_fetch_sub(&b->engine->live_batches, 1);

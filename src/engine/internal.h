@@ -55,9 +55,9 @@ typedef struct kvb_op {
 
 #define KVB_OP_NOTIFY_REQ UINT32_MAX
 
-/* A READ over the lanes into host memory: its answer's bytes go straight into place under the
- * batch's lock (kvb__op_dst_lock), so they may come in answer runs, and once the request has
- * ended they are dropped. */
+/* A READ over the lanes into host memory: its answer's bytes go straight into place as a copy
+ * into its batch (kvb__batch_copy_begin), so they may come in answer runs, and once the request
+ * has ended they are dropped. */
 static inline bool kvb__op_lane_read(const kvb_op_t *op)
 {
     return op->kind == KVB_OPK_READ && op->path == KVB_PATH_TCP &&
@@ -73,7 +73,7 @@ typedef struct {
 
 struct kvb_batch {
     kvb_engine_t *engine;
-    pthread_mutex_t mu; /* guards everything below, and READ payloads landing in local memory */
+    pthread_mutex_t mu; /* guards everything below but the copy counters; requests end under it */
     pthread_cond_t cv;
     atomic_uint refs;  /* the caller's, plus one per op the transport still holds */
     uint64_t deadline; /* monotonic ns */
@@ -100,6 +100,11 @@ struct kvb_batch {
     int drive_path; /* KVB_PATH_*, or -1: ops took several paths */
     int notify_error;
     unsigned char *notify_buf;
+    /* Copies into the destinations under way (kvb__batch_copy_begin), counted in the slot of the
+     * epoch they began in; ending a request early advances the epoch under mu and waits for the
+     * old slot to empty (copies_drain), which copies begun later do not hold up. */
+    atomic_uint copy_epoch;
+    atomic_uint copying[2];
 };
 
 enum { KVB_NOTIFY_NONE = 0, KVB_NOTIFY_WAITING, KVB_NOTIFY_SENT, KVB_NOTIFY_DONE };
@@ -338,16 +343,17 @@ void kvb__ops_done(kvb_op_t *ops, int status);
  * the kvb__batch_unlinger that the returned batch (kept alive until then) is owed. */
 kvb_batch_t *kvb__op_linger(kvb_op_t *op);
 void kvb__batch_unlinger(kvb_batch_t *b);
-/* For READ payloads: returns where op's data may be written now, with the batch locked, or NULL
- * (batch unlocked) if the data must be discarded (request ended or batch freed). Pair every
- * non-NULL return with kvb__op_dst_unlock. */
-uint8_t *kvb__op_dst_lock(kvb_op_t *op);
-void kvb__op_dst_unlock(kvb_op_t *op);
-/* The same for several ops of one batch at once: lock the batch, then ask each op's destination
- * (NULL: discard its data), then unlock. */
-void kvb__batch_dst_lock(kvb_batch_t *b);
+/* For READ payloads, which land in the caller's memory: a copy into a batch's destinations
+ * begins with kvb__batch_copy_begin and ends with kvb__batch_copy_end (given what begin
+ * returned); between them, kvb__op_dst_held says where op's bytes may go, or NULL when they must
+ * be dropped (its request ended, its batch was freed). A request that ends other than by its own
+ * bytes - a deadline, a cancel, a free, a failure on another lane - waits out the copies begun
+ * before its end was published, so no byte lands once its caller can see the end. Neither takes
+ * the batch's lock or blocks: threads receiving one batch's answers on several lanes copy at once.
+ * Nothing between them may take the batch's lock or end a request. */
+unsigned kvb__batch_copy_begin(kvb_batch_t *b);
 uint8_t *kvb__op_dst_held(const kvb_op_t *op);
-void kvb__batch_dst_unlock(kvb_batch_t *b);
+void kvb__batch_copy_end(kvb_batch_t *b, unsigned slot);
 /* Queues a received notification; KVB_ERR_REMOTE_NO_SPACE if the queue is full. */
 int kvb__notify_deliver(kvb_engine_t *e, const char *from, const void *data, size_t len,
                         uint64_t reply_to);

@@ -40,8 +40,9 @@
  * first pulls over a fresh pool (18 KiB frames, deepseek-v3 over TCP). */
 #define DIRECT_RECV (32u << 10)
 #define IOV_CAP     512
-/* Bytes of an answer run taken per receive call: bounds how long the batch's lock is held and how
- * long a request whose bytes are in waits to be ended. Interleaved against no bound (1 MiB READs,
+/* Bytes of an answer run taken per receive call: bounds how long a request ending early waits for
+ * a copy into its batch (copies_drain) and how long a request whose bytes are in waits to be
+ * ended. Interleaved against no bound (1 MiB READs,
  * deepseek-v3's 18 KiB KV blocks, 64 KiB READs): no difference beyond the noise. */
 #define RUN_RECV_MAX (1u << 20)
 /* While a payload of at least LOWAT_MIN bytes is being received, the socket wakes its reader only
@@ -438,14 +439,12 @@ static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
     if (status == KVB_OK && !op->stage)
         status = KVB_ERR_NOMEM; /* the answer had nowhere to land */
     if (status == KVB_OK) {
-        uint8_t *dst = kvb__op_dst_lock(op);
-        if (!dst) {
-            status = KVB_ERR_CANCELED;
-        } else {
-            status =
-                kvb__stage_in_async(&c->sq, (uintptr_t)dst, op->stage, op->len, op->pin->device);
-            kvb__op_dst_unlock(op);
-        }
+        unsigned slot = kvb__batch_copy_begin(op->batch);
+        uint8_t *dst = kvb__op_dst_held(op);
+        status = !dst ? KVB_ERR_CANCELED
+                      : kvb__stage_in_async(&c->sq, (uintptr_t)dst, op->stage, op->len,
+                                            op->pin->device);
+        kvb__batch_copy_end(op->batch, slot);
     }
     if (status) {
         op_end(op, status);
@@ -1388,13 +1387,15 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
     if (c->rx_sink == SINK_ENTRIES)
         return sink_entries(c, src, n);
     uint8_t *dst = NULL;
-    bool op_locked = false;
+    kvb_batch_t *copying = NULL; /* a copy into the caller's memory under way (its slot) */
+    unsigned slot = 0;
     bool staged = c->rx_sink == SINK_OP && c->rx_op->pin && c->rx_op->pin->kind != KVB_MEM_CPU;
     if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP && staged) {
         dst = c->rx_op->stage ? c->rx_op->stage + c->rx_got : NULL; /* ours until the op ends */
     } else if (c->rx_sink == SINK_OP && c->rx_hdr.type == KVB_FRAME_READ_RESP) {
-        dst = kvb__op_dst_lock(c->rx_op);
-        op_locked = dst != NULL;
+        copying = c->rx_op->batch;
+        slot = kvb__batch_copy_begin(copying);
+        dst = kvb__op_dst_held(c->rx_op);
         if (dst)
             dst += c->rx_got;
     } else if (c->rx_sink == SINK_REGION || c->rx_sink == SINK_BUF) {
@@ -1425,8 +1426,8 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
             got = (ssize_t)n;
         }
     }
-    if (op_locked)
-        kvb__op_dst_unlock(c->rx_op);
+    if (copying)
+        kvb__batch_copy_end(copying, slot);
     if (got < 0)
         return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : KVB_ERR_PEER_LOST;
     if (got == 0)
@@ -1436,9 +1437,10 @@ static ssize_t sink_bytes(tcp_conn_t *c, const uint8_t *src, size_t n)
 
 /* Initiator, SINK_RUN: moves up to n bytes (at most RUN_RECV_MAX) of an answer run into its
  * requests' destinations - from src, or from the socket in one scattering recvmsg - and ends
- * every request whose bytes are all in. One call covers the requests of one batch, whose lock
- * keeps their destinations from going away meanwhile; a request that ended already (canceled,
- * its batch freed) has its bytes dropped. Returns as sink_bytes. */
+ * every request whose bytes are all in. One call covers the requests of one batch, as one copy
+ * into it (kvb__batch_copy_begin: a request that ends meanwhile waits for it, and threads on
+ * other lanes copy into the same batch at once); a request that ended already (canceled, its
+ * batch freed) has its bytes dropped. Returns as sink_bytes. */
 static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n)
 {
     struct iovec iov[IOV_CAP + 1];
@@ -1451,7 +1453,7 @@ static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n)
     size_t rest = n;
     if (n > RUN_RECV_MAX)
         n = RUN_RECV_MAX;
-    kvb__batch_dst_lock(b);
+    unsigned slot = kvb__batch_copy_begin(b);
     for (uint64_t k = 0; k < c->rx_run && want < n && cnt < IOV_CAP; k++, off = 0) {
         if (k > 0 && (op = op->next)->batch != b)
             break;
@@ -1487,7 +1489,7 @@ static ssize_t sink_run(tcp_conn_t *c, const uint8_t *src, size_t n)
             got = (ssize_t)want;
         }
     }
-    kvb__batch_dst_unlock(b);
+    kvb__batch_copy_end(b, slot);
     if (got < 0)
         return err == EAGAIN || err == EWOULDBLOCK || err == EINTR ? 0 : KVB_ERR_PEER_LOST;
     if (got == 0)
