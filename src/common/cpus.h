@@ -29,7 +29,7 @@ size_t kvb__cpus_format(const kvb_cpus_t *c, char *buf, size_t bufsz);
 /* Threads for one side of `conns` TCP streams: half the CPUs online, at most one per stream, at
  * least one. Where the two sides of a stream share two cores, a second thread per side contends
  * for them: 15-20% less streamed (the ceiling's raw streams, 2026-11) and 13% less through the
- * lanes (1 MiB READs at batch 32, 3 pairs); with 16 CPUs a thread per lane moved 4-17% more
+ * lanes (1 MiB READs at batch 32, 3 pairs); with 16 CPUs a thread per lane moved 3-17% more
  * through kvbridge's lanes (6 pairs, 64 KiB and 1 MiB READs). Both the engine's default
  * progress_threads and the bench's TCP ceiling take it. */
 int kvb__threads_per_side(int conns);
