@@ -42,8 +42,8 @@ typedef struct {
     const char *segment_name;    /* default "advertise_addr:port" */
     const char *metadata;        /* where peers find segments; see "Metadata" below */
     int progress_threads;        /* epoll progress threads, at most 64; default one per default
-                                  * lane (2) where half the CPUs online cover them, else as many as
-                                  * half the CPUs, at least 1 (1 on two CPUs) */
+                                  * lane (2) where half the CPUs the process may run on cover
+                                  * them, else half of them, at least 1 (1 on two CPUs) */
     int lanes;                   /* TCP connections per peer; default 2, at most 16 */
     uint32_t timeout_ms;         /* default per-request deadline; default 30000 */
     uint32_t connect_timeout_ms; /* deadline of kvb_segment_open's handshake; default 5000 */

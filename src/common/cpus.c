@@ -120,10 +120,19 @@ static void *start(void *p)
     return st.fn(st.arg);
 }
 
+int kvb__cpus_usable(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
 int kvb__threads_per_side(int conns)
 {
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN), t = cpus >= 2 ? cpus / 2 : 1;
-    return conns < 1 ? 1 : t < conns ? (int)t : conns;
+    int cpus = kvb__cpus_usable(), t = cpus >= 2 ? cpus / 2 : 1;
+    return conns < 1 ? 1 : t < conns ? t : conns;
 }
 
 int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,

@@ -26,7 +26,11 @@ int kvb__cpus_parse(const char *s, kvb_cpus_t *out, char *err, size_t errlen);
  * given), "" for an empty one. Returns the length it needed (a longer one than bufsz was cut). */
 size_t kvb__cpus_format(const kvb_cpus_t *c, char *buf, size_t bufsz);
 
-/* Threads for one side of `conns` TCP streams: half the CPUs online, at most one per stream, at
+/* The CPUs this process may run on (its affinity: a container's cpuset, `taskset`), else the
+ * CPUs online; at least 1. */
+int kvb__cpus_usable(void);
+
+/* Threads for one side of `conns` TCP streams: half the usable CPUs, at most one per stream, at
  * least one. Where the two sides of a stream share two cores, a second thread per side contends
  * for them: 15-20% less streamed (the ceiling's raw streams, 2026-11) and 13% less through the
  * lanes (1 MiB READs at batch 32, 3 pairs); with 16 CPUs a thread per lane moved 3-17% more

@@ -22,6 +22,7 @@
 #include "common/checked.h"
 #include "common/clock.h"
 #include "common/copy.h"
+#include "common/cpus.h"
 #include "common/log.h"
 
 #define MSG_MAGIC      0x5342564Bu /* "KVBS" */
@@ -1247,7 +1248,7 @@ int kvb__shm_create(kvb_engine_t *e, bool listen, int copy_threads, kvb_shm_t **
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->links_mu, NULL);
     s->stream_min = stream_min();
-    if (sysconf(_SC_NPROCESSORS_ONLN) > 1)
+    if (kvb__cpus_usable() > 1)
         s->spin_ns = (uint64_t)kvb_engine_linger_us(e) * 1000;
     int rc = start_pool(s, copy_threads);
     if (rc == KVB_OK && listen && start_listener(s) != KVB_OK) {

@@ -42,8 +42,8 @@
 #define IOV_CAP     512
 /* Bytes of an answer run taken per receive call: bounds how long a request ending early waits for
  * a copy into its batch (copies_drain) and how long a request whose bytes are in waits to be
- * ended. Interleaved against no bound (1 MiB READs,
- * deepseek-v3's 18 KiB KV blocks, 64 KiB READs): no difference beyond the noise. */
+ * ended. Interleaved against no bound (1 MiB READs, deepseek-v3's 18 KiB KV blocks, 64 KiB
+ * READs): no difference beyond the noise. */
 #define RUN_RECV_MAX (1u << 20)
 /* While a payload of at least LOWAT_MIN bytes is being received, the socket wakes its reader only
  * once min(what is left of it, LOWAT_MAX) bytes are in (SO_RCVLOWAT), not for every few segments:
@@ -441,9 +441,9 @@ static void dev_op_arrived(tcp_conn_t *c, kvb_op_t *op, int status)
     if (status == KVB_OK) {
         unsigned slot = kvb__batch_copy_begin(op->batch);
         uint8_t *dst = kvb__op_dst_held(op);
-        status = !dst ? KVB_ERR_CANCELED
-                      : kvb__stage_in_async(&c->sq, (uintptr_t)dst, op->stage, op->len,
-                                            op->pin->device);
+        status =
+            !dst ? KVB_ERR_CANCELED
+                 : kvb__stage_in_async(&c->sq, (uintptr_t)dst, op->stage, op->len, op->pin->device);
         kvb__batch_copy_end(op->batch, slot);
     }
     if (status) {

@@ -153,3 +153,28 @@ Test(cpus, a_thread_runs_where_its_ordinal_says_and_is_named)
     cr_assert_eq(sched_getaffinity(0, sizeof mine, &mine), 0);
     cr_expect(CPU_EQUAL(&s.set, &mine));
 }
+
+/* Threads per side of a stream count the CPUs this process may run on (a cpuset, taskset), not
+ * the host's: half of them, at most one per stream, at least one. */
+Test(cpus, threads_per_side_follow_the_usable_cpus)
+{
+    cpu_set_t set;
+    cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+    int cpus = CPU_COUNT(&set), half = cpus / 2 < 1 ? 1 : cpus / 2;
+    cr_assert_eq(kvb__cpus_usable(), cpus);
+    cr_expect_eq(kvb__threads_per_side(0), 1);
+    cr_expect_eq(kvb__threads_per_side(1), 1);
+    cr_expect_eq(kvb__threads_per_side(16), half < 16 ? half : 16);
+    /* Down to one CPU: one thread, whatever the streams. */
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &set)) {
+            CPU_SET(c, &one);
+            break;
+        }
+    cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0);
+    cr_expect_eq(kvb__cpus_usable(), 1);
+    cr_expect_eq(kvb__threads_per_side(2), 1);
+    cr_assert_eq(sched_setaffinity(0, sizeof set, &set), 0);
+}
