@@ -346,12 +346,11 @@ void kvb__batch_unlinger(kvb_batch_t *b)
     batch_release(b);
 }
 
+/* A freed batch needs no look of its own: kvb_batch_free ends every pending request first. */
 uint8_t *kvb__op_dst_held(const kvb_op_t *op)
 {
-    const kvb_batch_t *b = op->batch;
-    bool ended = __atomic_load_n(&b->freed, __ATOMIC_SEQ_CST) ||
-                 __atomic_load_n(&b->reqs[op->req].state, __ATOMIC_SEQ_CST) != KVB_REQ_PENDING;
-    return ended ? NULL : op->local;
+    kvb_req_state_t st = __atomic_load_n(&op->batch->reqs[op->req].state, __ATOMIC_SEQ_CST);
+    return st == KVB_REQ_PENDING ? op->local : NULL;
 }
 
 /* Pins of one region counted while a submit checks its requests and added at once - one atomic
@@ -812,7 +811,7 @@ void kvb_batch_free(kvb_batch_t *b)
         return;
     pthread_mutex_lock(&b->mu);
     end_pending(b, KVB_REQ_CANCELED, KVB_ERR_CANCELED); /* waits out copies into them */
-    __atomic_store_n(&b->freed, true, __ATOMIC_SEQ_CST);
+    b->freed = true;
     pthread_mutex_unlock(&b->mu);
     cancel_paths(b);
     atomic_fetch_sub(&b->engine->live_batches, 1);

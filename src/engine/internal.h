@@ -87,7 +87,7 @@ struct kvb_batch {
                         * outlive theirs (kvb__op_linger): kvb_batch_settle waits for them */
     size_t settlers;   /* threads in kvb_batch_settle: ops that end wake them */
     size_t lane_reads; /* ops that drop their late bytes once ended (see kvb_batch_settle) */
-    bool freed;        /* kvb_batch_free was called: discard whatever still arrives */
+    bool freed;        /* kvb_batch_free was called (every request ended first) */
     /* notification sent once all requests completed */
     kvb_peer_t *notify_peer;
     kvb_op_t notify_op;
