@@ -9,6 +9,12 @@ OUT=${OUT:-bench/results}
 SWEEP_SECS=${SWEEP_SECS:-1}
 GOAL_SECS=${GOAL_SECS:-2}
 REPS=${REPS:-5}
+# Loopback ratio goals: PAIRS windows of PAIR_SECS seconds each followed by one of the ceiling, in
+# one `bench --ceiling --reps PAIRS` run (the working sets set up once), so that the two halves of
+# a pair are a second apart, not seconds: this host's bandwidth flips between levels that far
+# apart (docs/performance-notes.md, "Pairs a second apart").
+PAIRS=${PAIRS:-10}
+PAIR_SECS=${PAIR_SECS:-1}
 # Submitting threads in the sweep: 1 keeps `make bench` within 10 minutes on 2 cores (each point
 # populates two buffers of $BUF first); THREADS="1 2" adds the second.
 THREADS=${THREADS:-1}
@@ -124,36 +130,44 @@ pair_ratios() { # ks... -- cs...
         printf "%.3f %.3f %.3f\n", m, a[1], a[NR]}'
 }
 verdict() { awk -v r="$1" -v t="$2" 'BEGIN {print (r > 1 ? "ceiling below kvbridge" : r >= t ? "yes" : "no")}'; }
-goal_pair() { # name workload target kind(ratio|abs) ceiling-kind block -- kvbridge args
-    local name=$1 work=$2 target=$3 kind=$4 ck=$5 cb=$6; shift 7
-    local ks=() cs=()
+# A goal: `ratio` against the ceiling of the path the run took (PAIRS pairs in one run), or `abs`
+# (GB/s; REPS runs of GOAL_SECS, the median).
+goal_pair() { # name workload target ratio|abs -- kvbridge args
+    local name=$1 work=$2 target=$3 kind=$4; shift 5
+    local ks=()
+    if [ "$kind" = ratio ]; then # the run and its ceiling in turn, in one process (see PAIRS)
+        say "goal $name: $PAIRS pairs of ${PAIR_SECS} s windows"
+        local j km cm r lo hi
+        j=$(run --loopback --buffer-size "$BUF" "$@" --ceiling --reps "$PAIRS" \
+            --duration $((PAIRS * PAIR_SECS)))
+        km=$(field pair_gbps <<< "$j" | round)
+        cm=$(field ceiling_gbps <<< "$j" | round)
+        r=$(field ratio <<< "$j" | round)
+        lo=$(field ratio_min <<< "$j" | round)
+        hi=$(field ratio_max <<< "$j" | round)
+        echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi" >> "$OUT/goals.csv"
+        return
+    fi
     for i in $(seq "$REPS"); do
         say "goal $name: run $i/$REPS"
         ks+=("$(kvb_gbps "$@" --duration "$GOAL_SECS")")
-        [ "$kind" = ratio ] && cs+=("$(ceiling "$ck" "$cb" "$GOAL_SECS")")
     done
-    local km cm r met
+    local km met
     km=$(printf '%s\n' "${ks[@]}" | median | round)
-    if [ "$kind" = ratio ]; then
-        cm=$(printf '%s\n' "${cs[@]}" | median | round)
-        read -r r lo hi < <(pair_ratios "${ks[@]}" -- "${cs[@]}")
-        echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi" >> "$OUT/goals.csv"
-    else
-        met=$(awk -v k="$km" -v t="$target" 'BEGIN {print (k >= t ? "yes" : "no")}')
-        echo "$name,$work,$km GB/s,,,>= $target GB/s,$met,$(printf '%s\n' "${ks[@]}" | sort -g | sed -n '1p;$p' | round | paste -sd-) GB/s" >> "$OUT/goals.csv"
-    fi
+    met=$(awk -v k="$km" -v t="$target" 'BEGIN {print (k >= t ? "yes" : "no")}')
+    echo "$name,$work,$km GB/s,,,>= $target GB/s,$met,$(printf '%s\n' "${ks[@]}" | sort -g | sed -n '1p;$p' | round | paste -sd-) GB/s" >> "$OUT/goals.csv"
 }
-goal_pair tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 ratio tcp 1M -- --protocol tcp --operation read --block-size 1M --batch-size 32
-goal_pair tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 ratio tcp 1M -- --protocol tcp --operation write --block-size 1M --batch-size 32
-goal_pair tcp-64k "TCP 64 KiB blocks batch 128 READ" 0.85 ratio tcp 64K -- --protocol tcp --operation read --block-size 64K --batch-size 128
-goal_pair tcp-4k "TCP 4 KiB blocks batch 128 READ" 2.5 abs - - -- --protocol tcp --operation read --block-size 4K --batch-size 128
-goal_pair shm-64k "shm 64 KiB blocks batch 128 READ" 0.90 ratio copy 64K -- --protocol shm --operation read --block-size 64K --batch-size 128
-goal_pair shm-1m "shm 1 MiB blocks batch 32 WRITE" 0.90 ratio copy 1M -- --protocol shm --operation write --block-size 1M --batch-size 32
+goal_pair tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 ratio -- --protocol tcp --operation read --block-size 1M --batch-size 32
+goal_pair tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 ratio -- --protocol tcp --operation write --block-size 1M --batch-size 32
+goal_pair tcp-64k "TCP 64 KiB blocks batch 128 READ" 0.85 ratio -- --protocol tcp --operation read --block-size 64K --batch-size 128
+goal_pair tcp-4k "TCP 4 KiB blocks batch 128 READ" 2.5 abs -- --protocol tcp --operation read --block-size 4K --batch-size 128
+goal_pair shm-64k "shm 64 KiB blocks batch 128 READ" 0.90 ratio -- --protocol shm --operation read --block-size 64K --batch-size 128
+goal_pair shm-1m "shm 1 MiB blocks batch 32 WRITE" 0.90 ratio -- --protocol shm --operation write --block-size 1M --batch-size 32
 # With busy polling (busy_poll_us, off by default): the 4 KiB batches pay a round trip each, and
 # on a host whose sleeping threads wake slowly the wakes are most of it (README, "Busy
 # polling").
 BUSY_US=${BUSY_US:-200}
-goal_pair tcp-4k-busy "TCP 4 KiB blocks batch 128 READ busy polling $BUSY_US us" 2.5 abs - - -- --protocol tcp --operation read --block-size 4K --batch-size 128 --busy-poll "$BUSY_US"
+goal_pair tcp-4k-busy "TCP 4 KiB blocks batch 128 READ busy polling $BUSY_US us" 2.5 abs -- --protocol tcp --operation read --block-size 4K --batch-size 128 --busy-poll "$BUSY_US"
 
 # iperf3, where installed, as a cross-check of the TCP ceiling (same connections, 1 MiB writes).
 if command -v iperf3 >/dev/null; then
@@ -310,14 +324,16 @@ say ""
     echo "($(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s)."
     echo "Working set: $BUF per side; last-level cache: $llc. Ceilings: a raw loopback TCP stream"
     echo "over $LANES connections (sender and receiver each with a buffer of its own, populated after"
-    echo "the fork; one pass over the buffers not counted, then the best of 6 windows, three syscall"
-    echo "sizes in turn), and the best of memcpy, rep movsb and streaming stores with the copy path's"
-    echo "2 threads over memfd pages, bound to CPUs of their own and unbound in turn (with --cpus, on"
-    echo "those CPUs; one pass not counted, then the best of 4 runs); across the veth"
-    echo "pair (RPS over every CPU on both ends, so a flow arrives in order) the same raw stream from"
-    echo "the initiator's namespace to the target's - each measured in the same run as the figure it"
-    echo "divides; KV ceilings move the same blocks as the pull they divide, each pull's in source"
-    echo "order."
+    echo "the fork; one pass over the buffers not counted, then the best of three windows, one per"
+    echo "syscall size), and the best of memcpy, rep movsb and streaming stores with the copy path's"
+    echo "2 threads over memfd pages, bound to CPUs of their own, then unbound (with --cpus, on those"
+    echo "CPUs; one pass not counted) - each measured in the process of the run it divides, in turn"
+    echo "with it: $PAIRS windows of ${PAIR_SECS} s of the run, each followed by one of its ceiling"
+    echo "as long, after one of each not counted. Across the veth pair (RPS over every CPU on both"
+    echo "ends, so a flow arrives in order) the same raw stream the way the data flows (a READ's from"
+    echo "the target's namespace into the initiator's), $REPS interleaved pairs of ${GOAL_SECS} s runs"
+    echo "(the best of 6 windows per ceiling run). KV ceilings move the same blocks as the pull they"
+    echo "divide, each pull's in source order."
     echo "TCP congestion control: $CC (KVB_TCP_CONGESTION; the system's default is $CC_SYSTEM), the"
     echo "same for kvbridge's connections, the raw streams and iperf3. The engines' progress threads"
     echo "linger ${KVB_LINGER_US:-100} us after requests (linger_us; the latency ping-pong's echo as long)."
@@ -327,11 +343,12 @@ say ""
         echo "CPU over the run (its accessed-bit sampling; see docs/performance-notes.md, \"KV over TCP\")."
     fi
     echo
-    echo "## Goals ($REPS interleaved pairs of ${GOAL_SECS} s runs: kvbridge, then its ceiling)"
+    echo "## Goals (loopback: $PAIRS pairs of ${PAIR_SECS} s windows, kvbridge then its ceiling)"
     echo
-    echo "kvbridge and ceiling: the medians of the runs; ratio: the median of the pairs' ratios (the"
-    echo "pairs' range beside it) - a pair is measured within seconds, so a slow stretch of a shared"
-    echo "machine moves both of its halves. KV rows: one \`bench --kv\` run of $REPS pulls, each"
+    echo "kvbridge and ceiling: the medians of the windows (veth: of the runs); ratio: the median of"
+    echo "the pairs' ratios (the pairs' range beside it) - the halves of a pair a second apart, so a"
+    echo "slow stretch of a shared machine moves both. GB/s rows: $REPS runs of ${GOAL_SECS} s, the"
+    echo "median. KV rows: one \`bench --kv\` run of $REPS pulls, each"
     echo "followed by its ceiling over the same blocks (the best of 3 windows of 0.2 s; the ceiling"
     echo "column their median), the ratio the median of the pulls' time over bytes / ceiling;"
     echo "latency: the bench's own interleaved rounds."

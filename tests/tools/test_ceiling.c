@@ -339,6 +339,43 @@ Test(ceiling, kv_pulls_paired_with_their_ceilings, .timeout = 120)
     }
 }
 
+/* `bench --ceiling --reps N` measures the run and its ceiling in turn, N windows of each: every
+ * pair counted, the ratio the median of the pairs' and within their range, over both paths; and
+ * windows too short to be worth a ceiling are refused. */
+Test(ceiling, runs_paired_with_their_ceilings, .timeout = 120)
+{
+    const char *protos[] = {"tcp", "shm"};
+    for (size_t i = 0; i < 2; i++) {
+        char args[192];
+        snprintf(args, sizeof args,
+                 "--loopback --protocol %s --buffer-size 16M --block-size 1M --batch-size 4 "
+                 "--duration 2 --ceiling --reps 4",
+                 protos[i]);
+        uint64_t t0 = kvb__now_ns();
+        json_t *j = bench_json(args);
+        double k = json_real_value(json_object_get(j, "pair_gbps")),
+               c = json_real_value(json_object_get(j, "ceiling_gbps")),
+               r = json_real_value(json_object_get(j, "ratio")),
+               lo = json_real_value(json_object_get(j, "ratio_min")),
+               hi = json_real_value(json_object_get(j, "ratio_max")),
+               w = json_real_value(json_object_get(j, "window_s"));
+        json_int_t n = json_integer_value(json_object_get(j, "pairs"));
+        cr_log_info("bench %s: %.3f / %.3f GB/s, ratio %.3f (%.3f-%.3f)", args, k, c, r, lo, hi);
+        cr_expect_eq(n, 4, "%s: %lld pairs", args, (long long)n);
+        cr_expect(w > 0.49 && w < 0.51, "%s: windows of %.3f s", args, w);
+        cr_expect(k > 0 && c > 0, "%s: %.3f / %.3f GB/s", args, k, c);
+        cr_expect(lo > 0 && lo <= r && r <= hi, "%s: ratio %.3f outside its pairs' %.3f-%.3f", args,
+                  r, lo, hi);
+        cr_expect(r > 0.02 && r < 50, "%s: ratio %.3f is not a ratio of a run to its ceiling", args,
+                  r);
+        cr_expect_lt(kvb__now_ns() - t0, 60000000000ull, "%s took over 60 s", args);
+        json_decref(j);
+    }
+    cr_expect_neq(system("\"$KVB_BIN\" bench --loopback --ceiling --reps 5 --duration 2 "
+                         ">/dev/null 2>&1"),
+                  0, "windows of 0.4 s were accepted");
+}
+
 /* Bad endpoints for the stream are refused before anything starts, with the reason. */
 Test(ceiling, bad_endpoints_are_refused)
 {
