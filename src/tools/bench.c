@@ -527,8 +527,8 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
         if (o->ceiling_gbps > 0) {
             json_object_set_new(j, "ceiling_gbps", json_real(o->ceiling_gbps));
             json_object_set_new(j, "ceiling_method", json_string(o->ceiling_method));
-            json_object_set_new(j, "ratio", json_real(o->pair_ratio > 0 ? o->pair_ratio
-                                                                         : gbps / o->ceiling_gbps));
+            json_object_set_new(
+                j, "ratio", json_real(o->pair_ratio > 0 ? o->pair_ratio : gbps / o->ceiling_gbps));
         }
         if (o->pair_ratio > 0) {
             json_object_set_new(j, "pairs", json_integer((json_int_t)o->reps));
@@ -1367,7 +1367,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         return 2;
     }
     if (o->ceiling && o->reps > 1 &&
-        (o->gpu_local || o->gpu_remote || o->latency || (double)o->duration / (double)o->reps < 0.5)) {
+        (o->gpu_local || o->gpu_remote || o->latency ||
+         (double)o->duration / (double)o->reps < 0.5)) {
         fprintf(stderr, "kvbridge bench: --ceiling --reps N takes a throughput run in host memory "
                         "with --duration / N of at least 0.5 s\n");
         return 2;
