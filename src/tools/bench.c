@@ -649,7 +649,8 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
     snprintf(o->ceiling_method, sizeof o->ceiling_method, "%s", cl.method);
 out:
     if (o->pair_ratio == 0) {
-        fprintf(stderr, "bench: the ceiling could not be measured in turn with the run\n");
+        fprintf(stderr, "bench: %s\n",
+                g_stop ? "interrupted" : "the ceiling could not be measured in turn with the run");
         secs = 0;
     }
     kvb_ceiling_close(cs);
