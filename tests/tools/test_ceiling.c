@@ -45,6 +45,12 @@ static json_t *bench_json(const char *args)
     return j;
 }
 
+/* A number of a JSON object (0 if it has none). */
+static double num(const json_t *j, const char *key)
+{
+    return json_number_value(json_object_get(j, key));
+}
+
 /* `kvbridge bench ARGS --json`'s "gbps". */
 static double bench_gbps(const char *args)
 {
@@ -324,10 +330,8 @@ Test(ceiling, kv_pulls_paired_with_their_ceilings, .timeout = 120)
                  protos[i]);
         uint64_t t0 = kvb__now_ns();
         json_t *j = bench_json(args);
-        double c = json_real_value(json_object_get(j, "ceiling_gbps")),
-               r = json_real_value(json_object_get(j, "ratio")),
-               lo = json_real_value(json_object_get(j, "ratio_min")),
-               hi = json_real_value(json_object_get(j, "ratio_max"));
+        double c = num(j, "ceiling_gbps"), r = num(j, "ratio"), lo = num(j, "ratio_min"),
+               hi = num(j, "ratio_max");
         cr_log_info("bench %s: ceiling %.3f GB/s, ratio %.3f (%.3f-%.3f)", args, c, r, lo, hi);
         cr_expect(c > 0, "%s: no ceiling", args);
         cr_expect(lo > 0 && lo <= r && r <= hi, "%s: ratio %.3f outside its pairs' %.3f-%.3f", args,
@@ -353,12 +357,8 @@ Test(ceiling, runs_paired_with_their_ceilings, .timeout = 120)
                  protos[i]);
         uint64_t t0 = kvb__now_ns();
         json_t *j = bench_json(args);
-        double k = json_real_value(json_object_get(j, "pair_gbps")),
-               c = json_real_value(json_object_get(j, "ceiling_gbps")),
-               r = json_real_value(json_object_get(j, "ratio")),
-               lo = json_real_value(json_object_get(j, "ratio_min")),
-               hi = json_real_value(json_object_get(j, "ratio_max")),
-               w = json_real_value(json_object_get(j, "window_s"));
+        double k = num(j, "pair_gbps"), c = num(j, "ceiling_gbps"), r = num(j, "ratio"),
+               lo = num(j, "ratio_min"), hi = num(j, "ratio_max"), w = num(j, "window_s");
         json_int_t n = json_integer_value(json_object_get(j, "pairs"));
         cr_log_info("bench %s: %.3f / %.3f GB/s, ratio %.3f (%.3f-%.3f)", args, k, c, r, lo, hi);
         cr_expect_eq(n, 4, "%s: %lld pairs", args, (long long)n);
