@@ -1367,6 +1367,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         fprintf(stderr, "kvbridge bench: --mode initiator needs --segment host:port\n");
         return 2;
     }
+    if (o->reps && (!o->ceiling || o->baseline)) {
+        fprintf(stderr, "kvbridge bench: --reps goes with --kv, or with --ceiling\n");
+        return 2;
+    }
     if (o->ceiling && o->reps > 1 &&
         (o->gpu_local || o->gpu_remote || o->latency ||
          (double)o->duration / (double)o->reps < 0.5)) {

@@ -374,6 +374,8 @@ Test(ceiling, runs_paired_with_their_ceilings, .timeout = 120)
     cr_expect_neq(system("\"$KVB_BIN\" bench --loopback --ceiling --reps 5 --duration 2 "
                          ">/dev/null 2>&1"),
                   0, "windows of 0.4 s were accepted");
+    cr_expect_neq(system("\"$KVB_BIN\" bench --loopback --reps 3 >/dev/null 2>&1"), 0,
+                  "--reps without --ceiling was accepted");
 }
 
 /* Bad endpoints for the stream are refused before anything starts, with the reason. */
