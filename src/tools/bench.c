@@ -569,15 +569,26 @@ static int measure_ceiling(const bench_opts_t *o, const char *path, uint64_t buf
                        each, runs, c);
 }
 
-/* Runs the workers until `deadline`: one window of the run. */
-static void run_window(worker_t *w, pthread_t *tids, uint64_t n, uint64_t deadline)
+/* Runs the workers until `deadline`: the run, or one window of it. With `tty`, a long run shows
+ * how it goes, once a second, on stderr. */
+static void run_window(const bench_opts_t *o, worker_t *w, pthread_t *tids, uint64_t deadline,
+                       bool tty)
 {
-    for (uint64_t t = 0; t < n; t++) {
+    for (uint64_t t = 0; t < o->threads; t++) {
         w[t].deadline = deadline;
         pthread_create(&tids[t], NULL, worker_main, &w[t]);
     }
-    for (uint64_t t = 0; t < n; t++)
+    for (uint64_t s = 1; tty && s < o->duration && !g_stop; s++) {
+        struct timespec one = {.tv_sec = 1};
+        nanosleep(&one, NULL);
+        double gb = (double)atomic_load(&g_progress_bytes) / 1e9;
+        fprintf(stderr, "\r  %llu/%llu s  %.2f GB  %.3f GB/s ", (unsigned long long)s,
+                (unsigned long long)o->duration, gb, gb / (double)s);
+    }
+    for (uint64_t t = 0; t < o->threads; t++)
         pthread_join(tids[t], NULL);
+    if (tty)
+        fprintf(stderr, "\r%60s\r", "");
 }
 
 static uint64_t bytes_moved(const worker_t *w, uint64_t n)
@@ -619,7 +630,7 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
     if (kvb_ceiling_open(tcp ? "tcp" : "copy", size, o->block, off, off, n,
                          tcp ? (int)o->lanes : COPY_THREADS, &cs))
         goto out;
-    run_window(w, tids, o->threads, kvb__now_ns() + win_ns); /* warm, like the ceiling's pass */
+    run_window(o, w, tids, kvb__now_ns() + win_ns, false); /* warm, like the ceiling's pass */
     for (uint64_t t = 0; t < o->threads; t++) {
         w[t].bytes = w[t].reqs = 0;
         w[t].nlat = 0;
@@ -628,7 +639,7 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
         goto out;
     for (; done < reps && !g_stop; done++) {
         uint64_t before = bytes_moved(w, o->threads), t0 = kvb__now_ns();
-        run_window(w, tids, o->threads, t0 + win_ns);
+        run_window(o, w, tids, t0 + win_ns, false);
         double s = (double)(kvb__now_ns() - t0) / 1e9;
         if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
             goto out;
@@ -736,9 +747,8 @@ static int run_initiator(bench_opts_t *o)
             goto out;
         fill_pattern(expect, size, o->seed);
     }
-    uint64_t t0 = kvb__now_ns(), deadline = t0 + o->duration * 1000000000ull;
     bool pairs = o->ceiling && o->reps > 1;
-    for (uint64_t t = 0; t < o->threads; t++) {
+    for (uint64_t t = 0; t < o->threads; t++)
         w[t] = (worker_t){.o = o,
                           .engine = e,
                           .seg = seg,
@@ -746,29 +756,17 @@ static int run_initiator(bench_opts_t *o)
                           .expect = expect,
                           .remote_base = region.addr,
                           .area_off = t * area,
-                          .area_len = area,
-                          .deadline = deadline};
-        if (!pairs)
-            pthread_create(&tids[t], NULL, worker_main, &w[t]);
-    }
-    double secs = 0;
-    if (pairs && (secs = measure_pairs(o, w, tids, size)) <= 0)
-        goto out;
-    /* Long runs on a terminal show how they go, once a second, on stderr. */
-    bool tty = !pairs && isatty(STDERR_FILENO) && o->duration >= 3;
-    for (uint64_t s = 1; tty && s < o->duration && !g_stop; s++) {
-        struct timespec one = {.tv_sec = 1};
-        nanosleep(&one, NULL);
-        double gb = (double)atomic_load(&g_progress_bytes) / 1e9;
-        fprintf(stderr, "\r  %llu/%llu s  %.2f GB  %.3f GB/s ", (unsigned long long)s,
-                (unsigned long long)o->duration, gb, gb / (double)s);
-    }
-    for (uint64_t t = 0; !pairs && t < o->threads; t++)
-        pthread_join(tids[t], NULL);
-    if (tty)
-        fprintf(stderr, "\r%60s\r", "");
-    if (!pairs)
+                          .area_len = area};
+    double secs;
+    if (pairs) {
+        if ((secs = measure_pairs(o, w, tids, size)) <= 0)
+            goto out;
+    } else {
+        uint64_t t0 = kvb__now_ns();
+        run_window(o, w, tids, t0 + o->duration * 1000000000ull,
+                   isatty(STDERR_FILENO) && o->duration >= 3);
         secs = (double)(kvb__now_ns() - t0) / 1e9;
+    }
     int verified = -1;
     uint64_t errors = 0, mismatches = 0;
     for (uint64_t t = 0; t < o->threads; t++) {
