@@ -34,15 +34,19 @@ typedef struct {
     const char *mode;
     const char *segment;
     const char *bind;
-    const char *peer_netns; /* --baseline tcp: the sender's network namespace */
+    const char *peer_netns; /* --baseline tcp|rpc: the sender's (server's) network namespace */
     bool insecure;          /* --insecure */
-    const char *baseline;   /* "tcp" or "memcpy" (or "copy"): measure the ceiling instead */
+    const char *baseline;   /* "tcp", "rpc" or "memcpy" (or "copy"): measure the ceiling instead */
     bool ceiling; /* --ceiling: measure the path's ceiling after the run, print the ratio */
     double ceiling_gbps;
     char ceiling_method[256];
     /* --ceiling --reps N (N > 1): the run's windows and the ceiling's, in turn (measure_pairs) */
     double pair_gbps, pair_ratio, pair_lo, pair_hi; /* medians over the pairs; their range */
     double window_s;
+    /* ... over TCP with one submitting thread, a third window in each pair: the same batches
+     * through a raw request/response program (kvb_rpcref_open); medians over the pairs */
+    double rpc_gbps, rpc_ratio, vs_rpc; /* its GB/s, its share of the ceiling, the run's of it */
+    char rpc_method[256];
     uint64_t area_bytes;         /* the registered buffer each side used */
     const char *protocol;        /* tcp, shm or auto */
     const char *fabric_provider; /* --fabric-provider: the fabric path's libfabric provider */
@@ -489,6 +493,10 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
                    "after one of each not counted): the run's median %.3f GB/s, the ceiling's "
                    "median above, the ratio the median of the pairs' (%.3f-%.3f)\n",
                    (unsigned long long)o->reps, o->window_s, o->pair_gbps, o->pair_lo, o->pair_hi);
+        if (o->rpc_gbps > 0)
+            printf("  the same batches without kvbridge (%s): %.3f GB/s, %.3f of the ceiling; the "
+                   "run %.3f of it (medians over the pairs, each pair's third window)\n",
+                   o->rpc_method, o->rpc_gbps, o->rpc_ratio, o->vs_rpc);
         if (ratio > 1.0)
             printf("  WARNING: above the ceiling - the ceiling does not measure what this run "
                    "did; do not believe the ratio\n");
@@ -536,6 +544,12 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
             json_object_set_new(j, "pair_gbps", json_real(o->pair_gbps));
             json_object_set_new(j, "ratio_min", json_real(o->pair_lo));
             json_object_set_new(j, "ratio_max", json_real(o->pair_hi));
+        }
+        if (o->rpc_gbps > 0) {
+            json_object_set_new(j, "rpc_gbps", json_real(o->rpc_gbps));
+            json_object_set_new(j, "rpc_ratio", json_real(o->rpc_ratio));
+            json_object_set_new(j, "vs_rpc", json_real(o->vs_rpc));
+            json_object_set_new(j, "rpc_method", json_string(o->rpc_method));
         }
         if (gpu) {
             json_object_set_new(j, "gpu_local", json_boolean(o->gpu_local));
@@ -610,8 +624,10 @@ static double median_of(double *v, size_t n)
  * counted; the ratio is the median of the pairs'. On the 2-CPU VMs measured the copy bandwidth
  * flips between two levels (about 22 and 29 GB/s) and stays at one for a few seconds: a 2 s run
  * and a 2 s ceiling run seconds apart straddled a flip often enough that pair ratios spread over
- * 0.69-0.94 (docs/performance-notes.md, "Pairs a second apart"). Returns the seconds the counted
- * windows took, 0 if the ceiling could not be measured. */
+ * 0.69-0.94 (docs/performance-notes.md, "Pairs a second apart"). Over TCP with one submitting
+ * thread a third window follows: the same batches through a raw request/response program
+ * (kvb_rpcref_open), what one batch at a time costs the stream without kvbridge. Returns the
+ * seconds the counted windows took, 0 if the ceiling could not be measured. */
 static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint64_t size)
 {
     bool tcp = !strcmp(o->path, "tcp");
@@ -620,33 +636,43 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
     double win = (double)o->duration / (double)reps, secs = 0;
     uint64_t win_ns = (uint64_t)(win * 1e9);
     uint64_t *off = malloc(n * sizeof *off);
-    double *k = calloc(reps, sizeof *k), *c = calloc(reps, sizeof *c), *r = calloc(reps, sizeof *r);
+    /* per pair: the run, the ceiling, their ratio; the raw batches, theirs to the ceiling, the
+     * run's to them */
+    double *k = calloc(6 * reps, sizeof *k), *c = k + reps, *r = c + reps, *p = r + reps,
+           *pc = p + reps, *kp = pc + reps;
     kvb_ceiling_session_t *cs = NULL;
+    kvb_rpcref_t *rs = NULL;
     kvb_ceiling_t cl;
-    if (!off || !k || !c || !r)
+    if (!off || !k)
         goto out;
     for (size_t i = 0; i < n; i++)
         off[i] = (uint64_t)i * o->block;
     if (kvb_ceiling_open(tcp ? "tcp" : "copy", size, o->block, off, off, n,
                          tcp ? (int)o->lanes : COPY_THREADS, &cs))
         goto out;
+    if (tcp && o->threads == 1 &&
+        kvb_rpcref_open(o->write, size, o->block * o->batch, (int)o->lanes, &rs))
+        fprintf(stderr, "bench: going on without the request/response reference\n");
     run_window(o, w, tids, kvb__now_ns() + win_ns, false); /* warm, like the ceiling's pass */
     for (uint64_t t = 0; t < o->threads; t++) {
         w[t].bytes = w[t].reqs = 0;
         w[t].nlat = 0;
     }
-    if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
+    if (kvb_ceiling_measure(cs, win / runs, runs, &cl) || (rs && kvb_rpcref_measure(rs, win) <= 0))
         goto out;
     for (; done < reps && !g_stop; done++) {
         uint64_t before = bytes_moved(w, o->threads), t0 = kvb__now_ns();
         run_window(o, w, tids, t0 + win_ns, false);
         double s = (double)(kvb__now_ns() - t0) / 1e9;
-        if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
+        if (kvb_ceiling_measure(cs, win / runs, runs, &cl) ||
+            (rs && (p[done] = kvb_rpcref_measure(rs, win)) <= 0))
             goto out;
         secs += s;
         k[done] = (double)(bytes_moved(w, o->threads) - before) / s / 1e9;
         c[done] = cl.gbps;
         r[done] = k[done] / c[done];
+        pc[done] = rs ? p[done] / c[done] : 0;
+        kp[done] = rs ? k[done] / p[done] : 0;
     }
     if (done == 0)
         goto out;
@@ -658,17 +684,22 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
     o->pair_lo = r[0];
     o->pair_hi = r[done - 1];
     snprintf(o->ceiling_method, sizeof o->ceiling_method, "%s", cl.method);
+    if (rs) {
+        o->rpc_gbps = median_of(p, done);
+        o->rpc_ratio = median_of(pc, done);
+        o->vs_rpc = median_of(kp, done);
+        kvb_rpcref_method(rs, o->rpc_method, sizeof o->rpc_method);
+    }
 out:
     if (o->pair_ratio == 0) {
         fprintf(stderr, "bench: %s\n",
                 g_stop ? "interrupted" : "the ceiling could not be measured in turn with the run");
         secs = 0;
     }
+    kvb_rpcref_close(rs);
     kvb_ceiling_close(cs);
     free(off);
     free(k);
-    free(c);
-    free(r);
     return secs;
 }
 
@@ -1048,20 +1079,34 @@ static int run_loopback(bench_opts_t *o)
     return status;
 }
 
+/* --baseline rpc: the request/response reference alone, after its warm pass. */
+static int measure_rpc(const bench_opts_t *o, kvb_ceiling_t *c)
+{
+    kvb_rpcref_t *r;
+    if (kvb_rpcref_open(o->write, o->buffer, o->block * o->batch, (int)o->lanes, &r))
+        return -1;
+    c->gbps = kvb_rpcref_measure(r, (double)o->duration);
+    kvb_rpcref_method(r, c->method, sizeof c->method);
+    kvb_rpcref_close(r);
+    return c->gbps > 0 ? 0 : -1;
+}
+
 static int run_baseline(const bench_opts_t *o)
 {
     kvb_ceiling_t c;
-    bool tcp = !strcmp(o->baseline, "tcp");
-    if (tcp && kvb_ceiling_net(o->bind, o->peer_netns))
+    bool tcp = !strcmp(o->baseline, "tcp"), rpc = !strcmp(o->baseline, "rpc");
+    if ((tcp || rpc) && kvb_ceiling_net(o->bind, o->peer_netns))
         return 1;
-    if (measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, (double)o->duration, &c))
+    if (rpc ? measure_rpc(o, &c)
+            : measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, (double)o->duration, &c))
         return 1;
     printf("baseline %s: block %llu B, buffer %llu B, %.3f GB/s (%s)\n", o->baseline,
            (unsigned long long)o->block, (unsigned long long)o->buffer, c.gbps, c.method);
     if (o->json) {
-        json_t *j = json_pack("{s:s, s:I, s:I, s:f, s:s}", "baseline", o->baseline, "block_size",
-                              (json_int_t)o->block, "buffer_size", (json_int_t)o->buffer, "gbps",
-                              c.gbps, "method", c.method);
+        json_t *j =
+            json_pack("{s:s, s:I, s:I, s:I, s:f, s:s}", "baseline", o->baseline, "block_size",
+                      (json_int_t)o->block, "batch_size", (json_int_t)o->batch, "buffer_size",
+                      (json_int_t)o->buffer, "gbps", c.gbps, "method", c.method);
         char *js = j ? json_dumps(j, JSON_COMPACT) : NULL;
         printf("%s\n", js ? js : "{}");
         free(js);
@@ -1131,10 +1176,13 @@ static void usage(FILE *f)
         "                            --reps N (N > 1) in turn with the run instead: N windows\n"
         "                            of --duration / N seconds (at least 0.5) each followed by\n"
         "                            one of the ceiling, the ratio the median of the pairs'\n"
-        "  --baseline tcp|copy       measure the ceiling instead: a raw TCP stream over --lanes\n"
-        "                            connections, or the best plain copy; same block size\n"
-        "  --peer-netns NAME         --baseline tcp across namespaces: listen on --bind here,\n"
-        "                            the sender in network namespace NAME (ip netns)\n"
+        "                            (over TCP with one thread, then one of --baseline rpc)\n"
+        "  --baseline tcp|copy|rpc   measure the ceiling instead: a raw TCP stream over --lanes\n"
+        "                            connections, or the best plain copy; same block size;\n"
+        "                            rpc: the same batches, one at a time, through a raw\n"
+        "                            request/response program over --lanes connections\n"
+        "  --peer-netns NAME         --baseline tcp|rpc across namespaces: listen on --bind\n"
+        "                            here, the sender (rpc: server) in network namespace NAME\n"
         "  --latency                 READ round trips (64 B unless --block-size) beside a raw\n"
         "                            ping-pong on the socket kind the lanes use (Unix for\n"
         "                            shm, else TCP), interleaved; p50/p99 of both\n"
@@ -1284,7 +1332,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
             bad = kvb_cli_parse_uint(optarg, 1000, &o->reps) || !o->reps;
             break;
         case 'X':
-            bad = strcmp(optarg, "tcp") && strcmp(optarg, "memcpy") && strcmp(optarg, "copy");
+            bad = strcmp(optarg, "tcp") && strcmp(optarg, "rpc") && strcmp(optarg, "memcpy") &&
+                  strcmp(optarg, "copy");
             o->baseline = optarg;
             break;
         case 'Q':
@@ -1360,8 +1409,9 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
         o->block = 64;
     if (o->kv_model)
         return 0; /* a self-contained workload: the other options do not apply */
-    if (o->peer_netns && (!o->baseline || strcmp(o->baseline, "tcp"))) {
-        fprintf(stderr, "kvbridge bench: --peer-netns goes with --baseline tcp\n");
+    if (o->peer_netns &&
+        (!o->baseline || (strcmp(o->baseline, "tcp") && strcmp(o->baseline, "rpc")))) {
+        fprintf(stderr, "kvbridge bench: --peer-netns goes with --baseline tcp or rpc\n");
         return 2;
     }
     if (!o->loopback && !o->mode && !o->baseline) {

@@ -29,6 +29,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -776,4 +777,333 @@ int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel,
     int rc = kvb_ceiling_blocks(what, buffer, block, off, off, n, parallel, secs, runs, out);
     free(off);
     return rc;
+}
+
+/* ---- one batch at a time over TCP -------------------------------------------------------------
+ *
+ * The ceiling above is a stream: it never stops. A benchmark that submits a batch and waits for it
+ * before the next stops once a batch: the last bytes drain from the socket buffers while the
+ * sender has nothing left to send, the waiting side learns the batch is done, and the next
+ * requests cross before the first new byte does. The reference below pays exactly that and
+ * nothing else: a plain program with the batch's shape - per batch one 16-byte request on each
+ * connection ("your share is N bytes"), the shares moved as the stream moves them (sends offered
+ * up to 8 MiB, received straight into place up to 1 MiB a call, as kvbridge's lanes), WRITE shares
+ * answered with 8 bytes once in, the next batch when every share is done - with no requests,
+ * frames, completions or threads handing work over. The server plays the target (in the peer's
+ * namespace with kvb_ceiling_net), so its data flows the benchmark's way for READ and WRITE. */
+
+#define RPC_RECV_MAX (1ull << 20) /* kvbridge's RUN_RECV_MAX */
+#define RPC_STALL_MS 10000        /* a share that moves nothing this long: the peer is gone */
+
+typedef struct {
+    uint64_t bytes; /* this connection's share of the batch */
+    uint64_t write; /* 1: the client sends it, the server acknowledges */
+} rpc_req_t;        /* host order: both ends are this program */
+
+/* One connection's end: its part of the buffer, where the next byte goes in it, and what is
+ * left of the share under way. */
+typedef struct {
+    int fd;
+    uint8_t *base;
+    uint64_t part, at, share, want;
+} rpc_end_t;
+
+struct kvb_rpcref {
+    pid_t pid;
+    uint8_t *buf;
+    uint64_t buffer, batch;
+    bool write;
+    int n, threads;
+    rpc_end_t e[CONN_MAX];
+    /* kvb_rpcref_measure with threads > 1: every thread's share of a batch between two barriers */
+    pthread_barrier_t start, end;
+    bool go;
+    atomic_bool failed;
+};
+
+static rpc_end_t rpc_end_of(int fd, uint8_t *buf, uint64_t buffer, uint64_t batch, int i, int n)
+{
+    uint64_t lo = buffer / (uint64_t)n * (uint64_t)i, hi = buffer / (uint64_t)n * (uint64_t)(i + 1);
+    uint64_t s0 = batch * (uint64_t)i / (uint64_t)n, s1 = batch * (uint64_t)(i + 1) / (uint64_t)n;
+    return (rpc_end_t){.fd = fd, .base = buf + lo, .part = hi - lo, .share = s1 - s0};
+}
+
+/* Moves what is left of each end's share, sending or receiving, on non-blocking calls with poll()
+ * when none can move; false when a socket failed, the peer left or nothing moved for
+ * RPC_STALL_MS. */
+static bool rpc_move(rpc_end_t *const *e, int n, bool sending)
+{
+    for (;;) {
+        struct pollfd pf[CONN_MAX];
+        bool left = false, moved = false;
+        for (int i = 0; i < n; i++) {
+            rpc_end_t *x = e[i];
+            pf[i] =
+                (struct pollfd){.fd = x->want ? x->fd : -1, .events = sending ? POLLOUT : POLLIN};
+            if (!x->want)
+                continue;
+            left = true;
+            uint64_t len = x->part - x->at, max = sending ? CHUNK_MAX : RPC_RECV_MAX;
+            len = len < x->want ? len : x->want;
+            len = len < max ? len : max;
+            ssize_t got = sending ? send(x->fd, x->base + x->at, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                                  : recv(x->fd, x->base + x->at, len, MSG_DONTWAIT);
+            if (got > 0) {
+                x->want -= (uint64_t)got;
+                x->at = (x->at + (uint64_t)got) % x->part;
+                moved = true;
+            } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
+                return false;
+            }
+        }
+        if (!left)
+            return true;
+        if (moved)
+            continue;
+        int ready = poll(pf, (nfds_t)n, RPC_STALL_MS);
+        if (ready == 0 || (ready < 0 && errno != EINTR))
+            return false;
+    }
+}
+
+/* A whole small message on a blocking socket (the requests, the acknowledgements). */
+static bool rpc_msg(int fd, void *p, size_t len, bool sending)
+{
+    for (uint8_t *q = p; len > 0;) {
+        ssize_t got = sending ? send(fd, q, len, MSG_NOSIGNAL) : recv(fd, q, len, MSG_WAITALL);
+        if (got <= 0 && !(got < 0 && errno == EINTR))
+            return false;
+        if (got > 0)
+            q += got, len -= (size_t)got;
+    }
+    return true;
+}
+
+typedef struct {
+    rpc_end_t *e[CONN_MAX];
+    int n;
+    struct kvb_rpcref *r; /* the client's; NULL in the server */
+} rpc_group_t;
+
+/* The server's thread: answers its connections' requests until the client closes them. */
+static void *rpc_serve(void *arg)
+{
+    rpc_group_t *g = arg;
+    for (;;) {
+        bool write = false;
+        for (int i = 0; i < g->n; i++) {
+            rpc_req_t q;
+            if (!rpc_msg(g->e[i]->fd, &q, sizeof q, false))
+                return NULL;
+            g->e[i]->want = q.bytes;
+            write = q.write != 0;
+        }
+        if (!rpc_move(g->e, g->n, !write))
+            return NULL;
+        uint64_t ack = 1;
+        for (int i = 0; write && i < g->n; i++)
+            if (!rpc_msg(g->e[i]->fd, &ack, sizeof ack, true))
+                return NULL;
+    }
+}
+
+/* The client's share of one batch on a group's connections. */
+static bool rpc_batch(rpc_group_t *g)
+{
+    bool write = g->r->write;
+    for (int i = 0; i < g->n; i++) {
+        rpc_req_t q = {.bytes = g->e[i]->share, .write = write};
+        g->e[i]->want = q.bytes;
+        if (!rpc_msg(g->e[i]->fd, &q, sizeof q, true))
+            return false;
+    }
+    if (!rpc_move(g->e, g->n, write))
+        return false;
+    for (int i = 0; write && i < g->n; i++) {
+        uint64_t ack;
+        if (!rpc_msg(g->e[i]->fd, &ack, sizeof ack, false))
+            return false;
+    }
+    return true;
+}
+
+/* Connections dealt round-robin to `threads` groups. */
+static void rpc_groups(rpc_end_t *e, int n, int threads, struct kvb_rpcref *r, rpc_group_t *g)
+{
+    for (int k = 0; k < threads; k++)
+        g[k] = (rpc_group_t){.r = r};
+    for (int i = 0; i < n; i++)
+        g[i % threads].e[g[i % threads].n++] = &e[i];
+}
+
+/* The server process: a buffer of its own, connected to the client; ends when they close. */
+static void rpc_server(const struct sockaddr_in *sa, uint64_t buffer, uint64_t batch, int n)
+{
+    if (join_peer_netns())
+        _exit(1);
+    uint8_t *buf = kvb_cli_populated(buffer);
+    if (!buf)
+        _exit(1);
+    memset(buf, 0x5a, buffer);
+    rpc_end_t e[CONN_MAX];
+    for (int i = 0; i < n; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+        if (fd < 0 || same_congestion(fd) || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
+            _exit(1);
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
+        e[i] = rpc_end_of(fd, buf, buffer, batch, i, n);
+    }
+    int threads = kvb__threads_per_side(n);
+    rpc_group_t g[CONN_MAX];
+    pthread_t t[CONN_MAX];
+    rpc_groups(e, n, threads, NULL, g);
+    for (int k = 1; k < threads; k++)
+        pthread_create(&t[k], NULL, rpc_serve, &g[k]);
+    rpc_serve(&g[0]);
+    _exit(0); /* the client closed (or a socket failed): the other threads end with us */
+}
+
+static void *rpc_client_main(void *arg)
+{
+    rpc_group_t *g = arg;
+    struct kvb_rpcref *r = g->r;
+    for (;;) {
+        pthread_barrier_wait(&r->start);
+        if (!r->go)
+            return NULL;
+        if (!rpc_batch(g))
+            atomic_store(&r->failed, true);
+        pthread_barrier_wait(&r->end);
+    }
+}
+
+/* Batches until `until` (monotonic ns) and at least `min_bytes` moved; the bytes moved, or -1 when
+ * a connection failed. Thread 0's share runs on the calling thread: with one thread per side
+ * nothing hands a batch over. */
+static int64_t rpc_run(struct kvb_rpcref *r, uint64_t until, uint64_t min_bytes)
+{
+    rpc_group_t g[CONN_MAX];
+    pthread_t t[CONN_MAX];
+    rpc_groups(r->e, r->n, r->threads, r, g);
+    atomic_store(&r->failed, false);
+    if (r->threads > 1 && (pthread_barrier_init(&r->start, NULL, (unsigned)r->threads) ||
+                           pthread_barrier_init(&r->end, NULL, (unsigned)r->threads)))
+        return -1;
+    for (int k = 1; k < r->threads; k++)
+        pthread_create(&t[k], NULL, rpc_client_main, &g[k]);
+    uint64_t bytes = 0;
+    for (;;) {
+        r->go = !atomic_load(&r->failed) && (kvb__now_ns() < until || bytes < min_bytes);
+        if (r->threads > 1)
+            pthread_barrier_wait(&r->start);
+        if (!r->go)
+            break;
+        if (!rpc_batch(&g[0]))
+            atomic_store(&r->failed, true);
+        if (r->threads > 1)
+            pthread_barrier_wait(&r->end);
+        bytes += r->batch;
+    }
+    for (int k = 1; k < r->threads; k++)
+        pthread_join(t[k], NULL);
+    if (r->threads > 1) {
+        pthread_barrier_destroy(&r->start);
+        pthread_barrier_destroy(&r->end);
+    }
+    return atomic_load(&r->failed) ? -1 : (int64_t)bytes;
+}
+
+int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_rpcref_t **out)
+{
+    if (conns < 1 || conns > CONN_MAX || batch < (uint64_t)conns ||
+        buffer / (uint64_t)conns < 4096) {
+        fprintf(stderr, "bench: request/response reference: bad arguments\n");
+        return -1;
+    }
+    kvb_rpcref_t *r = calloc(1, sizeof *r);
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
+    if (!net_addr.s_addr)
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof sa;
+    if (!r || lfd < 0 || same_congestion(lfd) || bind(lfd, (struct sockaddr *)&sa, sizeof sa) ||
+        listen(lfd, conns) || getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        perror("bench: request/response reference: socket");
+        if (lfd >= 0)
+            close(lfd);
+        free(r);
+        return -1;
+    }
+    *r = (kvb_rpcref_t){.buffer = buffer, .batch = batch, .write = write};
+    fflush(stdout);
+    r->pid = fork();
+    if (r->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(lfd);
+        rpc_server(&sa, buffer, batch, conns);
+    }
+    r->buf = r->pid > 0 ? kvb_cli_populated(buffer) : NULL;
+    r->threads = kvb__threads_per_side(conns);
+    struct timeval stall = {.tv_sec = RPC_STALL_MS / 1000};
+    for (uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
+         r->buf && r->n < conns && kvb__now_ns() < until;) {
+        struct pollfd pl = {.fd = lfd, .events = POLLIN};
+        if (poll(&pl, 1, 100) == 1) {
+            int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd < 0)
+                break;
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &stall, sizeof stall); /* the acks */
+            r->e[r->n] = rpc_end_of(fd, r->buf, buffer, batch, r->n, conns);
+            r->n++;
+        } else if (waitpid(r->pid, NULL, WNOHANG) == r->pid) {
+            r->pid = 0; /* the server died before it connected */
+            break;
+        }
+    }
+    close(lfd);
+    /* The warm pass: every byte of both buffers through the sockets once, not counted. */
+    if (r->n < conns || rpc_run(r, 0, buffer) < 0) {
+        fprintf(stderr, "bench: request/response reference: the server did not %s\n",
+                r->n < conns ? "connect" : "answer");
+        kvb_rpcref_close(r);
+        return -1;
+    }
+    *out = r;
+    return 0;
+}
+
+double kvb_rpcref_measure(kvb_rpcref_t *r, double secs)
+{
+    uint64_t t0 = kvb__now_ns();
+    int64_t bytes = rpc_run(r, t0 + (uint64_t)(secs * 1e9), 0);
+    double took = (double)(kvb__now_ns() - t0) / 1e9;
+    return bytes > 0 && took > 0 ? (double)bytes / took / 1e9 : -1;
+}
+
+void kvb_rpcref_method(const kvb_rpcref_t *r, char *out, size_t cap)
+{
+    char cc[16];
+    congestion_name(cc, sizeof cc);
+    snprintf(out, cap,
+             "raw %s TCP (%s), one %s batch of %llu B at a time over %d connection%s: on each a "
+             "16-byte request, then its share %s; %d thread%s per side",
+             net_peer[0] ? "cross-namespace" : "loopback", cc, r->write ? "WRITE" : "READ",
+             (unsigned long long)r->batch, r->n, r->n == 1 ? "" : "s",
+             r->write ? "sent and 8 bytes back once it is in" : "streamed back", r->threads,
+             r->threads == 1 ? "" : "s");
+}
+
+void kvb_rpcref_close(kvb_rpcref_t *r)
+{
+    if (!r)
+        return;
+    for (int i = 0; i < r->n; i++)
+        close(r->e[i].fd);
+    if (r->pid > 0) {
+        kill(r->pid, SIGKILL);
+        waitpid(r->pid, NULL, 0);
+    }
+    if (r->buf)
+        munmap(r->buf, r->buffer);
+    free(r);
 }

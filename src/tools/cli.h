@@ -53,6 +53,19 @@ void kvb_ceiling_close(kvb_ceiling_session_t *s);
  * stream crosses the same link as a benchmark between two namespaces. NULLs restore loopback.
  * Returns 0, or -1 with a message on stderr (a bad address or name). */
 int kvb_ceiling_net(const char *addr, const char *peer_netns);
+/* A reference for a benchmark that moves one batch at a time over TCP (src/tools/ceiling.c): a
+ * plain request/response program with the same shape - per batch a 16-byte request on each of
+ * `conns` connections, then that connection's share of `batch` bytes streamed back (READ) or sent
+ * and acknowledged (`write`), the next batch once every share is done - over the same endpoints as
+ * the "tcp" ceiling (kvb_ceiling_net), `buffer` bytes per side. What the stream loses to the
+ * batches' round trips and drains, with nothing of kvbridge. open connects its server process and
+ * moves both buffers once, not counted (0 or -1); measure runs batches for about `secs` and
+ * returns GB/s, or -1; method describes it. */
+typedef struct kvb_rpcref kvb_rpcref_t;
+int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_rpcref_t **out);
+double kvb_rpcref_measure(kvb_rpcref_t *r, double secs);
+void kvb_rpcref_method(const kvb_rpcref_t *r, char *out, size_t cap);
+void kvb_rpcref_close(kvb_rpcref_t *r);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
  * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
 uint8_t *kvb_cli_populated(uint64_t len);

@@ -188,6 +188,34 @@ Test(ceiling, tcp_is_a_socket_stream)
               "TCP ceiling %.3f GB/s is not a socket stream's %.3f GB/s", ceil, plain);
 }
 
+/* The request/response reference (--baseline rpc) moves one batch at a time: over the same
+ * connections it cannot beat the stream by much, and it is a stream with pauses, not a trickle.
+ * Both directions; interleaved with the stream, best of three each. */
+Test(ceiling, rpc_is_the_stream_one_batch_at_a_time)
+{
+    const char *ops[] = {"read", "write"};
+    for (size_t k = 0; k < 2; k++) {
+        double rpc = 0, stream = 0;
+        char args[192];
+        snprintf(args, sizeof args,
+                 "--baseline rpc --operation %s --lanes 2 --block-size 1M --batch-size 8 "
+                 "--buffer-size 64M --duration 1",
+                 ops[k]);
+        for (int i = 0; i < 3; i++) {
+            double r = bench_gbps(args);
+            double s = bench_gbps("--baseline tcp --lanes 2 --block-size 1M --buffer-size 64M "
+                                  "--duration 1");
+            rpc = r > rpc ? r : rpc;
+            stream = s > stream ? s : stream;
+        }
+        cr_log_info("%s batches of 8 MiB one at a time %.3f GB/s, the stream %.3f GB/s", ops[k],
+                    rpc, stream);
+        cr_expect(rpc > stream / 5 && rpc < stream * 1.5,
+                  "%s: one batch at a time at %.3f GB/s is not the stream's %.3f with pauses",
+                  ops[k], rpc, stream);
+    }
+}
+
 /* A ceiling below 0.8 of the faster plain copy (two threads each, as the ceiling's) left a way
  * of copying out: until 2026-11-24 it had no streaming stores, and measured 0.6 of a plain
  * streaming copy between buffers larger than the cache here. Compared round by round (a round
@@ -291,6 +319,25 @@ Test(ceiling, tcp_across_namespaces, .timeout = 120)
         json_decref(j);
         cr_expect_eq(rc, 0, "'%s' failed: %s", cmd, last);
         cr_expect(method, "the method does not say the stream crossed namespaces");
+        /* The request/response reference crosses the same way (its server joins the other
+         * namespace and plays the target). */
+        snprintf(cmd, sizeof cmd,
+                 "ip netns exec %s %s bench --baseline rpc --bind 10.204.1.1 --peer-netns %s "
+                 "--lanes 2 --block-size 1M --batch-size 8 --buffer-size 64M --duration 1 "
+                 "--json 2>&1",
+                 a, getenv("KVB_BIN"), b);
+        p = popen(cmd, "r");
+        method = false;
+        while (p && fgets(line, sizeof line, p)) {
+            method |= strstr(line, "cross-namespace") != NULL;
+            snprintf(last, sizeof last, "%s", line);
+        }
+        rc = p ? pclose(p) : -1;
+        j = json_loads(last, 0, NULL);
+        double rpc = j ? json_real_value(json_object_get(j, "gbps")) : 0;
+        json_decref(j);
+        cr_expect(rc == 0 && rpc > 0, "'%s' failed: %s", cmd, last);
+        cr_expect(method, "the reference's method does not say it crossed namespaces");
         /* A namespace that is not there: a clear error, promptly. */
         uint64_t t0 = kvb__now_ns();
         snprintf(cmd, sizeof cmd,
@@ -368,6 +415,15 @@ Test(ceiling, runs_paired_with_their_ceilings, .timeout = 120)
                   r, lo, hi);
         cr_expect(r > 0.02 && r < 50, "%s: ratio %.3f is not a ratio of a run to its ceiling", args,
                   r);
+        /* Over TCP with one thread each pair has a third window: the same batches, raw. */
+        double p = num(j, "rpc_gbps"), pc = num(j, "rpc_ratio"), kp = num(j, "vs_rpc");
+        if (i == 0)
+            cr_expect(p > 0 && pc > 0.02 && pc < 50 && kp > 0.02 && kp < 50,
+                      "%s: request/response reference %.3f GB/s, %.3f of the ceiling, the run "
+                      "%.3f of it",
+                      args, p, pc, kp);
+        else
+            cr_expect(!json_object_get(j, "rpc_gbps"), "%s: a request/response reference", args);
         cr_expect_lt(kvb__now_ns() - t0, 60000000000ull, "%s took over 60 s", args);
         json_decref(j);
     }
