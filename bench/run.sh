@@ -113,7 +113,7 @@ for proto in tcp shm; do
 done
 
 # ---- goals: medians of REPS interleaved pairs (kvbridge run, then its ceiling) -----------------
-echo "goal,workload,kvbridge,ceiling,ratio,target,met,pair ratios" > "$OUT/goals.csv"
+echo "goal,workload,kvbridge,ceiling,ratio,target,met,pair ratios,the same batches raw" > "$OUT/goals.csv"
 # kvbridge's runs and their ceilings, in pairs: "RATIO LOW HIGH" - the median of the pairs' ratios
 # (each pair measured within seconds of each other, so a slow stretch of this shared machine
 # moves both) and their range.
@@ -145,7 +145,13 @@ goal_pair() { # name workload target ratio|abs -- kvbridge args
         r=$(field ratio <<< "$j" | round)
         lo=$(field ratio_min <<< "$j" | round)
         hi=$(field ratio_max <<< "$j" | round)
-        echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi" >> "$OUT/goals.csv"
+        # Over TCP each pair has a third window: the same batches through a raw request/response
+        # program (`bench --baseline rpc`) - what one batch at a time costs without kvbridge.
+        local raw=""
+        if [ -n "$(field rpc_gbps <<< "$j")" ]; then
+            raw="$(field rpc_gbps <<< "$j" | round) GB/s = $(field rpc_ratio <<< "$j" | round) of the ceiling; kvbridge $(field vs_rpc <<< "$j" | round) of it"
+        fi
+        echo "$name,$work,$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi,$raw" >> "$OUT/goals.csv"
         return
     fi
     for i in $(seq "$REPS"); do
@@ -234,7 +240,7 @@ veth_goals() {
     [ -n "$seg" ] || { echo "veth: skipped (the target did not start: $(cat "$dir/target.out"))" >&2; return 0; }
     veth_pair() { # name workload target block -- kvbridge args
         local name=$1 work=$2 target=$3 block=$4; shift 5
-        local ks=() cs=() is=() km cm im r rx_ns rx_addr tx_ns dir_read=0
+        local ks=() cs=() is=() ps=() km cm im pm r rx_ns rx_addr tx_ns dir_read=0
         case " $* " in *" --operation read "*) dir_read=1 ;; esac
         local rev="" # iperf3's server sends (-R) where the target sends: a READ
         [ "$dir_read" = 1 ] && rev=-R
@@ -257,13 +263,20 @@ veth_goals() {
                 sed -n 's/.*"sum_received"[^}]*"bits_per_second":[[:space:]]*\([0-9.e+]*\).*/\1/p' |
                 awk '{printf "%.3f", $1 / 8e9}')")
             wait "$!" 2>/dev/null || true
+            # The same batches through a raw request/response program, its server in the
+            # target's namespace (1 s: make bench stays within 10 minutes).
+            ps+=("$(ip netns exec "$b" "$BIN" bench --baseline rpc --bind 10.203.7.2 --peer-netns "$a" \
+                --duration 1 --buffer-size "$BUF" --lanes "$LANES" "$@" --json 2>/dev/null | tail -n 1 | field gbps)")
         done
         km=$(printf '%s\n' "${ks[@]}" | median | round)
         cm=$(printf '%s\n' "${cs[@]}" | median | round)
         im=$(printf '%s\n' "${is[@]}" | median | round)
-        local lo hi
+        pm=$(printf '%s\n' "${ps[@]}" | median | round)
+        local lo hi pr kp
         read -r r lo hi < <(pair_ratios "${ks[@]}" -- "${cs[@]}")
-        echo "$name,$work (veth; ceiling a raw stream across it; iperf3 -P $LANES: $im GB/s),$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi" >> "$OUT/goals.csv"
+        read -r pr _ _ < <(pair_ratios "${ps[@]}" -- "${cs[@]}")
+        read -r kp _ _ < <(pair_ratios "${ks[@]}" -- "${ps[@]}")
+        echo "$name,$work (veth; ceiling a raw stream across it; iperf3 -P $LANES: $im GB/s),$km GB/s,$cm GB/s,$r,>= $target,$(verdict "$r" "$target"),$lo-$hi,$pm GB/s = $pr of the ceiling; kvbridge $kp of it" >> "$OUT/goals.csv"
     }
     veth_pair veth-tcp-1m-read "TCP 1 MiB blocks batch 32 READ" 0.90 1M -- --protocol tcp --operation read --block-size 1M --batch-size 32
     veth_pair veth-tcp-1m-write "TCP 1 MiB blocks batch 32 WRITE" 0.90 1M -- --protocol tcp --operation write --block-size 1M --batch-size 32
@@ -353,9 +366,15 @@ say ""
     echo "column their median), the ratio the median of the pulls' time over bytes / ceiling;"
     echo "latency: the bench's own interleaved rounds."
     echo
-    echo "| goal | workload | kvbridge | ceiling | ratio | pairs | target | met |"
-    echo "|---|---|---|---|---|---|---|---|"
-    tail -n +2 "$OUT/goals.csv" | awk -F, '{printf "| %s | %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $8, $6, $7}'
+    echo "The same batches raw (TCP rows): a plain request/response program moving the run's batches"
+    echo "one at a time over the same connections (\`bench --baseline rpc\`: a 16-byte request per"
+    echo "connection, its share streamed back, or sent and acknowledged) - what one batch at a time"
+    echo "costs the stream without kvbridge; loopback: each pair's third window, medians; veth: $REPS"
+    echo "runs of 1 s interleaved with the pairs."
+    echo
+    echo "| goal | workload | kvbridge | ceiling | ratio | pairs | target | met | the same batches raw |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    tail -n +2 "$OUT/goals.csv" | awk -F, '{printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $8, $6, $7, $9}'
     echo
     echo "## Sweep (${SWEEP_SECS} s per point; ratio = kvbridge / ceiling for the same block size)"
     echo
