@@ -625,8 +625,9 @@ static double median_of(double *v, size_t n)
  * flips between two levels (about 22 and 29 GB/s) and stays at one for a few seconds: a 2 s run
  * and a 2 s ceiling run seconds apart straddled a flip often enough that pair ratios spread over
  * 0.69-0.94 (docs/performance-notes.md, "Pairs a second apart"). Over TCP with one submitting
- * thread a third window follows: the same batches through a raw request/response program
- * (kvb_rpcref_open), what one batch at a time costs the stream without kvbridge. Returns the
+ * thread a third window follows, half as long (make bench stays within 10 minutes): the same
+ * batches through a raw request/response program (kvb_rpcref_open), what one batch at a time
+ * costs the stream without kvbridge. Returns the
  * seconds the counted windows took, 0 if the ceiling could not be measured. */
 static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint64_t size)
 {
@@ -658,14 +659,15 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
         w[t].bytes = w[t].reqs = 0;
         w[t].nlat = 0;
     }
-    if (kvb_ceiling_measure(cs, win / runs, runs, &cl) || (rs && kvb_rpcref_measure(rs, win) <= 0))
+    if (kvb_ceiling_measure(cs, win / runs, runs, &cl) ||
+        (rs && kvb_rpcref_measure(rs, win / 2) <= 0))
         goto out;
     for (; done < reps && !g_stop; done++) {
         uint64_t before = bytes_moved(w, o->threads), t0 = kvb__now_ns();
         run_window(o, w, tids, t0 + win_ns, false);
         double s = (double)(kvb__now_ns() - t0) / 1e9;
         if (kvb_ceiling_measure(cs, win / runs, runs, &cl) ||
-            (rs && (p[done] = kvb_rpcref_measure(rs, win)) <= 0))
+            (rs && (p[done] = kvb_rpcref_measure(rs, win / 2)) <= 0))
             goto out;
         secs += s;
         k[done] = (double)(bytes_moved(w, o->threads) - before) / s / 1e9;
