@@ -1017,7 +1017,11 @@ int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_
 {
     if (conns < 1 || conns > CONN_MAX || batch < (uint64_t)conns ||
         buffer / (uint64_t)conns < 4096) {
-        fprintf(stderr, "bench: request/response reference: bad arguments\n");
+        fprintf(stderr,
+                "bench: request/response reference: a batch of %llu B and a buffer of %llu B "
+                "over %d connections (1-%d): each needs a byte of each batch and 4 KiB of the "
+                "buffer\n",
+                (unsigned long long)batch, (unsigned long long)buffer, conns, CONN_MAX);
         return -1;
     }
     kvb_rpcref_t *r = calloc(1, sizeof *r);
