@@ -794,6 +794,9 @@ int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel,
 
 #define RPC_RECV_MAX (1ull << 20) /* kvbridge's RUN_RECV_MAX */
 #define RPC_STALL_MS 10000        /* a share that moves nothing this long: the peer is gone */
+/* The warm pass ends once both buffers moved, or after this long (tiny batches would take hours
+ * over a large buffer: their round trips, not the pages, are what they measure anyway). */
+#define RPC_WARM_MAX_NS (5ull * 1000 * 1000 * 1000)
 
 typedef struct {
     uint64_t bytes; /* this connection's share of the batch */
@@ -977,10 +980,10 @@ static void *rpc_client_main(void *arg)
     }
 }
 
-/* Batches until `until` (monotonic ns) and at least `min_bytes` moved; the bytes moved, or -1 when
- * a connection failed. Thread 0's share runs on the calling thread: with one thread per side
- * nothing hands a batch over. */
-static int64_t rpc_run(struct kvb_rpcref *r, uint64_t until, uint64_t min_bytes)
+/* Batches until `until` (monotonic ns), and on until `min_bytes` moved unless `give_up` passes
+ * first; the bytes moved, or -1 when a connection failed. Thread 0's share runs on the calling
+ * thread: with one thread per side nothing hands a batch over. */
+static int64_t rpc_run(struct kvb_rpcref *r, uint64_t until, uint64_t min_bytes, uint64_t give_up)
 {
     rpc_group_t g[CONN_MAX];
     pthread_t t[CONN_MAX];
@@ -993,7 +996,8 @@ static int64_t rpc_run(struct kvb_rpcref *r, uint64_t until, uint64_t min_bytes)
         pthread_create(&t[k], NULL, rpc_client_main, &g[k]);
     uint64_t bytes = 0;
     for (;;) {
-        r->go = !atomic_load(&r->failed) && (kvb__now_ns() < until || bytes < min_bytes);
+        uint64_t now = kvb__now_ns();
+        r->go = !atomic_load(&r->failed) && (now < until || (bytes < min_bytes && now < give_up));
         if (r->threads > 1)
             pthread_barrier_wait(&r->start);
         if (!r->go)
@@ -1066,7 +1070,7 @@ int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_
     }
     close(lfd);
     /* The warm pass: every byte of both buffers through the sockets once, not counted. */
-    if (r->n < conns || rpc_run(r, 0, buffer) < 0) {
+    if (r->n < conns || rpc_run(r, 0, buffer, kvb__now_ns() + RPC_WARM_MAX_NS) < 0) {
         fprintf(stderr, "bench: request/response reference: the server did not %s\n",
                 r->n < conns ? "connect" : "answer");
         kvb_rpcref_close(r);
@@ -1079,7 +1083,7 @@ int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_
 double kvb_rpcref_measure(kvb_rpcref_t *r, double secs)
 {
     uint64_t t0 = kvb__now_ns();
-    int64_t bytes = rpc_run(r, t0 + (uint64_t)(secs * 1e9), 0);
+    int64_t bytes = rpc_run(r, t0 + (uint64_t)(secs * 1e9), 0, 0);
     double took = (double)(kvb__now_ns() - t0) / 1e9;
     return bytes > 0 && took > 0 ? (double)bytes / took / 1e9 : -1;
 }
