@@ -384,9 +384,85 @@ static end_t end_of(const set_t *ws, int fd, uint8_t *buf, int i)
     return e;
 }
 
-/* The sender process: its own buffer; ends when its connections break. */
-static void sender(const struct sockaddr_in *sa, const set_t *ws)
+/* ---- the peer process of a TCP measurement: this side listens, a forked child connects ------- */
+
+/* A listener on the stream's address (kvb_ceiling_net), then `child(sa, arg)` in a forked process
+ * (it connects to `sa` and never returns). The listener, or -1 with the reason on stderr. */
+static int peer_start(int backlog, pid_t *pid,
+                      void (*child)(const struct sockaddr_in *, const void *), const void *arg)
 {
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
+    if (!net_addr.s_addr)
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof sa;
+    if (lfd >= 0 && same_congestion(lfd)) {
+        close(lfd);
+        return -1;
+    }
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, backlog) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        perror("bench: ceiling socket");
+        if (lfd >= 0)
+            close(lfd);
+        return -1;
+    }
+    fflush(stdout);
+    *pid = fork();
+    if (*pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(lfd);
+        child(&sa, arg);
+    }
+    return lfd;
+}
+
+/* Up to `n` of the child's connections accepted into fds[] within CONNECT_MS (the child populates
+ * its buffer first); closes the listener. *pid becomes 0 if the child died before it connected.
+ * The number accepted. */
+static int peer_accept(int lfd, pid_t *pid, int n, int *fds)
+{
+    int got = 0;
+    for (uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
+         *pid > 0 && got < n && kvb__now_ns() < until;) {
+        struct pollfd pl = {.fd = lfd, .events = POLLIN};
+        if (poll(&pl, 1, 100) == 1) {
+            int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd < 0)
+                break;
+            fds[got++] = fd;
+        } else if (waitpid(*pid, NULL, WNOHANG) == *pid) {
+            *pid = 0;
+        }
+    }
+    close(lfd);
+    return got;
+}
+
+/* In the child: one connection to this side, set up as kvbridge's lanes are; exits the process
+ * if it cannot be had. */
+static int peer_connect(const struct sockaddr_in *sa)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0 || same_congestion(fd) || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
+        _exit(1);
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+}
+
+/* Ends the child and reaps it. */
+static void peer_stop(pid_t pid)
+{
+    if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+}
+
+/* The sender process: its own buffer; ends when its connections break. */
+static void sender(const struct sockaddr_in *sa, const void *arg)
+{
+    const set_t *ws = arg;
     if (join_peer_netns())
         _exit(1);
     uint8_t *buf = kvb_cli_populated(ws->buffer);
@@ -396,13 +472,8 @@ static void sender(const struct sockaddr_in *sa, const set_t *ws)
     if (!buf)
         _exit(1);
     memset(buf, 0x5a, ws->buffer);
-    for (int i = 0; i < ws->conns; i++) {
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
-        if (fd < 0 || same_congestion(fd) || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
-            _exit(1);
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
-        e[i] = end_of(ws, fd, buf, i);
-    }
+    for (int i = 0; i < ws->conns; i++)
+        e[i] = end_of(ws, peer_connect(sa), buf, i);
     int threads = kvb__threads_per_side(ws->conns);
     run_groups(e, ws->conns, threads, NULL, g, t, send_main);
     for (int k = 0; k < threads; k++)
@@ -419,7 +490,6 @@ struct kvb_ceiling_session {
     int parallel;
     /* tcp */
     pid_t pid;
-    bool reaped; /* the sender died before it connected */
     uint8_t *buf;
     end_t e[CONN_MAX];
     int n, threads;
@@ -437,45 +507,14 @@ struct kvb_ceiling_session {
 static int tcp_open(kvb_ceiling_session_t *s)
 {
     const set_t *ws = &s->ws;
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
-    if (!net_addr.s_addr)
-        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof sa;
-    if (lfd >= 0 && same_congestion(lfd)) {
-        close(lfd);
+    int lfd = peer_start(ws->conns, &s->pid, sender, ws), fds[CONN_MAX];
+    if (lfd < 0)
         return -1;
-    }
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, ws->conns) ||
-        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
-        perror("bench: ceiling socket");
-        if (lfd >= 0)
-            close(lfd);
-        return -1;
-    }
-    fflush(stdout);
-    s->pid = fork();
-    if (s->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(lfd);
-        sender(&sa, ws);
-    }
     s->buf = s->pid > 0 ? kvb_cli_populated(ws->buffer) : NULL;
     s->threads = kvb__threads_per_side(ws->conns);
-    uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
-    while (s->buf && s->n < ws->conns && !s->reaped && kvb__now_ns() < until) {
-        struct pollfd pl = {.fd = lfd, .events = POLLIN};
-        if (poll(&pl, 1, 100) == 1) {
-            int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd < 0)
-                break;
-            s->e[s->n] = end_of(ws, fd, s->buf, s->n);
-            s->n++;
-        } else {
-            s->reaped = waitpid(s->pid, NULL, WNOHANG) == s->pid;
-        }
-    }
-    close(lfd);
+    s->n = s->buf ? peer_accept(lfd, &s->pid, ws->conns, fds) : (close(lfd), 0);
+    for (int i = 0; i < s->n; i++)
+        s->e[i] = end_of(ws, fds[i], s->buf, i);
     if (s->n < ws->conns)
         return -1;
     group_t g[CONN_MAX];
@@ -526,10 +565,7 @@ static void tcp_close(kvb_ceiling_session_t *s)
 {
     for (int i = 0; i < s->n; i++)
         close(s->e[i].fd);
-    if (s->pid > 0 && !s->reaped) {
-        kill(s->pid, SIGKILL);
-        waitpid(s->pid, NULL, 0);
-    }
+    peer_stop(s->pid);
     if (s->buf)
         munmap(s->buf, s->ws.buffer);
 }
@@ -939,23 +975,26 @@ static void rpc_groups(rpc_end_t *e, int n, int threads, struct kvb_rpcref *r, r
         g[i % threads].e[g[i % threads].n++] = &e[i];
 }
 
+/* What the server process is given. */
+typedef struct {
+    uint64_t buffer, batch;
+    int conns;
+} rpc_shape_t;
+
 /* The server process: a buffer of its own, connected to the client; ends when they close. */
-static void rpc_server(const struct sockaddr_in *sa, uint64_t buffer, uint64_t batch, int n)
+static void rpc_server(const struct sockaddr_in *sa, const void *arg)
 {
+    const rpc_shape_t *sh = arg;
+    int n = sh->conns;
     if (join_peer_netns())
         _exit(1);
-    uint8_t *buf = kvb_cli_populated(buffer);
+    uint8_t *buf = kvb_cli_populated(sh->buffer);
     if (!buf)
         _exit(1);
-    memset(buf, 0x5a, buffer);
+    memset(buf, 0x5a, sh->buffer);
     rpc_end_t e[CONN_MAX];
-    for (int i = 0; i < n; i++) {
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
-        if (fd < 0 || same_congestion(fd) || connect(fd, (const struct sockaddr *)sa, sizeof *sa))
-            _exit(1);
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as kvbridge's lanes */
-        e[i] = rpc_end_of(fd, buf, buffer, batch, i, n);
-    }
+    for (int i = 0; i < n; i++)
+        e[i] = rpc_end_of(peer_connect(sa), buf, sh->buffer, sh->batch, i, n);
     int threads = kvb__threads_per_side(n);
     rpc_group_t g[CONN_MAX];
     pthread_t t[CONN_MAX];
@@ -1029,46 +1068,23 @@ int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_
         return -1;
     }
     kvb_rpcref_t *r = calloc(1, sizeof *r);
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr = net_addr};
-    if (!net_addr.s_addr)
-        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof sa;
-    if (!r || lfd < 0 || same_congestion(lfd) || bind(lfd, (struct sockaddr *)&sa, sizeof sa) ||
-        listen(lfd, conns) || getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
-        perror("bench: request/response reference: socket");
-        if (lfd >= 0)
-            close(lfd);
+    rpc_shape_t sh = {.buffer = buffer, .batch = batch, .conns = conns};
+    int lfd = r ? peer_start(conns, &r->pid, rpc_server, &sh) : -1, fds[CONN_MAX];
+    if (lfd < 0) {
         free(r);
         return -1;
     }
-    *r = (kvb_rpcref_t){.buffer = buffer, .batch = batch, .write = write};
-    fflush(stdout);
-    r->pid = fork();
-    if (r->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(lfd);
-        rpc_server(&sa, buffer, batch, conns);
-    }
+    r->buffer = buffer;
+    r->batch = batch;
+    r->write = write;
     r->buf = r->pid > 0 ? kvb_cli_populated(buffer) : NULL;
     r->threads = kvb__threads_per_side(conns);
+    r->n = r->buf ? peer_accept(lfd, &r->pid, conns, fds) : (close(lfd), 0);
     struct timeval stall = {.tv_sec = RPC_STALL_MS / 1000};
-    for (uint64_t until = kvb__now_ns() + (uint64_t)CONNECT_MS * 1000000;
-         r->buf && r->n < conns && kvb__now_ns() < until;) {
-        struct pollfd pl = {.fd = lfd, .events = POLLIN};
-        if (poll(&pl, 1, 100) == 1) {
-            int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd < 0)
-                break;
-            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &stall, sizeof stall); /* the acks */
-            r->e[r->n] = rpc_end_of(fd, r->buf, buffer, batch, r->n, conns);
-            r->n++;
-        } else if (waitpid(r->pid, NULL, WNOHANG) == r->pid) {
-            r->pid = 0; /* the server died before it connected */
-            break;
-        }
+    for (int i = 0; i < r->n; i++) {
+        setsockopt(fds[i], SOL_SOCKET, SO_RCVTIMEO, &stall, sizeof stall); /* the acks */
+        r->e[i] = rpc_end_of(fds[i], r->buf, buffer, batch, i, conns);
     }
-    close(lfd);
     /* The warm pass: every byte of both buffers through the sockets once, not counted. */
     if (r->n < conns || rpc_run(r, 0, buffer, kvb__now_ns() + RPC_WARM_MAX_NS) < 0) {
         fprintf(stderr, "bench: request/response reference: the server did not %s\n",
@@ -1107,10 +1123,7 @@ void kvb_rpcref_close(kvb_rpcref_t *r)
         return;
     for (int i = 0; i < r->n; i++)
         close(r->e[i].fd);
-    if (r->pid > 0) {
-        kill(r->pid, SIGKILL);
-        waitpid(r->pid, NULL, 0);
-    }
+    peer_stop(r->pid);
     if (r->buf)
         munmap(r->buf, r->buffer);
     free(r);
