@@ -619,6 +619,21 @@ static double median_of(double *v, size_t n)
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+/* One window of the request/response reference into *gbps (if given): the reference, or NULL
+ * (closed) if it failed. */
+static kvb_rpcref_t *rpc_window(kvb_rpcref_t *rs, double secs, double *gbps)
+{
+    double g = rs ? kvb_rpcref_measure(rs, secs) : 0;
+    if (rs && g <= 0) {
+        fprintf(stderr, "bench: the request/response reference failed; going on without it\n");
+        kvb_rpcref_close(rs);
+        return NULL;
+    }
+    if (gbps)
+        *gbps = g;
+    return rs;
+}
+
 /* --ceiling --reps N: the run in N windows of --duration / N seconds, each followed at once by a
  * window of its ceiling as long (the same working set, set up once), after one of each not
  * counted; the ratio is the median of the pairs'. On the 2-CPU VMs measured the copy bandwidth
@@ -627,8 +642,9 @@ static double median_of(double *v, size_t n)
  * 0.69-0.94 (docs/performance-notes.md, "Pairs a second apart"). Over TCP with one submitting
  * thread a third window follows, half as long (make bench stays within 10 minutes): the same
  * batches through a raw request/response program (kvb_rpcref_open), what one batch at a time
- * costs the stream without kvbridge. Returns the
- * seconds the counted windows took, 0 if the ceiling could not be measured. */
+ * costs the stream without kvbridge - a reference beside the ratio, so a failure of it ends it,
+ * not the run. Returns the seconds the counted windows took, 0 if the ceiling could not be
+ * measured. */
 static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint64_t size)
 {
     bool tcp = !strcmp(o->path, "tcp");
@@ -659,16 +675,16 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
         w[t].bytes = w[t].reqs = 0;
         w[t].nlat = 0;
     }
-    if (kvb_ceiling_measure(cs, win / runs, runs, &cl) ||
-        (rs && kvb_rpcref_measure(rs, win / 2) <= 0))
+    if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
         goto out;
+    rs = rpc_window(rs, win / 2, NULL);
     for (; done < reps && !g_stop; done++) {
         uint64_t before = bytes_moved(w, o->threads), t0 = kvb__now_ns();
         run_window(o, w, tids, t0 + win_ns, false);
         double s = (double)(kvb__now_ns() - t0) / 1e9;
-        if (kvb_ceiling_measure(cs, win / runs, runs, &cl) ||
-            (rs && (p[done] = kvb_rpcref_measure(rs, win / 2)) <= 0))
+        if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
             goto out;
+        rs = rpc_window(rs, win / 2, &p[done]);
         secs += s;
         k[done] = (double)(bytes_moved(w, o->threads) - before) / s / 1e9;
         c[done] = cl.gbps;
@@ -1178,7 +1194,8 @@ static void usage(FILE *f)
         "                            --reps N (N > 1) in turn with the run instead: N windows\n"
         "                            of --duration / N seconds (at least 0.5) each followed by\n"
         "                            one of the ceiling, the ratio the median of the pairs'\n"
-        "                            (over TCP with one thread, then one of --baseline rpc)\n"
+        "                            (over TCP with one thread, then one of --baseline rpc\n"
+        "                            half as long)\n"
         "  --baseline tcp|copy|rpc   measure the ceiling instead: a raw TCP stream over --lanes\n"
         "                            connections, or the best plain copy; same block size;\n"
         "                            rpc: the same batches, one at a time, through a raw\n"

@@ -860,6 +860,7 @@ struct kvb_rpcref {
     atomic_bool failed;
 };
 
+/* Connection i of n: the i-th n-th of the buffer, and of each batch. */
 static rpc_end_t rpc_end_of(int fd, uint8_t *buf, uint64_t buffer, uint64_t batch, int i, int n)
 {
     uint64_t lo = buffer / (uint64_t)n * (uint64_t)i, hi = buffer / (uint64_t)n * (uint64_t)(i + 1);
