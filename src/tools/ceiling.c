@@ -1088,8 +1088,10 @@ int kvb_rpcref_open(bool write, uint64_t buffer, uint64_t batch, int conns, kvb_
     }
     /* The warm pass: every byte of both buffers through the sockets once, not counted. */
     if (r->n < conns || rpc_run(r, 0, buffer, kvb__now_ns() + RPC_WARM_MAX_NS) < 0) {
-        fprintf(stderr, "bench: request/response reference: the server did not %s\n",
-                r->n < conns ? "connect" : "answer");
+        fprintf(stderr, "bench: request/response reference: %s\n",
+                !r->buf        ? "cannot allocate its buffer"
+                : r->n < conns ? "the server did not connect"
+                               : "the server did not answer");
         kvb_rpcref_close(r);
         return -1;
     }
