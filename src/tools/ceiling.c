@@ -666,8 +666,8 @@ static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ce
         for (int w = 0; w < COPY_WAYS; w++) {
             if (!on[w])
                 continue;
-            double v = copy_once(s->a, s->b, &s->ws, bound ? &s->cpus : NULL, s->parallel, w,
-                                 secs / ways);
+            double v =
+                copy_once(s->a, s->b, &s->ws, bound ? &s->cpus : NULL, s->parallel, w, secs / ways);
             best[w] = v > best[w] ? v : best[w];
             double *b = bound ? &placed : &unbound;
             *b = v > *b ? v : *b;
@@ -678,7 +678,7 @@ static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ce
         out->gbps = best[w] > out->gbps ? best[w] : out->gbps;
         s->way_best[w] = best[w] > s->way_best[w] ? best[w] : s->way_best[w];
     }
-    char cpus[32] = "", where[96] = "", how[COPY_WAYS][48];
+    char cpus[32] = "", where[96] = "", how[COPY_WAYS][64];
     kvb__cpus_format(&s->cpus, cpus, sizeof cpus);
     if (s->cpus_given)
         snprintf(where, sizeof where, " on CPUs %s", cpus);
@@ -686,10 +686,11 @@ static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ce
         snprintf(where, sizeof where, " (on CPUs %s %.2f, unbound %.2f GB/s)", cpus, placed,
                  unbound);
     for (int w = 0; w < COPY_WAYS; w++)
-        snprintf(how[w], sizeof how[w], on[w] ? "%s %.2f" : "%s %.2f earlier, not retried",
-                 copy_way_name[w], on[w] ? best[w] : s->way_best[w]);
+        snprintf(how[w], sizeof how[w],
+                 on[w] ? "%s %.2f GB/s" : "%s %.2f GB/s earlier, not retried", copy_way_name[w],
+                 on[w] ? best[w] : s->way_best[w]);
     snprintf(out->method, sizeof out->method,
-             "best copy of memfd pages, %d thread%s%s, %llu B blocks: %s, %s, %s GB/s, best of %d",
+             "best copy of memfd pages, %d thread%s%s, %llu B blocks: %s, %s, %s; best of %d",
              s->parallel, s->parallel == 1 ? "" : "s", where, (unsigned long long)s->ws.block,
              how[0], how[1], how[2], runs);
 }
