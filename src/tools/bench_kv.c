@@ -247,7 +247,7 @@ static int pull_once(kvb_kv_link_t *link, const char *id, const uint64_t *src, c
 
 /* After each pull: the best of windows as long as the pull (within 20-200 ms), about 0.6 s of
  * them (at most 16). A pull is one window of its own length, and this machine's rate varies more
- * over 30 ms than over 200: in `make bench` at 10:41 on 2026-11-28 the deepseek-v3 same-host
+ * over 30 ms than over 200: in `make bench` at 10:24 on 2026-11-28 the deepseek-v3 same-host
  * pulls, 29 ms at 19.6 GB/s, beat the best of three 0.2 s windows (19.1 GB/s) in 3 of 5 pairs. */
 #define PAIR_MIN_SECS 0.02
 #define PAIR_ALL_SECS 0.6
