@@ -705,21 +705,24 @@ static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ce
         out->gbps = best[w] > out->gbps ? best[w] : out->gbps;
         s->way_best[w] = best[w] > s->way_best[w] ? best[w] : s->way_best[w];
     }
-    char cpus[32] = "", where[96] = "", how[COPY_WAYS][64];
+    char cpus[32] = "", where[96] = "";
     kvb__cpus_format(&s->cpus, cpus, sizeof cpus);
     if (s->cpus_given)
         snprintf(where, sizeof where, " on CPUs %s", cpus);
     else if (s->cpus.n && runs > 1)
         snprintf(where, sizeof where, " (on CPUs %s %.2f, unbound %.2f GB/s)", cpus, placed,
                  unbound);
-    for (int w = 0; w < COPY_WAYS; w++)
-        snprintf(how[w], sizeof how[w],
-                 on[w] ? "%s %.2f GB/s" : "%s %.2f GB/s earlier, not retried", copy_way_name[w],
-                 on[w] ? best[w] : s->way_best[w]);
-    snprintf(out->method, sizeof out->method,
-             "best copy of memfd pages, %d thread%s%s, %llu B blocks: %s, %s, %s; best of %d",
-             s->parallel, s->parallel == 1 ? "" : "s", where, (unsigned long long)s->ws.block,
-             how[0], how[1], how[2], runs);
+    /* Piece by piece, each bounded by what is left (a long CPU list is cut, not overrun). */
+    size_t cap = sizeof out->method;
+    int n = snprintf(out->method, cap,
+                     "best copy of memfd pages, %d thread%s%s, %llu B blocks: ", s->parallel,
+                     s->parallel == 1 ? "" : "s", where, (unsigned long long)s->ws.block);
+    for (int w = 0; w < COPY_WAYS && n >= 0 && (size_t)n < cap; w++)
+        n += snprintf(out->method + n, cap - (size_t)n,
+                      on[w] ? "%s%s %.2f GB/s" : "%s%s %.2f GB/s earlier, not retried",
+                      w ? ", " : "", copy_way_name[w], on[w] ? best[w] : s->way_best[w]);
+    if (n >= 0 && (size_t)n < cap)
+        snprintf(out->method + n, cap - (size_t)n, "; best of %d", runs);
 }
 
 /* The CPUs of the copying threads (see kvb_ceiling_session): KVB_CPUS, else the first `parallel`
