@@ -246,9 +246,10 @@ static int pull_once(kvb_kv_link_t *link, const char *id, const uint64_t *src, c
 #define CEILING_RUNS 3
 
 /* After each pull: the best of windows as long as the pull (within 20-200 ms), about 0.6 s of
- * them (at most 16). A pull is one window of its own length, and this machine's rate varies more
- * over 30 ms than over 200: in `make bench` at 10:24 on 2026-11-28 the deepseek-v3 same-host
- * pulls, 29 ms at 19.6 GB/s, beat the best of three 0.2 s windows (19.1 GB/s) in 3 of 5 pairs. */
+ * them (at most KVB_CEILING_RUNS_MAX). A pull is one window of its own length, and this machine's
+ * rate varies more over 30 ms than over 200: in `make bench` at 10:24 on 2026-11-28 the deepseek-v3
+ * same-host pulls, 29 ms at 19.6 GB/s, beat the best of three 0.2 s windows (19.1 GB/s) in 3 of 5
+ * pairs. */
 #define PAIR_MIN_SECS 0.02
 #define PAIR_ALL_SECS 0.6
 static void pair_windows(double pull_secs, double *secs, int *runs)
@@ -257,7 +258,9 @@ static void pair_windows(double pull_secs, double *secs, int *runs)
             : pull_secs > CEILING_SECS ? CEILING_SECS
                                        : pull_secs;
     *runs = (int)(PAIR_ALL_SECS / *secs + 0.5);
-    *runs = *runs > 16 ? 16 : *runs < CEILING_RUNS ? CEILING_RUNS : *runs;
+    *runs = *runs > KVB_CEILING_RUNS_MAX ? KVB_CEILING_RUNS_MAX
+            : *runs < CEILING_RUNS       ? CEILING_RUNS
+                                         : *runs;
 }
 
 static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const char *protocol,

@@ -48,7 +48,6 @@
 #define CONN_MAX    16
 #define THREADS_MAX 16
 #define IOVS_MAX    256
-#define RUNS_MAX    16
 #define NSIZES      3            /* syscall sizes a TCP ceiling tries (syscall_sizes) */
 #define CHUNK_MAX   (8ull << 20) /* the largest: kvbridge's lanes' TX_MAX_BYTES */
 #define CONNECT_MS  60000        /* the sender populates its buffer first */
@@ -214,8 +213,8 @@ typedef struct {
     end_t *e[CONN_MAX];
     int n;
     windows_t *w;
-    uint64_t bytes[RUNS_MAX]; /* received in each window */
-    bool ok;                  /* no socket failed */
+    uint64_t bytes[KVB_CEILING_RUNS_MAX]; /* received in each window */
+    bool ok;                              /* no socket failed */
 } group_t;
 
 /* Bytes per syscall: a stream of small blocks is gathered into large sends (sendmsg with one
@@ -800,7 +799,7 @@ int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const ui
 int kvb_ceiling_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ceiling_t *out)
 {
     memset(out, 0, sizeof *out);
-    if (!s || runs < 1 || runs > RUNS_MAX || secs <= 0) {
+    if (!s || runs < 1 || runs > KVB_CEILING_RUNS_MAX || secs <= 0) {
         fprintf(stderr, "bench: ceiling: bad arguments\n");
         return -1;
     }

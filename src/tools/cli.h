@@ -39,8 +39,9 @@ int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const 
 /* kvb_ceiling_blocks in steps, for a figure measured in turn with its ceiling (seconds apart, so
  * that a slow minute of a shared machine moves both): open sets the working set up once (the
  * buffers, the sender process and its connections, the uncounted pass; src and dst must stay
- * valid until close), each measure takes `runs` windows of `secs` - while none runs, the ceiling
- * takes no CPU (its sender waits on full socket buffers). */
+ * valid until close), each measure takes `runs` windows of `secs` (1..KVB_CEILING_RUNS_MAX) -
+ * while none runs, the ceiling takes no CPU (its sender waits on full socket buffers). */
+#define KVB_CEILING_RUNS_MAX 16
 typedef struct kvb_ceiling_session kvb_ceiling_session_t;
 int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
                      const uint64_t *dst, size_t n, int parallel, kvb_ceiling_session_t **out);
