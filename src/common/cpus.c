@@ -10,6 +10,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/log.h"
+
 /* A decimal CPU number at *p, below CPU_SETSIZE: 0, advancing *p past it; -1 if there is no
  * number there, -2 if it is too large. */
 static int cpu_number(const char **p, unsigned *out)
@@ -170,4 +172,23 @@ int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const 
     else if (label[0]) /* not st->name: st is the thread's once it runs */
         (void)pthread_setname_np(*t, label);
     return rc;
+}
+
+bool kvb__thread_move_off(int cpu)
+{
+    cpu_set_t all, others;
+    pthread_t self = pthread_self();
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getcpu() != cpu ||
+        pthread_getaffinity_np(self, sizeof all, &all) != 0 || !CPU_ISSET(cpu, &all) ||
+        CPU_COUNT(&all) < 2)
+        return false;
+    others = all;
+    CPU_CLR(cpu, &others);
+    /* A running thread whose mask no longer holds its CPU is moved before the call returns. */
+    if (pthread_setaffinity_np(self, sizeof others, &others) != 0)
+        return false;
+    int rc = pthread_setaffinity_np(self, sizeof all, &all);
+    if (rc != 0) /* it keeps running, on fewer CPUs than it may */
+        KVB_WARN("cannot give a thread back its CPUs: %s", strerror(rc));
+    return sched_getcpu() != cpu;
 }

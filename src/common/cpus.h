@@ -6,6 +6,7 @@
 #define KVB_COMMON_CPUS_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -44,5 +45,15 @@ int kvb__threads_per_side(int conns);
  * Returns 0 or pthread_create's error (ENOMEM if the start could not be allocated). */
 int kvb__thread_create(pthread_t *t, const kvb_cpus_t *cpus, int ordinal, const char *name,
                        int index, void *(*fn)(void *), void *arg);
+
+/* Moves the calling thread off CPU `cpu`, where it runs now, to another CPU it may run on, and
+ * then lets it run on every CPU it could before (the scheduler may bring it back later). For a
+ * thread that would otherwise take turns on one CPU with a thread it works beside: waking
+ * threads are placed on the CPU they last ran on while the last-level cache's CPUs look busy
+ * (Linux skips the search for an idle one), so two copying threads that once met on a CPU can
+ * stay there with another CPU idle. Returns true if the thread now runs elsewhere; false if it
+ * may run on `cpu` alone (bound by a CPU list, a cpuset of one), is not on `cpu`, or the
+ * affinity calls failed. Two system calls and a migration: call it rarely. */
+bool kvb__thread_move_off(int cpu);
 
 #endif

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,6 +118,7 @@ typedef struct {
     const copy_seg_t *segs;
     size_t n;
     atomic_int *left;
+    int cpu; /* where the thread that queued it ran then (-1: unknown) */
 } copy_part_t;
 
 struct kvb_shm {
@@ -292,13 +294,40 @@ static void segs_copy(const copy_seg_t *segs, size_t n)
 
 static bool pool_take(kvb_shm_t *s);
 
+/* A pool thread about to take a part queued from its own CPU moves to another: the thread that
+ * queued it copies the set's other parts, and the two would take turns on one CPU. `perf sched`
+ * showed same-host KV pulls copied that way for 10 ms and more, the other of two cores idle, each
+ * such pull 1.2-1.6x as long as the next: Linux wakes a thread on the CPU it last ran on unless
+ * its search finds an idle one, and skips the search while the cache's CPUs look busy (SIS_UTIL,
+ * since 6.0), so two threads that met on a CPU kept meeting there. With the move, of the pulls
+ * that follow 0.6 s of idle 6% took more than 1.15x as long as the same pull right after, against
+ * 18% without (72 pairs each; docs/performance-notes.md, "Two copying threads on one CPU"). At
+ * most once per MOVE_GAP_NS, so that a thread the scheduler keeps bringing back (every other CPU
+ * busy) costs little. Caller holds s->pool_mu, and the queue is not empty. */
+#define MOVE_GAP_NS 10000000ull
+static void move_off_queuer(kvb_shm_t *s, uint64_t *last)
+{
+    int cpu = sched_getcpu();
+    uint64_t now;
+    if (cpu < 0 || cpu != s->queue[s->qhead].cpu || (now = kvb__now_ns()) - *last < MOVE_GAP_NS)
+        return;
+    *last = now;
+    pthread_mutex_unlock(&s->pool_mu);
+    (void)kvb__thread_move_off(cpu);
+    pthread_mutex_lock(&s->pool_mu);
+}
+
 static void *pool_main(void *arg)
 {
     kvb_shm_t *s = arg;
+    uint64_t moved = 0; /* when this thread last moved off a CPU */
     pthread_mutex_lock(&s->pool_mu);
-    while (!s->pool_stop)
+    while (!s->pool_stop) {
+        if (s->qcount)
+            move_off_queuer(s, &moved);
         if (!pool_take(s))
             pthread_cond_wait(&s->pool_cv, &s->pool_mu);
+    }
     pthread_mutex_unlock(&s->pool_mu);
     return NULL;
 }
@@ -336,6 +365,7 @@ static bool pool_take(kvb_shm_t *s)
 static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t total,
                      atomic_int *left)
 {
+    int cpu = sched_getcpu();
     uint64_t ways = 2 * ((uint64_t)s->nthreads + 1), rest = total, acc = 0;
     uint64_t share = rest / ways > SPLIT_PART_MIN ? rest / ways : SPLIT_PART_MIN;
     for (size_t first = 0, i = 0; i < n; i++) {
@@ -344,7 +374,7 @@ static void pool_put(kvb_shm_t *s, const copy_seg_t *segs, size_t n, uint64_t to
             continue;
         rest -= acc;
         share = rest / ways > SPLIT_PART_MIN ? rest / ways : SPLIT_PART_MIN;
-        copy_part_t part = {.segs = segs + first, .n = i + 1 - first, .left = left};
+        copy_part_t part = {.segs = segs + first, .n = i + 1 - first, .left = left, .cpu = cpu};
         if (s->qcount == s->qcap) {
             pthread_mutex_unlock(&s->pool_mu);
             segs_copy(part.segs, part.n);

@@ -5,6 +5,7 @@
  * ordinal says from the start and carries its name. */
 #include <criterion/criterion.h>
 #include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -177,4 +178,35 @@ Test(cpus, threads_per_side_follow_the_usable_cpus)
     cr_expect_eq(kvb__cpus_usable(), 1);
     cr_expect_eq(kvb__threads_per_side(2), 1);
     cr_assert_eq(sched_setaffinity(0, sizeof set, &set), 0);
+}
+
+/* Moving off a CPU: the thread then runs on another and may again run on every CPU it could
+ * before; bound to one CPU, it stays there with its CPUs unchanged. */
+Test(cpus, a_thread_moves_off_its_cpu_and_keeps_its_cpus)
+{
+    cpu_set_t mine, now;
+    cr_assert_eq(sched_getaffinity(0, sizeof mine, &mine), 0);
+    cr_expect_not(kvb__thread_move_off(-1));
+    cr_expect_not(kvb__thread_move_off(CPU_SETSIZE));
+    if (CPU_COUNT(&mine) >= 2) {
+        /* The scheduler may move this thread between reading its CPU and the call (false then):
+         * a few tries. */
+        bool moved = false;
+        for (int i = 0; i < 100 && !moved; i++)
+            moved = kvb__thread_move_off(sched_getcpu());
+        cr_expect(moved);
+        cr_assert_eq(sched_getaffinity(0, sizeof now, &now), 0);
+        cr_expect(CPU_EQUAL(&now, &mine));
+    }
+    int here = sched_getcpu();
+    cr_assert_geq(here, 0);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(here, &one);
+    cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0);
+    cr_expect_not(kvb__thread_move_off(here));
+    cr_expect_eq(sched_getcpu(), here);
+    cr_assert_eq(sched_getaffinity(0, sizeof now, &now), 0);
+    cr_expect(CPU_EQUAL(&now, &one));
+    cr_assert_eq(sched_setaffinity(0, sizeof mine, &mine), 0);
 }
