@@ -296,14 +296,15 @@ static bool pool_take(kvb_shm_t *s);
 
 /* A pool thread about to take a part queued from its own CPU moves to another: the thread that
  * queued it copies the set's other parts, and the two would take turns on one CPU. `perf sched`
- * showed same-host KV pulls copied that way for 10 ms and more, the other of two cores idle, each
- * such pull 1.2-1.6x as long as the next: Linux wakes a thread on the CPU it last ran on unless
- * its search finds an idle one, and skips the search while the cache's CPUs look busy (SIS_UTIL,
- * since 6.0), so two threads that met on a CPU kept meeting there. With the move, of the pulls
- * that follow 0.6 s of idle 6% took more than 1.15x as long as the same pull right after, against
- * 18% without (72 pairs each; docs/performance-notes.md, "Two copying threads on one CPU"). At
- * most once per MOVE_GAP_NS, so that a thread the scheduler keeps bringing back (every other CPU
- * busy) costs little. Caller holds s->pool_mu, and the queue is not empty. */
+ * showed same-host KV pulls copied that way for 10 ms and more while the other of two cores ran
+ * little else, each such pull 1.2-1.6x as long as the next: Linux wakes a thread on the CPU it last
+ * ran on unless its search finds an idle one, and skips the search while the cache's CPUs look busy
+ * (SIS_UTIL, since 6.0), so two threads that met on a CPU kept meeting there. With the move, of the
+ * pulls that follow 0.6 s of idle 6% took more than 1.15x as long as the same pull right after,
+ * against 18% without (72 pairs each; docs/performance-notes.md, "Two copying threads on one CPU,
+ * and the copy ceiling's shares"). At most once per MOVE_GAP_NS, so that a thread the scheduler
+ * keeps bringing back (every other CPU busy) costs little. Caller holds s->pool_mu, and the queue
+ * is not empty. */
 #define MOVE_GAP_NS 10000000ull
 static void move_off_queuer(kvb_shm_t *s, uint64_t *last)
 {
