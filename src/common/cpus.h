@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* CPU lists ("0-3,8,10-11", as Linux writes them) and the engine's named, optionally pinned,
  * threads: where an engine's data threads run when its configuration gives them CPUs (engine.h,
- * `cpus`), and how the bench's copy ceiling runs its threads on the same ones. */
+ * `cpus`), how the bench's copy ceiling runs its threads on the same ones, and how an unbound
+ * thread steps off a CPU it would share with one it works beside. */
 #ifndef KVB_COMMON_CPUS_H
 #define KVB_COMMON_CPUS_H
 

@@ -2,7 +2,8 @@
 /* CPU lists (engine.h, `cpus`): every malformed list, out-of-range number and CPU this process
  * may not run on is refused with a sentence and leaves the output alone; lists are read in the
  * order given and written back with runs as ranges; a thread started on a list runs where its
- * ordinal says from the start and carries its name. */
+ * ordinal says from the start and carries its name; a thread moved off its CPU runs on another and
+ * keeps the CPUs it had. */
 #include <criterion/criterion.h>
 #include <sched.h>
 #include <stdbool.h>
