@@ -67,6 +67,10 @@ typedef struct {
     double gpu_d2h, gpu_h2d, gpu_d2d; /* their copy ceilings, measured after the run (GB/s) */
     int write;                        /* operation */
     uint64_t port, block, batch, threads, duration, buffer, seed, lanes, progress;
+    /* --loopback over a same-host path: the memfd the target's buffer lives in, made before the
+     * target's process is forked, so that the copy ceiling can copy the run's own pages
+     * (copy_ceiling_open); -1 if none */
+    int target_fd;
 } bench_opts_t;
 
 typedef struct {
@@ -207,6 +211,21 @@ static uint8_t *alloc_buffer(uint64_t len)
     return kvb_cli_populated(len);
 }
 
+/* `len` bytes of the memfd `fd`, mapped shared and populated; NULL on failure (errno set). */
+static uint8_t *shared_buffer(int fd, uint64_t len)
+{
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void target_buffer_free(const bench_opts_t *o, uint8_t *buf)
+{
+    if (o->target_fd >= 0)
+        munmap(buf, o->buffer);
+    else
+        engine_buffer_free(o, buf, o->buffer, o->gpu_remote);
+}
+
 /* ---- target
  * -------------------------------------------------------------------------------------- */
 
@@ -264,7 +283,8 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         fprintf(stderr, "bench target: engine: %s\n", kvb_strerror(rc));
         return 1;
     }
-    uint8_t *buf = engine_buffer(e, o, o->buffer, o->gpu_remote);
+    uint8_t *buf = o->target_fd >= 0 ? shared_buffer(o->target_fd, o->buffer)
+                                     : engine_buffer(e, o, o->buffer, o->gpu_remote);
     if (!buf ||
         (rc = kvb_register(e, buf, o->buffer, o->gpu_remote ? "cuda:0" : "cpu:0", KVB_ACCESS_RW))) {
         fprintf(stderr, "bench target: buffer of %llu bytes: %s\n", (unsigned long long)o->buffer,
@@ -276,7 +296,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
     }
     if (fill_buffer(buf, o->buffer, o->seed, o->gpu_remote)) { /* what READs must bring back */
         kvb_engine_destroy(e);
-        engine_buffer_free(o, buf, o->buffer, o->gpu_remote);
+        target_buffer_free(o, buf);
         return 1;
     }
     if (report_fd >= 0) {
@@ -299,7 +319,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         }
     }
     kvb_engine_destroy(e);
-    engine_buffer_free(o, buf, o->buffer, o->gpu_remote);
+    target_buffer_free(o, buf);
     return 0;
 }
 
@@ -570,17 +590,58 @@ static void report(const bench_opts_t *o, worker_t *w, double secs, int verified
  * engine's default copy_threads, 1). */
 #define COPY_THREADS 2
 
+/* The copy ceiling's session over the blocks at off[0..n) (the same offsets on both sides, as the
+ * run's): between the run's own buffers where this process can reach the target's (a loopback
+ * target's memfd, o->target_fd) - the same pages in the same places, which moved a plain copy by
+ * 10-25% here (kvb_ceiling_open_on) - else between buffers of its own. Not with --verify: the
+ * ceiling's copies would put in place the very bytes that a READ or WRITE which did not land
+ * should have, and the check could not see it. *peer: the target's buffer mapped here, to unmap
+ * (o->buffer bytes) after the session is closed, or NULL. */
+static int copy_ceiling_open(const bench_opts_t *o, uint8_t *local, uint64_t size,
+                             const uint64_t *off, size_t n, kvb_ceiling_session_t **cs,
+                             uint8_t **peer)
+{
+    *peer = NULL;
+    if (o->target_fd >= 0 && !o->verify && local && size <= o->buffer) {
+        uint8_t *m = shared_buffer(o->target_fd, o->buffer);
+        if (m) {
+            *peer = m;
+            return kvb_ceiling_open_on(o->write ? local : m, o->write ? m : local, size, o->block,
+                                       off, off, n, COPY_THREADS, cs);
+        }
+        fprintf(stderr, "bench: the target's buffer: %s; the copy ceiling uses its own\n",
+                strerror(errno));
+    }
+    return kvb_ceiling_open("copy", size, o->block, off, off, n, COPY_THREADS, cs);
+}
+
 /* The ceiling of the path a run took, on its working set (block, buffer, connections), over
  * about `secs` seconds: the best of 6 windows for TCP (each of its three syscall sizes twice), of
- * 4 runs for the copy. */
+ * 4 runs for the copy - between the run's buffers where it can (`local`, the initiator's; see
+ * copy_ceiling_open). */
 static int measure_ceiling(const bench_opts_t *o, const char *path, uint64_t buffer, double secs,
-                           kvb_ceiling_t *c)
+                           uint8_t *local, kvb_ceiling_t *c)
 {
     bool tcp = !strcmp(path, "tcp");
     int runs = tcp ? 6 : 4;
     double each = secs / runs > 0.2 ? secs / runs : 0.2;
-    return kvb_ceiling(tcp ? "tcp" : "copy", buffer, o->block, tcp ? (int)o->lanes : COPY_THREADS,
-                       each, runs, c);
+    if (tcp || o->target_fd < 0 || !local)
+        return kvb_ceiling(tcp ? "tcp" : "copy", buffer, o->block,
+                           tcp ? (int)o->lanes : COPY_THREADS, each, runs, c);
+    size_t n = (size_t)(buffer / o->block);
+    uint64_t *off = malloc(n * sizeof *off);
+    kvb_ceiling_session_t *cs = NULL;
+    uint8_t *peer = NULL;
+    int rc = off ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < n; i++)
+        off[i] = (uint64_t)i * o->block;
+    if (rc == 0 && (rc = copy_ceiling_open(o, local, n * o->block, off, n, &cs, &peer)) == 0)
+        rc = kvb_ceiling_measure(cs, each, runs, c);
+    kvb_ceiling_close(cs);
+    if (peer)
+        munmap(peer, o->buffer);
+    free(off);
+    return rc;
 }
 
 /* Runs the workers until `deadline`: the run, or one window of it. With `tty`, a long run shows
@@ -658,14 +719,15 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
     double *k = calloc(6 * reps, sizeof *k), *c = k + reps, *r = c + reps, *p = r + reps,
            *pc = p + reps, *kp = pc + reps;
     kvb_ceiling_session_t *cs = NULL;
+    uint8_t *peer = NULL; /* the target's buffer, mapped for the copy ceiling */
     kvb_rpcref_t *rs = NULL;
     kvb_ceiling_t cl;
     if (!off || !k)
         goto out;
     for (size_t i = 0; i < n; i++)
         off[i] = (uint64_t)i * o->block;
-    if (kvb_ceiling_open(tcp ? "tcp" : "copy", size, o->block, off, off, n,
-                         tcp ? (int)o->lanes : COPY_THREADS, &cs))
+    if (tcp ? kvb_ceiling_open("tcp", size, o->block, off, off, n, (int)o->lanes, &cs)
+            : copy_ceiling_open(o, w[0].local, size, off, n, &cs, &peer))
         goto out;
     if (tcp && o->threads == 1 &&
         kvb_rpcref_open(o->write, size, o->block * o->batch, (int)o->lanes, &rs))
@@ -716,6 +778,8 @@ out:
     }
     kvb_rpcref_close(rs);
     kvb_ceiling_close(cs);
+    if (peer)
+        munmap(peer, o->buffer);
     free(off);
     free(k);
     return secs;
@@ -844,7 +908,7 @@ static int run_initiator(bench_opts_t *o)
     }
     if (o->ceiling && !pairs && !o->gpu_local && !o->gpu_remote) {
         kvb_ceiling_t c;
-        if (measure_ceiling(o, o->path, size, 4.0, &c) == 0) {
+        if (measure_ceiling(o, o->path, size, 4.0, local, &c) == 0) {
             o->ceiling_gbps = c.gbps;
             snprintf(o->ceiling_method, sizeof o->ceiling_method, "%s", c.method);
         }
@@ -1050,10 +1114,25 @@ static int run_loopback(bench_opts_t *o)
         perror("bench: pipe");
         return 1;
     }
+    /* A same-host run's target keeps its buffer in a memfd made here, so that the copy ceiling
+     * can copy the run's own pages (copy_ceiling_open). Its pages are still allocated by the
+     * target, when it populates them, as they would be with kvb_alloc. */
+    if (strcmp(o->protocol, "tcp") != 0 && !o->gpu_remote && !o->latency) {
+        o->target_fd = memfd_create("kvbridge-bench-target", MFD_CLOEXEC);
+        if (o->target_fd >= 0 && ftruncate(o->target_fd, (off_t)o->buffer) != 0) {
+            close(o->target_fd);
+            o->target_fd = -1;
+        }
+        if (o->target_fd < 0)
+            fprintf(stderr, "bench: a memfd for the target's buffer: %s; kvb_alloc then\n",
+                    strerror(errno));
+    }
     fflush(stdout);
     pid_t pid = fork();
     if (pid < 0) {
         perror("bench: fork");
+        if (o->target_fd >= 0)
+            close(o->target_fd);
         return 1;
     }
     if (pid == 0) {
@@ -1087,13 +1166,18 @@ static int run_loopback(bench_opts_t *o)
         status = o->latency ? run_latency(o) : run_initiator(o);
     }
     close(life_pipe[1]); /* tells the child to stop */
-    for (int i = 0; i < 100; i++) {
-        if (waitpid(pid, NULL, WNOHANG) == pid)
-            return status;
-        usleep(50000);
+    bool gone = false;
+    for (int i = 0; i < 100 && !gone; i++) {
+        gone = waitpid(pid, NULL, WNOHANG) == pid;
+        if (!gone)
+            usleep(50000);
     }
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    if (!gone) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+    if (o->target_fd >= 0) /* the target's pages go with the last reference */
+        close(o->target_fd);
     return status;
 }
 
@@ -1116,7 +1200,7 @@ static int run_baseline(const bench_opts_t *o)
     if ((tcp || rpc) && kvb_ceiling_net(o->bind, o->peer_netns))
         return 1;
     if (rpc ? measure_rpc(o, &c)
-            : measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, (double)o->duration, &c))
+            : measure_ceiling(o, tcp ? "tcp" : "shm", o->buffer, (double)o->duration, NULL, &c))
         return 1;
     printf("baseline %s: block %llu B, buffer %llu B, %.3f GB/s (%s)\n", o->baseline,
            (unsigned long long)o->block, (unsigned long long)o->buffer, c.gbps, c.method);
@@ -1263,7 +1347,8 @@ static int parse_args(int argc, char **argv, bench_opts_t *o)
                         .buffer = 256 << 20,
                         .seed = 42,
                         .lanes = 2,
-                        .progress = 0};
+                        .progress = 0,
+                        .target_fd = -1};
     int c, which = -1;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, &which)) != -1) {

@@ -17,9 +17,9 @@
  * then the best of a few windows.
  *
  * Copy: the best of glibc memcpy, `rep movsb` and streaming stores between two buffers of the
- * benchmark's size, allocated as kvb_alloc allocates (shared memfd pages) and populated, blocks
- * spread over as many threads as the copy path uses; one pass not counted, then the best of a few
- * runs. */
+ * benchmark's size - the run's own where the benchmark can reach both (kvb_ceiling_open_on), else
+ * two allocated as kvb_alloc allocates (shared memfd pages) and populated - blocks spread over as
+ * many threads as the copy path uses; one pass not counted, then the best of a few runs. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -495,8 +495,9 @@ struct kvb_ceiling_session {
     uint8_t *buf;
     end_t e[CONN_MAX];
     int n, threads;
-    /* copy */
+    /* copy: from a to b; borrowed (the caller's, kvb_ceiling_open_on) or ours */
     uint8_t *a, *b;
+    bool borrowed;
     /* Where the copying threads run: thread i on cpus.cpu[i % n] - with KVB_CPUS (bench --cpus)
      * in every run, on the list's first CPUs (where the copy path's threads run with one progress
      * thread); without it in every other run, on the first `parallel` CPUs this thread may use,
@@ -716,8 +717,8 @@ static void copy_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_ce
                  unbound);
     /* Piece by piece, each bounded by what is left (a long CPU list is cut, not overrun). */
     size_t cap = sizeof out->method;
-    int n = snprintf(out->method, cap,
-                     "best copy of memfd pages, %d thread%s%s, %llu B blocks: ", s->parallel,
+    int n = snprintf(out->method, cap, "best copy %s, %d thread%s%s, %llu B blocks: ",
+                     s->borrowed ? "between the run's own buffers" : "of memfd pages", s->parallel,
                      s->parallel == 1 ? "" : "s", where, (unsigned long long)s->ws.block);
     for (int w = 0; w < COPY_WAYS && n >= 0 && (size_t)n < cap; w++)
         n += snprintf(out->method + n, cap - (size_t)n,
@@ -753,8 +754,9 @@ static int copy_cpus(kvb_ceiling_session_t *s)
 /* ---- the interface ----------------------------------------------------------------------------
  */
 
-int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
-                     const uint64_t *dst, size_t n, int parallel, kvb_ceiling_session_t **out)
+static int session_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                        const uint64_t *dst, size_t n, int parallel, const uint8_t *from,
+                        uint8_t *to, kvb_ceiling_session_t **out)
 {
     *out = NULL;
     bool tcp = what && !strcmp(what, "tcp");
@@ -780,6 +782,10 @@ int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const ui
         rc = -1;
     } else if (tcp) {
         rc = tcp_open(s);
+    } else if (from) {
+        s->a = (uint8_t *)(uintptr_t)from; /* only ever read */
+        s->b = to;
+        s->borrowed = true;
     } else {
         s->a = shared_buffer(buffer);
         s->b = shared_buffer(buffer);
@@ -787,10 +793,10 @@ int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const ui
         if (rc)
             fprintf(stderr, "bench: ceiling: cannot allocate 2 x %llu bytes\n",
                     (unsigned long long)buffer);
-        /* One pass not counted, as for TCP: every block copied once before the clock runs. */
-        for (size_t i = 0; rc == 0 && i < n; i++)
-            memcpy(s->b + dst[i], s->a + src[i], block);
     }
+    /* One pass not counted, as for TCP: every block copied once before the clock runs. */
+    for (size_t i = 0; rc == 0 && !tcp && i < n; i++)
+        memcpy(s->b + dst[i], s->a + src[i], block);
     if (rc) {
         kvb_ceiling_close(s);
         return -1;
@@ -829,15 +835,33 @@ int kvb_ceiling_measure(kvb_ceiling_session_t *s, double secs, int runs, kvb_cei
     return 0;
 }
 
+int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
+                     const uint64_t *dst, size_t n, int parallel, kvb_ceiling_session_t **out)
+{
+    return session_open(what, buffer, block, src, dst, n, parallel, NULL, NULL, out);
+}
+
+int kvb_ceiling_open_on(const uint8_t *from, uint8_t *to, uint64_t buffer, uint64_t block,
+                        const uint64_t *src, const uint64_t *dst, size_t n, int parallel,
+                        kvb_ceiling_session_t **out)
+{
+    if (!from || !to) {
+        *out = NULL;
+        fprintf(stderr, "bench: ceiling: bad arguments\n");
+        return -1;
+    }
+    return session_open("copy", buffer, block, src, dst, n, parallel, from, to, out);
+}
+
 void kvb_ceiling_close(kvb_ceiling_session_t *s)
 {
     if (!s)
         return;
     if (s->tcp)
         tcp_close(s);
-    if (s->a)
+    if (s->a && !s->borrowed)
         munmap(s->a, s->ws.buffer);
-    if (s->b)
+    if (s->b && !s->borrowed)
         munmap(s->b, s->ws.buffer);
     free(s);
 }
