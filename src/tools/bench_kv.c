@@ -42,6 +42,7 @@ typedef struct {
     kvb_engine_t *engine;
     uint8_t *pool;
     uint64_t pool_bytes;
+    bool mapped; /* the pool is a mapping of a memfd made by the parent (side_init's fd) */
     kvb_kv_slot_t *slots;
     kvb_kv_layout_t layout;
     kvb_kv_agent_t *agent;
@@ -60,9 +61,11 @@ static uint32_t slots_per_layer(const kv_model_t *m)
     return m->attn == KVB_KV_ATTN_MLA ? 1 : 2;
 }
 
-/* One rank's layout over a pool of `blocks` blocks per slot, slot buffers back to back. */
+/* One rank's layout over a pool of `blocks` blocks per slot, slot buffers back to back: in the
+ * memfd `fd` where one is given (the prefill's, so that the copy ceiling can copy its pages), else
+ * kvb_alloc memory, or anonymous memory over TCP. */
 static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char *protocol,
-                     kvb_kv_role_t role)
+                     kvb_kv_role_t role, int fd)
 {
     kvb_config_t cfg;
     kvb_config_init(&cfg);
@@ -74,7 +77,12 @@ static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char
     uint64_t bb = block_bytes(m), slot_bytes = bb * blocks;
     s->pool_bytes = slot_bytes * per_layer * m->layers;
     void *p = NULL;
-    if (strcmp(protocol, "tcp") == 0) {
+    if (fd >= 0) {
+        p = mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+        rc = p == MAP_FAILED ? KVB_ERR_NOMEM : KVB_OK;
+        p = p == MAP_FAILED ? NULL : p;
+        s->mapped = p != NULL;
+    } else if (strcmp(protocol, "tcp") == 0) {
         p = mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
         rc = p == MAP_FAILED ? KVB_ERR_NOMEM : KVB_OK;
@@ -124,7 +132,7 @@ static void side_fini(side_t *s, const char *protocol)
 {
     kvb_kv_agent_destroy(s->agent);
     kvb_engine_destroy(s->engine); /* frees kvb_alloc memory */
-    if (s->pool && strcmp(protocol, "tcp") == 0)
+    if (s->pool && (s->mapped || strcmp(protocol, "tcp") == 0))
         munmap(s->pool, s->pool_bytes);
     free(s->slots);
 }
@@ -188,8 +196,8 @@ static bool shuffled_ids(uint64_t *out, size_t n, uint64_t pool, uint64_t *seed)
 }
 
 /* The prefill process: serves its pool until the parent closes `life`. */
-static int prefill_main(const kv_model_t *m, uint64_t pool, const char *protocol, int report,
-                        int life)
+static int prefill_main(const kv_model_t *m, uint64_t pool, const char *protocol, int fd,
+                        int report, int life)
 {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     /* The decode's completion notices come to an agent that expects none (a serving prefill
@@ -197,7 +205,7 @@ static int prefill_main(const kv_model_t *m, uint64_t pool, const char *protocol
     if (!getenv("KVB_LOG_LEVEL"))
         kvb_log_set_level(0);
     side_t s = {0};
-    if (side_init(&s, m, pool, protocol, KVB_KV_ROLE_PREFILL))
+    if (side_init(&s, m, pool, protocol, KVB_KV_ROLE_PREFILL, fd))
         return 1;
     fill_blocks(&s);
     dprintf(report, "%s\n", kvb_engine_segment_name(s.engine));
@@ -263,15 +271,15 @@ static void pair_windows(double pull_secs, double *secs, int *runs)
                                          : *runs;
 }
 
-static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const char *protocol,
+static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, side_t *sp,
                       const char *segment, int reps, bool verify, kvb_ceiling_session_t *cs,
                       const char *method, bool json)
 {
-    side_t s = {0};
+    side_t s = *sp; /* set up and finished by the caller (the ceiling may copy into its pool) */
     kvb_kv_link_t *link = NULL;
     char why[KVB_KV_REASON_MAX];
-    int rc = side_init(&s, m, pool, protocol, KVB_KV_ROLE_DECODE);
-    if (!rc && (rc = kvb_kv_link_open(s.agent, segment, &link, why, sizeof why)))
+    int rc = KVB_OK;
+    if ((rc = kvb_kv_link_open(s.agent, segment, &link, why, sizeof why)))
         fprintf(stderr, "bench --kv: link: %s\n", why);
     size_t n = (size_t)((tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK);
     uint64_t *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst), seed = 7;
@@ -366,7 +374,6 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const
     free(cg);
     free(ratio);
     kvb_kv_link_close(link);
-    side_fini(&s, protocol);
     return rc || bad ? 1 : 0;
 }
 
@@ -418,8 +425,8 @@ static bool by_source(uint64_t *src, uint64_t *dst, size_t n)
 #define CEILING_REPS 5
 
 static kvb_ceiling_session_t *kv_ceiling(const kv_model_t *m, uint64_t n, uint64_t pool,
-                                         const char *protocol, int reps, uint64_t **src_out,
-                                         uint64_t **dst_out)
+                                         const char *protocol, int reps, const uint8_t *from,
+                                         uint8_t *to, uint64_t **src_out, uint64_t **dst_out)
 {
     reps = reps < CEILING_REPS ? reps : CEILING_REPS;
     uint64_t slots = slots_per_layer(m) * (uint64_t)m->layers;
@@ -438,8 +445,9 @@ static kvb_ceiling_session_t *kv_ceiling(const kv_model_t *m, uint64_t n, uint64
                 dst[i] = sl * slot_bytes + ids[n + k] * bb;
             }
     }
-    if (ok &&
-        kvb_ceiling_open(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst, all, 2, &cs))
+    if (ok && (from ? kvb_ceiling_open_on(from, to, slot_bytes * slots, bb, src, dst, all, 2, &cs)
+                    : kvb_ceiling_open(ceiling_kind(protocol), slot_bytes * slots, bb, src, dst,
+                                       all, 2, &cs)))
         cs = NULL;
     free(ids);
     if (!cs) {
@@ -476,19 +484,47 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     int name_pipe[2], life[2];
     if (pipe(name_pipe) || pipe(life))
         return 1;
+    /* Over a copy, the prefill's pool lives in a memfd made here, so that the ceiling can copy
+     * the very pages the pulls copy (kvb_ceiling_open_on; not with --verify, whose check its
+     * copies would blind). Its pages are still allocated by the prefill, as it populates them. */
+    bool copy = !strcmp(ceiling_kind(protocol), "copy");
+    int pfd = copy ? memfd_create("kvbridge-bench-prefill", MFD_CLOEXEC) : -1;
+    if (pfd >= 0 && ftruncate(pfd, (off_t)ws) != 0) {
+        close(pfd);
+        pfd = -1;
+    }
+    if (copy && pfd < 0)
+        fprintf(stderr, "bench --kv: a memfd for the prefill's pool: %s; kvb_alloc then\n",
+                strerror(errno));
     fflush(stdout);
-    /* The prefill process first: forked after the ceiling's buffers were populated, it would share
-     * their pages copy-on-write, and the ceiling's first write to each would be a page fault. */
     pid_t pid = fork();
     if (pid == 0) {
         close(name_pipe[0]);
         close(life[1]);
-        _exit(prefill_main(m, pool, protocol, name_pipe[1], life[0]));
+        _exit(prefill_main(m, pool, protocol, pfd, name_pipe[1], life[0]));
     }
+    if (pid < 0)
+        perror("bench --kv: fork");
     close(name_pipe[1]);
     close(life[0]);
+    side_t dec = {0};
+    int rc = pid < 0 ? KVB_ERR_SYSTEM : side_init(&dec, m, pool, protocol, KVB_KV_ROLE_DECODE, -1);
+    if (rc)
+        fprintf(stderr, "bench --kv: the decode side: %s\n", kvb_strerror(rc));
+    /* The prefill reports its segment once its pool is filled: the ceiling's pass comes after. */
+    char seg[KVB_NAME_MAX + 2] = "";
+    ssize_t got = rc ? -1 : read(name_pipe[0], seg, sizeof seg - 1);
+    close(name_pipe[0]);
+    char *nl = got > 0 ? strchr(seg, '\n') : NULL;
+    uint8_t *prefill_pool = NULL; /* mapped here for the ceiling */
+    if (nl && pfd >= 0 && !verify) {
+        void *p = mmap(NULL, ws, PROT_READ, MAP_SHARED | MAP_POPULATE, pfd, 0);
+        prefill_pool = p == MAP_FAILED ? NULL : p;
+    }
     uint64_t *csrc = NULL, *cdst = NULL;
-    kvb_ceiling_session_t *cs = kv_ceiling(m, n, pool, protocol, reps, &csrc, &cdst);
+    kvb_ceiling_session_t *cs = nl ? kv_ceiling(m, n, pool, protocol, reps, prefill_pool,
+                                                prefill_pool ? dec.pool : NULL, &csrc, &cdst)
+                                   : NULL;
     kvb_ceiling_t c = {0};
     if (cs && kvb_ceiling_measure(cs, CEILING_SECS, CEILING_RUNS, &c)) /* the method line */
         c.method[0] = '\0';
@@ -501,25 +537,27 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
            (unsigned long long)pool, POOL_FACTOR, (unsigned long long)(ws >> 20), cache,
            c.method[0] ? c.method : "not measured",
            c.method[0] ? "; each pull's blocks in source order, as its plan orders them" : "");
-    char seg[KVB_NAME_MAX + 2] = "";
-    ssize_t got = read(name_pipe[0], seg, sizeof seg - 1);
-    close(name_pipe[0]);
-    int rc = 1;
-    char *nl = got > 0 ? strchr(seg, '\n') : NULL;
+    rc = 1;
     if (nl) {
         *nl = '\0';
         char how[96];
         snprintf(how, sizeof how,
                  "the best of windows as long as the pull (%.2f-%.1f s), about %.1f s of them",
                  PAIR_MIN_SECS, CEILING_SECS, PAIR_ALL_SECS);
-        rc = decode_run(m, tokens, pool, protocol, seg, reps, verify, c.method[0] ? cs : NULL, how,
+        rc = decode_run(m, tokens, pool, &dec, seg, reps, verify, c.method[0] ? cs : NULL, how,
                         json);
-    } else {
+    } else if (dec.engine) {
         fprintf(stderr, "bench --kv: the prefill process did not start\n");
     }
     kvb_ceiling_close(cs); /* first: its sender process holds a copy of life[1] */
+    if (prefill_pool)
+        munmap(prefill_pool, ws);
+    side_fini(&dec, protocol); /* after the ceiling, which may copy into its pool */
     close(life[1]);
-    waitpid(pid, NULL, 0);
+    if (pid > 0)
+        waitpid(pid, NULL, 0);
+    if (pfd >= 0)
+        close(pfd);
     free(csrc);
     free(cdst);
     return rc;
