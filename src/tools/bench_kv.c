@@ -507,6 +507,13 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
         perror("bench --kv: fork");
     close(name_pipe[1]);
     close(life[0]);
+    /* A ceiling of its own is set up before the decode's pool exists: over TCP it forks a sender
+     * process, which would otherwise share that pool copy-on-write. */
+    bool borrow = pfd >= 0 && !verify;
+    uint64_t *csrc = NULL, *cdst = NULL;
+    kvb_ceiling_session_t *cs =
+        pid > 0 && !borrow ? kv_ceiling(m, n, pool, protocol, reps, NULL, NULL, &csrc, &cdst)
+                           : NULL;
     side_t dec = {0};
     int rc = pid < 0 ? KVB_ERR_SYSTEM : side_init(&dec, m, pool, protocol, KVB_KV_ROLE_DECODE, -1);
     if (rc)
@@ -517,14 +524,14 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     close(name_pipe[0]);
     char *nl = got > 0 ? strchr(seg, '\n') : NULL;
     uint8_t *prefill_pool = NULL; /* mapped here for the ceiling */
-    if (nl && pfd >= 0 && !verify) {
+    if (nl && borrow) {
         void *p = mmap(NULL, ws, PROT_READ, MAP_SHARED | MAP_POPULATE, pfd, 0);
         prefill_pool = p == MAP_FAILED ? NULL : p;
+        if (!prefill_pool)
+            fprintf(stderr, "bench --kv: the prefill's pool: %s; no ceiling\n", strerror(errno));
+        else
+            cs = kv_ceiling(m, n, pool, protocol, reps, prefill_pool, dec.pool, &csrc, &cdst);
     }
-    uint64_t *csrc = NULL, *cdst = NULL;
-    kvb_ceiling_session_t *cs = nl ? kv_ceiling(m, n, pool, protocol, reps, prefill_pool,
-                                                prefill_pool ? dec.pool : NULL, &csrc, &cdst)
-                                   : NULL;
     kvb_ceiling_t c = {0};
     if (cs && kvb_ceiling_measure(cs, CEILING_SECS, CEILING_RUNS, &c)) /* the method line */
         c.method[0] = '\0';
