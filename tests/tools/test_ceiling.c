@@ -445,9 +445,8 @@ Test(ceiling, runs_paired_with_their_ceilings, .timeout = 120)
         if (i == 1) { /* measured once per pair: the ways that lose are dropped after the first */
             const char *method = json_string_value(json_object_get(j, "ceiling_method"));
             expect_copy_ways(method);
-            /* The loopback target's buffer is reachable here: the ceiling copies the run's pages.
-             */
-            cr_expect(strstr(method, "between the run's own buffers") != NULL,
+            /* The loopback target's buffer is reachable: the ceiling copies the run's pages. */
+            cr_expect(method && strstr(method, "between the run's own buffers") != NULL,
                       "%s: the copy ceiling did not copy the run's own buffers: '%s'", args,
                       method);
         }
