@@ -304,18 +304,19 @@ static bool pool_take(kvb_shm_t *s);
  * against 18% without (72 pairs each; docs/performance-notes.md, "Two copying threads on one CPU,
  * and the copy ceiling's shares"). At most once per MOVE_GAP_NS, so that a thread the scheduler
  * keeps bringing back (every other CPU busy) costs little. Caller holds s->pool_mu, and the queue
- * is not empty. */
+ * is not empty; returns whether the lock was dropped (the thread moved, or tried to). */
 #define MOVE_GAP_NS 10000000ull
-static void move_off_queuer(kvb_shm_t *s, uint64_t *last)
+static bool move_off_queuer(kvb_shm_t *s, uint64_t *last)
 {
     int cpu = sched_getcpu();
     uint64_t now;
     if (cpu < 0 || cpu != s->queue[s->qhead].cpu || (now = kvb__now_ns()) - *last < MOVE_GAP_NS)
-        return;
+        return false;
     *last = now;
     pthread_mutex_unlock(&s->pool_mu);
     (void)kvb__thread_move_off(cpu);
     pthread_mutex_lock(&s->pool_mu);
+    return true;
 }
 
 static void *pool_main(void *arg)
@@ -324,8 +325,11 @@ static void *pool_main(void *arg)
     uint64_t moved = 0; /* when this thread last moved off a CPU */
     pthread_mutex_lock(&s->pool_mu);
     while (!s->pool_stop) {
-        if (s->qcount)
-            move_off_queuer(s, &moved);
+        /* After a move, look again before anything else: with the lock dropped, the queuer may
+         * have copied every part itself and kvb__shm_destroy may have set pool_stop and sent its
+         * one wake - a wait here would never end (a test's engine teardown hung in CI). */
+        if (s->qcount && move_off_queuer(s, &moved))
+            continue;
         if (!pool_take(s))
             pthread_cond_wait(&s->pool_cv, &s->pool_mu);
     }
