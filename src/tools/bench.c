@@ -211,13 +211,6 @@ static uint8_t *alloc_buffer(uint64_t len)
     return kvb_cli_populated(len);
 }
 
-/* `len` bytes of the memfd `fd`, mapped shared and populated; NULL on failure (errno set). */
-static uint8_t *shared_buffer(int fd, uint64_t len)
-{
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    return p == MAP_FAILED ? NULL : p;
-}
-
 static void target_buffer_free(const bench_opts_t *o, uint8_t *buf)
 {
     if (o->target_fd >= 0)
@@ -283,7 +276,7 @@ static int run_target(bench_opts_t *o, int report_fd, int parent_fd)
         fprintf(stderr, "bench target: engine: %s\n", kvb_strerror(rc));
         return 1;
     }
-    uint8_t *buf = o->target_fd >= 0 ? shared_buffer(o->target_fd, o->buffer)
+    uint8_t *buf = o->target_fd >= 0 ? kvb_cli_map_memfd(o->target_fd, o->buffer, true)
                                      : engine_buffer(e, o, o->buffer, o->gpu_remote);
     if (!buf ||
         (rc = kvb_register(e, buf, o->buffer, o->gpu_remote ? "cuda:0" : "cpu:0", KVB_ACCESS_RW))) {
@@ -603,7 +596,7 @@ static int copy_ceiling_open(const bench_opts_t *o, uint8_t *local, uint64_t siz
 {
     *peer = NULL;
     if (o->target_fd >= 0 && !o->verify && local && size <= o->buffer) {
-        uint8_t *m = shared_buffer(o->target_fd, o->buffer);
+        uint8_t *m = kvb_cli_map_memfd(o->target_fd, o->buffer, o->write); /* WRITE copies in */
         if (m) {
             *peer = m;
             return kvb_ceiling_open_on(o->write ? local : m, o->write ? m : local, size, o->block,
@@ -615,6 +608,38 @@ static int copy_ceiling_open(const bench_opts_t *o, uint8_t *local, uint64_t siz
     return kvb_ceiling_open("copy", size, o->block, off, off, n, COPY_THREADS, cs);
 }
 
+/* A ceiling session for a run over `path` ("tcp": a raw stream over the run's lanes; else the copy
+ * ceiling, copy_ceiling_open) on every block of its first `size` bytes, in order. Close it with
+ * path_ceiling_close. */
+typedef struct {
+    kvb_ceiling_session_t *cs;
+    uint64_t *off;
+    uint8_t *peer; /* the target's buffer, mapped for the copy ceiling */
+} path_ceiling_t;
+
+static int path_ceiling_open(const bench_opts_t *o, const char *path, uint8_t *local, uint64_t size,
+                             path_ceiling_t *pc)
+{
+    *pc = (path_ceiling_t){0};
+    size_t n = (size_t)(size / o->block);
+    if (n == 0 || !(pc->off = malloc(n * sizeof *pc->off)))
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        pc->off[i] = (uint64_t)i * o->block;
+    if (!strcmp(path, "tcp"))
+        return kvb_ceiling_open("tcp", size, o->block, pc->off, pc->off, n, (int)o->lanes, &pc->cs);
+    return copy_ceiling_open(o, local, size, pc->off, n, &pc->cs, &pc->peer);
+}
+
+static void path_ceiling_close(const bench_opts_t *o, path_ceiling_t *pc)
+{
+    kvb_ceiling_close(pc->cs);
+    if (pc->peer)
+        munmap(pc->peer, o->buffer);
+    free(pc->off);
+    *pc = (path_ceiling_t){0};
+}
+
 /* The ceiling of the path a run took, on its working set (block, buffer, connections), over
  * about `secs` seconds: the best of 6 windows for TCP (each of its three syscall sizes twice), of
  * 4 runs for the copy - between the run's buffers where it can (`local`, the initiator's; see
@@ -622,25 +647,15 @@ static int copy_ceiling_open(const bench_opts_t *o, uint8_t *local, uint64_t siz
 static int measure_ceiling(const bench_opts_t *o, const char *path, uint64_t buffer, double secs,
                            uint8_t *local, kvb_ceiling_t *c)
 {
-    bool tcp = !strcmp(path, "tcp");
-    int runs = tcp ? 6 : 4;
+    int runs = !strcmp(path, "tcp") ? 6 : 4;
     double each = secs / runs > 0.2 ? secs / runs : 0.2;
-    if (tcp || o->target_fd < 0 || !local)
-        return kvb_ceiling(tcp ? "tcp" : "copy", buffer, o->block,
-                           tcp ? (int)o->lanes : COPY_THREADS, each, runs, c);
-    size_t n = (size_t)(buffer / o->block);
-    uint64_t *off = malloc(n * sizeof *off);
-    kvb_ceiling_session_t *cs = NULL;
-    uint8_t *peer = NULL;
-    int rc = off ? 0 : -1;
-    for (size_t i = 0; rc == 0 && i < n; i++)
-        off[i] = (uint64_t)i * o->block;
-    if (rc == 0 && (rc = copy_ceiling_open(o, local, n * o->block, off, n, &cs, &peer)) == 0)
-        rc = kvb_ceiling_measure(cs, each, runs, c);
-    kvb_ceiling_close(cs);
-    if (peer)
-        munmap(peer, o->buffer);
-    free(off);
+    path_ceiling_t pc;
+    int rc = path_ceiling_open(o, path, local, buffer, &pc);
+    if (rc == 0)
+        rc = kvb_ceiling_measure(pc.cs, each, runs, c);
+    else
+        memset(c, 0, sizeof *c);
+    path_ceiling_close(o, &pc);
     return rc;
 }
 
@@ -709,25 +724,18 @@ static kvb_rpcref_t *rpc_window(kvb_rpcref_t *rs, double secs, double *gbps)
 static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint64_t size)
 {
     bool tcp = !strcmp(o->path, "tcp");
-    size_t n = (size_t)(size / o->block), reps = (size_t)o->reps, done = 0;
+    size_t reps = (size_t)o->reps, done = 0;
     int runs = tcp ? 3 : 2; /* TCP: each syscall size once; copies: placed, then unbound */
     double win = (double)o->duration / (double)reps, secs = 0;
     uint64_t win_ns = (uint64_t)(win * 1e9);
-    uint64_t *off = malloc(n * sizeof *off);
     /* per pair: the run, the ceiling, their ratio; the raw batches, theirs to the ceiling, the
      * run's to them */
     double *k = calloc(6 * reps, sizeof *k), *c = k + reps, *r = c + reps, *p = r + reps,
            *pc = p + reps, *kp = pc + reps;
-    kvb_ceiling_session_t *cs = NULL;
-    uint8_t *peer = NULL; /* the target's buffer, mapped for the copy ceiling */
+    path_ceiling_t pcs = {0};
     kvb_rpcref_t *rs = NULL;
     kvb_ceiling_t cl;
-    if (!off || !k)
-        goto out;
-    for (size_t i = 0; i < n; i++)
-        off[i] = (uint64_t)i * o->block;
-    if (tcp ? kvb_ceiling_open("tcp", size, o->block, off, off, n, (int)o->lanes, &cs)
-            : copy_ceiling_open(o, w[0].local, size, off, n, &cs, &peer))
+    if (!k || path_ceiling_open(o, o->path, w[0].local, size, &pcs))
         goto out;
     if (tcp && o->threads == 1 &&
         kvb_rpcref_open(o->write, size, o->block * o->batch, (int)o->lanes, &rs))
@@ -737,14 +745,14 @@ static double measure_pairs(bench_opts_t *o, worker_t *w, pthread_t *tids, uint6
         w[t].bytes = w[t].reqs = 0;
         w[t].nlat = 0;
     }
-    if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
+    if (kvb_ceiling_measure(pcs.cs, win / runs, runs, &cl))
         goto out;
     rs = rpc_window(rs, win / 2, NULL);
     for (; done < reps && !g_stop; done++) {
         uint64_t before = bytes_moved(w, o->threads), t0 = kvb__now_ns();
         run_window(o, w, tids, t0 + win_ns, false);
         double s = (double)(kvb__now_ns() - t0) / 1e9;
-        if (kvb_ceiling_measure(cs, win / runs, runs, &cl))
+        if (kvb_ceiling_measure(pcs.cs, win / runs, runs, &cl))
             goto out;
         rs = rpc_window(rs, win / 2, &p[done]);
         secs += s;
@@ -777,10 +785,7 @@ out:
         secs = 0;
     }
     kvb_rpcref_close(rs);
-    kvb_ceiling_close(cs);
-    if (peer)
-        munmap(peer, o->buffer);
-    free(off);
+    path_ceiling_close(o, &pcs);
     free(k);
     return secs;
 }
@@ -1118,11 +1123,7 @@ static int run_loopback(bench_opts_t *o)
      * can copy the run's own pages (copy_ceiling_open). Its pages are still allocated by the
      * target, when it populates them, as they would be with kvb_alloc. */
     if (strcmp(o->protocol, "tcp") != 0 && !o->gpu_remote && !o->latency) {
-        o->target_fd = memfd_create("kvbridge-bench-target", MFD_CLOEXEC);
-        if (o->target_fd >= 0 && ftruncate(o->target_fd, (off_t)o->buffer) != 0) {
-            close(o->target_fd);
-            o->target_fd = -1;
-        }
+        o->target_fd = kvb_cli_memfd("kvbridge-bench-target", o->buffer);
         if (o->target_fd < 0)
             fprintf(stderr, "bench: a memfd for the target's buffer: %s; kvb_alloc then\n",
                     strerror(errno));

@@ -78,15 +78,12 @@ static int side_init(side_t *s, const kv_model_t *m, uint64_t blocks, const char
     s->pool_bytes = slot_bytes * per_layer * m->layers;
     void *p = NULL;
     if (fd >= 0) {
-        p = mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        rc = p == MAP_FAILED ? KVB_ERR_NOMEM : KVB_OK;
-        p = p == MAP_FAILED ? NULL : p;
+        p = kvb_cli_map_memfd(fd, s->pool_bytes, true);
+        rc = p ? KVB_OK : KVB_ERR_NOMEM;
         s->mapped = p != NULL;
     } else if (strcmp(protocol, "tcp") == 0) {
-        p = mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-        rc = p == MAP_FAILED ? KVB_ERR_NOMEM : KVB_OK;
-        p = p == MAP_FAILED ? NULL : p;
+        p = kvb_cli_populated(s->pool_bytes);
+        rc = p ? KVB_OK : KVB_ERR_NOMEM;
     } else {
         rc = kvb_alloc(s->engine, s->pool_bytes, 0, &p);
     }
@@ -271,22 +268,21 @@ static void pair_windows(double pull_secs, double *secs, int *runs)
                                          : *runs;
 }
 
-static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, side_t *sp,
+static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, const side_t *s,
                       const char *segment, int reps, bool verify, kvb_ceiling_session_t *cs,
                       const char *method, bool json)
 {
-    side_t s = *sp; /* set up and finished by the caller (the ceiling may copy into its pool) */
     kvb_kv_link_t *link = NULL;
     char why[KVB_KV_REASON_MAX];
-    int rc = KVB_OK;
-    if ((rc = kvb_kv_link_open(s.agent, segment, &link, why, sizeof why)))
+    int rc = kvb_kv_link_open(s->agent, segment, &link, why, sizeof why);
+    if (rc)
         fprintf(stderr, "bench --kv: link: %s\n", why);
     size_t n = (size_t)((tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK);
     uint64_t *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst), seed = 7;
     double *t = calloc((size_t)reps, sizeof *t), *cg = calloc((size_t)reps, sizeof *cg),
            *ratio = calloc((size_t)reps, sizeof *ratio);
     uint64_t bad = 0;
-    uint64_t bytes = (uint64_t)n * block_bytes(m) * s.layout.num_slots;
+    uint64_t bytes = (uint64_t)n * block_bytes(m) * s->layout.num_slots;
     /* Warm-up, not timed: one pull of the whole pool, so every page of both pools has been
      * reached once through the path - as in a serving instance, whose pools stay shared and
      * mapped for hours. On this VM the first touch of each page through a new mapping costs a
@@ -310,7 +306,7 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, side_
         snprintf(id, sizeof id, "bench-%d", r);
         rc = pull_once(link, id, src, dst, n, &t[r]);
         if (!rc && verify && r == reps - 1)
-            bad = check_blocks(&s, src, dst, n);
+            bad = check_blocks(s, src, dst, n);
         kvb_ceiling_t c;
         double secs;
         int runs;
@@ -331,9 +327,9 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, side_
         double med = t[reps / 2], ceiling = cs ? cg[reps / 2] : 0, r_med = ratio[reps / 2];
         const char *path = "?";
         kvb_segment_t seg;
-        if (kvb_segment_open(s.engine, segment, &seg) == KVB_OK) {
-            kvb_segment_transport(s.engine, seg, &path);
-            kvb_segment_close(s.engine, seg);
+        if (kvb_segment_open(s->engine, segment, &seg) == KVB_OK) {
+            kvb_segment_transport(s->engine, seg, &path);
+            kvb_segment_close(s->engine, seg);
         }
         printf("kvbridge bench --kv %s: %llu tokens, %u layers, %zu blocks of %llu B per slot, "
                "%s\n  one prompt's KV: %llu bytes in %.2f ms (median of %d; fastest %.2f, "
@@ -341,7 +337,7 @@ static int decode_run(const kv_model_t *m, uint64_t tokens, uint64_t pool, side_
                m->name, (unsigned long long)tokens, m->layers, n,
                (unsigned long long)block_bytes(m), path, (unsigned long long)bytes, med * 1e3, reps,
                t[0] * 1e3, t[reps - 1] * 1e3, (double)bytes / med / 1e9);
-        const char *cpus = kvb_engine_cpus(s.engine);
+        const char *cpus = kvb_engine_cpus(s->engine);
         if (*cpus)
             printf("  engines' data threads on CPUs %s\n", cpus);
         if (cs)
@@ -488,11 +484,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
      * the very pages the pulls copy (kvb_ceiling_open_on; not with --verify, whose check its
      * copies would blind). Its pages are still allocated by the prefill, as it populates them. */
     bool copy = !strcmp(ceiling_kind(protocol), "copy");
-    int pfd = copy ? memfd_create("kvbridge-bench-prefill", MFD_CLOEXEC) : -1;
-    if (pfd >= 0 && ftruncate(pfd, (off_t)ws) != 0) {
-        close(pfd);
-        pfd = -1;
-    }
+    int pfd = copy ? kvb_cli_memfd("kvbridge-bench-prefill", ws) : -1;
     if (copy && pfd < 0)
         fprintf(stderr, "bench --kv: a memfd for the prefill's pool: %s; kvb_alloc then\n",
                 strerror(errno));
@@ -525,8 +517,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
     char *nl = got > 0 ? strchr(seg, '\n') : NULL;
     uint8_t *prefill_pool = NULL; /* mapped here for the ceiling */
     if (nl && borrow) {
-        void *p = mmap(NULL, ws, PROT_READ, MAP_SHARED | MAP_POPULATE, pfd, 0);
-        prefill_pool = p == MAP_FAILED ? NULL : p;
+        prefill_pool = kvb_cli_map_memfd(pfd, ws, false);
         if (!prefill_pool)
             fprintf(stderr, "bench --kv: the prefill's pool: %s; no ceiling\n", strerror(errno));
         else

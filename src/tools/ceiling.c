@@ -133,19 +133,34 @@ uint8_t *kvb_cli_populated(uint64_t len)
     return p;
 }
 
+int kvb_cli_memfd(const char *name, uint64_t len)
+{
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, (off_t)len) != 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        fd = -1;
+    }
+    return fd;
+}
+
+uint8_t *kvb_cli_map_memfd(int fd, uint64_t len, bool writable)
+{
+    void *p = mmap(NULL, len, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                   MAP_SHARED | MAP_POPULATE, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
 /* A populated buffer of shared memfd pages, as kvb_alloc makes (and same-host peers map). */
 static uint8_t *shared_buffer(uint64_t len)
 {
-    int fd = memfd_create("kvbridge-ceiling", MFD_CLOEXEC);
-    if (fd < 0)
-        return NULL;
-    void *p = MAP_FAILED;
-    if (ftruncate(fd, (off_t)len) == 0)
-        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED)
-        return NULL;
-    memset(p, 0x5a, len); /* written once, so no copy below meets a fresh page */
+    int fd = kvb_cli_memfd("kvbridge-ceiling", len);
+    uint8_t *p = fd >= 0 ? kvb_cli_map_memfd(fd, len, true) : NULL;
+    if (fd >= 0)
+        close(fd);
+    if (p)
+        memset(p, 0x5a, len); /* written once, so no copy below meets a fresh page */
     return p;
 }
 
@@ -864,36 +879,6 @@ void kvb_ceiling_close(kvb_ceiling_session_t *s)
     if (s->b && !s->borrowed)
         munmap(s->b, s->ws.buffer);
     free(s);
-}
-
-int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
-                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
-                       kvb_ceiling_t *out)
-{
-    kvb_ceiling_session_t *s;
-    memset(out, 0, sizeof *out);
-    if (kvb_ceiling_open(what, buffer, block, src, dst, n, parallel, &s))
-        return -1;
-    int rc = kvb_ceiling_measure(s, secs, runs, out);
-    kvb_ceiling_close(s);
-    return rc;
-}
-
-int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
-                int runs, kvb_ceiling_t *out)
-{
-    size_t n = block ? (size_t)(buffer / block) : 0;
-    uint64_t *off = n ? malloc(n * sizeof *off) : NULL;
-    if (!off) {
-        memset(out, 0, sizeof *out);
-        fprintf(stderr, "bench: ceiling: bad arguments\n");
-        return -1;
-    }
-    for (size_t i = 0; i < n; i++)
-        off[i] = (uint64_t)i * block;
-    int rc = kvb_ceiling_blocks(what, buffer, block, off, off, n, parallel, secs, runs, out);
-    free(off);
-    return rc;
 }
 
 /* ---- one batch at a time over TCP -------------------------------------------------------------

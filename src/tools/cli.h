@@ -23,24 +23,18 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
  * "tcp" - a raw loopback stream over `parallel` connections, sender and receiver in separate
  * processes with buffers of their own; "copy" - the best of memcpy, rep movsb and streaming stores
  * over `parallel` threads between two populated memfd buffers. `buffer` bytes per side, `block`
- * bytes per send or copy, the best of `runs` windows (tcp) or runs (copy) of `secs` seconds, after
- * one pass over the working set that is not counted. kvb_ceiling moves every block of the buffers
- * in order; kvb_ceiling_blocks the `n` blocks at offsets src[i] (sending side) to dst[i]
- * (receiving side), as a KV transfer does. Returns 0 (out->gbps > 0) or -1. */
+ * bytes per send or copy, the `n` blocks at offsets src[i] (sending side) to dst[i] (receiving
+ * side), as a KV transfer moves them, after one pass over them that is not counted. Measured in
+ * steps, in turn with the figure (seconds apart, so that a slow minute of a shared machine moves
+ * both): open sets the working set up once (the buffers, the sender process and its connections,
+ * the uncounted pass; src and dst must stay valid until close), each measure takes the best of
+ * `runs` windows (tcp) or runs (copy) of `secs` seconds (1..KVB_CEILING_RUNS_MAX) and returns 0
+ * (out->gbps > 0) or -1 - while none runs, the ceiling takes no CPU (its sender waits on full
+ * socket buffers). */
 typedef struct {
     double gbps;
     char method[256];
 } kvb_ceiling_t;
-int kvb_ceiling(const char *what, uint64_t buffer, uint64_t block, int parallel, double secs,
-                int runs, kvb_ceiling_t *out);
-int kvb_ceiling_blocks(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
-                       const uint64_t *dst, size_t n, int parallel, double secs, int runs,
-                       kvb_ceiling_t *out);
-/* kvb_ceiling_blocks in steps, for a figure measured in turn with its ceiling (seconds apart, so
- * that a slow minute of a shared machine moves both): open sets the working set up once (the
- * buffers, the sender process and its connections, the uncounted pass; src and dst must stay
- * valid until close), each measure takes `runs` windows of `secs` (1..KVB_CEILING_RUNS_MAX) -
- * while none runs, the ceiling takes no CPU (its sender waits on full socket buffers). */
 #define KVB_CEILING_RUNS_MAX 16
 typedef struct kvb_ceiling_session kvb_ceiling_session_t;
 int kvb_ceiling_open(const char *what, uint64_t buffer, uint64_t block, const uint64_t *src,
@@ -79,6 +73,13 @@ void kvb_rpcref_close(kvb_rpcref_t *r);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
  * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
 uint8_t *kvb_cli_populated(uint64_t len);
+/* A memfd of `len` bytes (close-on-exec, `name` for /proc): its descriptor, or -1 with errno set.
+ * The benches make one before they fork, for a buffer that the child populates and uses and the
+ * parent maps again for the copy ceiling. */
+int kvb_cli_memfd(const char *name, uint64_t len);
+/* `len` bytes of the memfd `fd`, mapped shared (read-only unless `writable`) and populated; free
+ * with munmap. NULL with errno set on failure. */
+uint8_t *kvb_cli_map_memfd(int fd, uint64_t len, bool writable);
 
 /* Device memory for bench --gpu (src/tools/bench_gpu.c), on CUDA device 0; each reports its own
  * errors on stderr. A ceiling is a stream of cuMemcpyAsync ("d2h", "h2d", "d2d"), `batch` blocks
