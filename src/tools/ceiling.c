@@ -52,6 +52,10 @@
 #define CHUNK_MAX   (8ull << 20) /* the largest: kvbridge's lanes' TX_MAX_BYTES */
 #define CONNECT_MS  60000        /* the sender populates its buffer first */
 #define WARM_MAX_NS (120ull * 1000 * 1000 * 1000) /* a warm pass slower than this: give up */
+/* Between measurements the TCP ceiling's sender is paused and its connections drained (see
+ * quiesce): no more than this long for the last bytes, and done once none came for QUIET_MS. */
+#define QUIESCE_MAX_NS (5ull * 1000 * 1000 * 1000)
+#define QUIET_MS       5
 
 /* kvb_ceiling_net: where the receiver listens, and the namespace the sender joins ("": none). */
 static struct in_addr net_addr = {.s_addr = 0};
@@ -213,12 +217,17 @@ typedef struct {
     int runs;
 } windows_t;
 
+/* What the receiver tells the sender, one byte on the connection: the syscall size of the next
+ * window (0..NSIZES-1: send, of that size) or CMD_PAUSE (send nothing until the next size). */
+#define CMD_PAUSE 0xff
+
 /* One connection's end. */
 typedef struct {
     int fd;
     uint8_t *buf;
     uint64_t block, chunk;  /* chunk: bytes offered to one sendmsg or recvmsg */
     uint64_t sizes[NSIZES]; /* the chunks tried, window by window (see syscall_sizes) */
+    bool paused;            /* sending side: told CMD_PAUSE, not yet another size */
     cursor_t at;
 } end_t;
 
@@ -258,16 +267,37 @@ static void syscall_sizes(uint64_t block, uint64_t out[NSIZES])
     out[2] = big / block > IOVS_MAX ? IOVS_MAX * block : big;
 }
 
-/* Polls a group's sockets for `events`; false when a socket failed or the peer left. */
-static bool wait_group(const group_t *g, short events)
+/* Polls a group's sockets for `events` - a sending side, whose sockets wait for the receiver's
+ * commands too, for POLLIN and, where not paused, POLLOUT - up to timeout_ms: 1 when one is
+ * ready, 0 when none came, -1 when a socket failed or the peer left. */
+static int poll_group(const group_t *g, short events, int timeout_ms)
 {
     struct pollfd pf[CONN_MAX];
-    for (int i = 0; i < g->n; i++)
-        pf[i] = (struct pollfd){.fd = g->e[i]->fd, .events = events};
-    if (poll(pf, (nfds_t)g->n, 1000) < 0)
-        return errno == EINTR;
+    for (int i = 0; i < g->n; i++) {
+        short ev = events;
+        if (events & POLLOUT)
+            ev = (short)(g->e[i]->paused ? POLLIN : POLLIN | POLLOUT);
+        pf[i] = (struct pollfd){.fd = g->e[i]->fd, .events = ev};
+    }
+    int r = poll(pf, (nfds_t)g->n, timeout_ms);
+    if (r < 0)
+        return errno == EINTR ? 1 : -1;
     for (int i = 0; i < g->n; i++)
         if (pf[i].revents & (POLLERR | POLLHUP | POLLNVAL))
+            return -1;
+    return r > 0;
+}
+
+static bool wait_group(const group_t *g, short events)
+{
+    return poll_group(g, events, 1000) >= 0;
+}
+
+/* Sends command `cmd` to the sender on each of the group's connections; false if one failed. */
+static bool tell_group(const group_t *g, uint8_t cmd)
+{
+    for (int i = 0; i < g->n; i++)
+        if (send(g->e[i]->fd, &cmd, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1)
             return false;
     return true;
 }
@@ -280,9 +310,15 @@ static int64_t group_round(group_t *g, bool send)
     int64_t total = 0;
     for (int i = 0; i < g->n; i++) {
         end_t *e = g->e[i];
-        uint8_t cmd;
-        if (send && recv(e->fd, &cmd, 1, MSG_DONTWAIT) == 1) /* the receiver's next window */
-            e->chunk = e->sizes[cmd % NSIZES];
+        uint8_t cmd[16];
+        ssize_t nc = send ? recv(e->fd, cmd, sizeof cmd, MSG_DONTWAIT) : 0;
+        if (nc > 0) { /* the receiver's next window, or a pause: the last word counts */
+            e->paused = cmd[nc - 1] == CMD_PAUSE;
+            if (!e->paused)
+                e->chunk = e->sizes[cmd[nc - 1] % NSIZES];
+        }
+        if (send && e->paused)
+            continue;
         struct iovec iov[IOVS_MAX];
         struct msghdr m = {.msg_iov = iov};
         m.msg_iovlen = (size_t)cursor_iov(&e->at, send ? e->at.src : e->at.dst, e->buf, e->block,
@@ -297,6 +333,26 @@ static int64_t group_round(group_t *g, bool send)
         }
     }
     return total;
+}
+
+/* Ends a group's streaming until its next measurement: tells the sender to pause, then receives
+ * what was under way (its socket buffers and ours) until none came for QUIET_MS. Without it the
+ * sender went on filling socket buffers that nobody read - in the KV bench, 20-40 MB and 6-7 ms of
+ * CPU during each 90 ms pull it was then compared with, taken from the pull's own threads.
+ * False when a socket failed or the bytes did not stop within QUIESCE_MAX_NS. */
+static bool quiesce(group_t *g)
+{
+    if (!tell_group(g, CMD_PAUSE))
+        return false;
+    for (uint64_t give_up = kvb__now_ns() + QUIESCE_MAX_NS; kvb__now_ns() < give_up;) {
+        int64_t n = group_round(g, false);
+        if (n < 0)
+            return false;
+        int r = n > 0 ? 1 : poll_group(g, POLLIN, QUIET_MS);
+        if (r <= 0)
+            return r == 0;
+    }
+    return false;
 }
 
 /* The warm pass, not counted: every block of the group's shares once through the socket path on
@@ -316,6 +372,7 @@ static void *warm_main(void *arg)
         g->ok = n >= 0 && (n > 0 || wait_group(g, POLLIN)) && kvb__now_ns() < give_up;
         got += n > 0 ? (uint64_t)n : 0;
     }
+    g->ok = g->ok && quiesce(g);
     return NULL;
 }
 
@@ -325,7 +382,7 @@ static void *receive_main(void *arg)
     group_t *g = arg;
     windows_t *w = g->w;
     memset(g->bytes, 0, sizeof g->bytes);
-    g->ok = true;
+    g->ok = tell_group(g, 0);        /* the sender, paused since the last measurement, goes on */
     pthread_barrier_wait(&w->start); /* the main thread sets t0 once every receiver runs */
     pthread_barrier_wait(&w->start);
     uint64_t end = w->t0 + (uint64_t)w->runs * w->window_ns, cur = UINT64_MAX;
@@ -345,9 +402,11 @@ static void *receive_main(void *arg)
         if (n > 0 && r != UINT64_MAX)
             g->bytes[r] += (uint64_t)n;
     }
+    g->ok = g->ok && quiesce(g);
     return NULL;
 }
 
+/* Streams until the connections break, pausing where told (CMD_PAUSE). */
 static void *send_main(void *arg)
 {
     group_t *g = arg;
@@ -549,8 +608,7 @@ static int tcp_open(kvb_ceiling_session_t *s)
     return ok ? 0 : -1;
 }
 
-/* Before the windows: what the socket buffers took in while nobody read, and slow start after
- * the pause, go uncounted. */
+/* Before the windows: the paused sender's restart (slow start after the idle) goes uncounted. */
 #define DRAIN_NS (50ull * 1000 * 1000)
 
 /* `runs` back-to-back windows of `secs`; the best window's rate, or -1. */

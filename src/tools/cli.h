@@ -29,8 +29,8 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
  * both): open sets the working set up once (the buffers, the sender process and its connections,
  * the uncounted pass; src and dst must stay valid until close), each measure takes the best of
  * `runs` windows (tcp) or runs (copy) of `secs` seconds (1..KVB_CEILING_RUNS_MAX) and returns 0
- * (out->gbps > 0) or -1 - while none runs, the ceiling takes no CPU (its sender waits on full
- * socket buffers). */
+ * (out->gbps > 0) or -1 - while none runs, the ceiling takes no CPU: its sender is paused and its
+ * connections drained. */
 typedef struct {
     double gbps;
     char method[256];

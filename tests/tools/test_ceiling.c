@@ -5,6 +5,7 @@
  * broken ceiling (a copy-on-write buffer shared across fork(), a cache-sized working set, a way
  * of copying left out) fails here instead of in a results table. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -19,6 +20,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "tools/cli.h"
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -388,6 +390,70 @@ Test(ceiling, kv_pulls_paired_with_their_ceilings, .timeout = 120)
         cr_expect_lt(kvb__now_ns() - t0, 60000000000ull, "%s took over 60 s", args);
         json_decref(j);
     }
+}
+
+/* Nanoseconds on a CPU that the threads of this thread's child processes have taken (from
+ * /proc/PID/task/TID/schedstat), or -1 if it has none. */
+static long long children_cpu_ns(void)
+{
+    char path[96], list[256] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)gettid());
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(list, sizeof list, f))
+            list[0] = '\0';
+        fclose(f);
+    }
+    long long total = -1;
+    for (char *tok = strtok(list, " \n"); tok; tok = strtok(NULL, " \n")) {
+        snprintf(path, sizeof path, "/proc/%s/task", tok);
+        DIR *d = opendir(path);
+        for (struct dirent *t; d && (t = readdir(d));) {
+            char stat[320];
+            long long ns;
+            snprintf(stat, sizeof stat, "/proc/%s/task/%s/schedstat", tok, t->d_name);
+            FILE *st = t->d_name[0] != '.' ? fopen(stat, "r") : NULL;
+            if (st && fscanf(st, "%lld", &ns) == 1)
+                total = (total < 0 ? 0 : total) + ns;
+            if (st)
+                fclose(st);
+        }
+        if (d)
+            closedir(d);
+    }
+    return total;
+}
+
+/* A TCP ceiling session is measured in turn with the figure it divides: between its measurements
+ * it must leave the CPUs to that figure. Its sender once went on filling the socket buffers that
+ * nobody read - 20-40 MB and 6-7 ms of CPU during the 90 ms KV pull that followed each
+ * measurement, taken from the pull's own threads. In the 200 ms after a measurement its sender
+ * process may take a millisecond at most; and the next measurement still streams. */
+Test(ceiling, tcp_session_idle_between_measurements, .timeout = 120)
+{
+    size_t n = BUF / BLOCK;
+    uint64_t off[BUF / BLOCK];
+    for (size_t i = 0; i < n; i++)
+        off[i] = i * BLOCK;
+    kvb_ceiling_session_t *s = NULL;
+    cr_assert_eq(kvb_ceiling_open("tcp", BUF, BLOCK, off, off, n, 2, &s), 0);
+    kvb_ceiling_t c;
+    for (int round = 0; round < 3; round++) {
+        cr_assert_eq(kvb_ceiling_measure(s, 0.2, 3, &c), 0);
+        long long before = children_cpu_ns();
+        struct timespec idle = {.tv_nsec = 200 * 1000 * 1000};
+        nanosleep(&idle, NULL);
+        long long after = children_cpu_ns();
+        cr_log_info("round %d: %.3f GB/s, then %.3f ms of the sender's CPU in 200 ms idle", round,
+                    c.gbps, (double)(after - before) / 1e6);
+        cr_assert_geq(before, 0, "no sender process");
+        cr_expect_leq(after - before, 1000000,
+                      "the ceiling's sender took %.3f ms of CPU while no measurement ran",
+                      (double)(after - before) / 1e6);
+    }
+    cr_assert_eq(kvb_ceiling_measure(s, 0.2, 3, &c), 0);
+    cr_expect_gt(c.gbps, 0.1, "after a pause the stream moved %.3f GB/s", c.gbps);
+    kvb_ceiling_close(s);
 }
 
 /* A copy ceiling's method line names each way of copying with its GB/s, those measured this time
