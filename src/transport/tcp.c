@@ -45,15 +45,11 @@
  * ended. Interleaved against no bound (1 MiB READs, deepseek-v3's 18 KiB KV blocks, 64 KiB
  * READs): no difference beyond the noise. */
 #define RUN_RECV_MAX (1u << 20)
-/* While a payload of at least LOWAT_MIN bytes is being received, the socket wakes its reader only
- * once min(what is left of it, LOWAT_MAX) bytes are in (SO_RCVLOWAT), not for every few segments:
- * the reader emptied the socket as fast as bytes came and both ends woke far more often than they
- * moved data (interleaved against no threshold: 1 MiB READ batch 32 +15%, 64 KiB READ +12%, KV
- * pulls over TCP 5-15% less time; README). Never more than is owed, so the last bytes of a frame
- * wake it too; 1 MiB instead of 256 KiB made a lone 1 MiB READ 10-15% slower (the whole frame in
- * before the first copy), 256 KiB made it 10% faster. */
-#define LOWAT_MIN    (64u << 10)
-#define LOWAT_MAX    (256u << 10)
+/* No receive wake threshold (SO_RCVLOWAT): a reader takes what has arrived. One of up to 256 KiB
+ * helped where both ends slept between reads (2026-11-24: 1 MiB READ batch 32 +15%), but with the
+ * progress threads lingering it only held them back - without it 1 MiB READs moved more in 13 of 16
+ * interleaved pairs, 64 KiB READs in 6 of 8, llama3-8b KV pulls over TCP in 4 of 4, 1 MiB WRITEs
+ * in 7 of 16 (docs/performance-notes.md, "The receive wake threshold, again"). */
 #define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
 #define LANE_SPREAD  (1u << 20) /* a submit moves to the next lane after this many bytes */
 #define MAX_EVENTS   64
@@ -177,8 +173,7 @@ struct tcp_conn {
     kvb_frame_hdr_t rx_hdr;
     uint64_t rx_plen, rx_got;
     int rx_sink, rx_status;
-    int rx_lowat;          /* the socket's SO_RCVLOWAT as set; 0: unknown (a change was refused) */
-    bool local;            /* a Unix socket (same-host lane): no TCP options, no wake threshold */
+    bool local;            /* a Unix socket (same-host lane): no TCP options */
     uint32_t cred_pid;     /* ROLE_TARGET, local: the connecting process, as the kernel says */
     const char *refused;   /* ROLE_TARGET: why the handshake was refused, if not for the secret */
     uint8_t *rx_dst;       /* SINK_REGION / SINK_BUF */
@@ -308,7 +303,6 @@ static tcp_conn_t *conn_new(kvb_transport_t *tp, int fd, int role)
     }
     atomic_init(&c->refs, 1);
     c->fd = fd;
-    c->rx_lowat = 1; /* the kernel's default */
     c->role = role;
     c->registry = &tp->engine->registry;
     c->next_id = 1;
@@ -1662,12 +1656,6 @@ static void conn_read(tcp_conn_t *c)
 {
     read_frames(c);
     release_hold(c);
-    if (!c->close_req && c->rx_lowat && !c->local) { /* see LOWAT_MIN */
-        uint64_t left = c->rx_state == RX_PAYLOAD ? c->rx_plen - c->rx_got : 0;
-        int want = left < LOWAT_MIN ? 1 : left > LOWAT_MAX ? (int)LOWAT_MAX : (int)left;
-        if (want != c->rx_lowat)
-            c->rx_lowat = setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) ? 0 : want;
-    }
     if (!c->close_req) {
         flush_jobs(c);
         /* Device copies owed are waited for together too: not while a frame is still arriving
@@ -1787,18 +1775,12 @@ static void thread_tick(tcp_thread_t *th, uint64_t now)
         bool waiting = c->role == ROLE_INIT ? c->inflight_head != NULL : unread;
         pthread_mutex_unlock(&c->mu);
         uint64_t last = atomic_load_explicit(&c->last_io, memory_order_relaxed);
-        /* Mid-payload with a wake threshold: read what there is once a tick anyway, so a kernel
-         * that does not wake for the last bytes (LOWAT_MIN) costs a tick, never a hang. */
         pthread_mutex_lock(&c->rx_mu);
         /* A payload or a header begun (whole headers left unread are our hold-off, not this). */
         bool mid_frame = c->rx_state == RX_PAYLOAD ||
                          (c->rx_len > c->rx_pos && c->rx_len - c->rx_pos < KVB_WIRE_HDR_SIZE);
         if (c->role == ROLE_TARGET && mid_frame)
             waiting = true;
-        if (c->rx_lowat != 1) {
-            c->rx_more = true;
-            th->need_scan = true;
-        }
         flush_dev_ops(c); /* answers that waited for more (see conn_read) wait no longer */
         pthread_mutex_unlock(&c->rx_mu);
         if (waiting && now > last && now - last > cfg->peer_timeout_ms * 1000000ull) {
@@ -2581,22 +2563,16 @@ static int tcp_drive(kvb_batch_t *b, uint64_t deadline)
     /* Busy polling (cfg.busy_poll_us): poll without sleeping until spin_ns pass with nothing
      * to read - from the start, since the answers are owed now. */
     uint64_t spin_ns = (uint64_t)b->engine->cfg.busy_poll_us * 1000, busy_at = kvb__now_ns();
-    uint64_t read_at = busy_at;
     while (rc == KVB_OK && !kvb__batch_done(b) && !c->close_req &&
            (ms = kvb__ms_left(deadline)) != 0) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         bool spin = spin_ns && kvb__now_ns() - busy_at < spin_ns;
         bool ready = poll(&p, 1, spin ? 0 : ms < 0 || ms > 10 ? 10 : ms) > 0;
-        uint64_t now = kvb__now_ns();
         if (spin_ns && ready)
-            busy_at = now;
+            busy_at = kvb__now_ns();
         pthread_mutex_lock(&c->rx_mu);
-        /* Quiet for 10 ms below the wake threshold: read what there is anyway (LOWAT_MIN). */
-        bool quiet = c->rx_lowat != 1 && now - read_at >= 10000000ull;
-        if ((ready || quiet) && !c->close_req && c->fd >= 0) {
+        if (ready && !c->close_req && c->fd >= 0)
             conn_read(c);
-            read_at = now;
-        }
         pthread_mutex_unlock(&c->rx_mu);
     }
     pthread_mutex_lock(&c->mu);

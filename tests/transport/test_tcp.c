@@ -501,9 +501,9 @@ Test(tcp, answer_runs_are_checked_whole)
         cr_assert_eq(fake_local[i], 0x5A, "byte %zu", i);
 }
 
-/* A large answer wakes its reader only once enough of it is in (SO_RCVLOWAT, never more than is
- * owed): one whose second half trickles in 4 KiB at a time still ends, whole, as its last byte
- * lands - 128 KiB at once, then 32 pieces 2 ms apart. */
+/* A large answer whose second half trickles in 4 KiB at a time still ends, whole, as its last
+ * byte lands - 128 KiB at once, then 32 pieces 2 ms apart: a reader never waits for more than is
+ * owed, and never for a deadline. */
 Test(tcp, trickling_answer_completes_whole)
 {
     kvb_segment_t s;
