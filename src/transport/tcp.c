@@ -47,9 +47,10 @@
 #define RUN_RECV_MAX (1u << 20)
 /* No receive wake threshold (SO_RCVLOWAT): a reader takes what has arrived. One of up to 256 KiB
  * helped where both ends slept between reads (2026-11-24: 1 MiB READ batch 32 +15%), but with the
- * progress threads lingering it only held them back - without it 1 MiB READs moved more in 13 of 16
- * interleaved pairs, 64 KiB READs in 6 of 8, llama3-8b KV pulls over TCP in 4 of 4, 1 MiB WRITEs
- * in 7 of 16 (docs/performance-notes.md, "The receive wake threshold, again"). */
+ * progress threads lingering it only held them back - without it 1 MiB READs moved more in 16 of 22
+ * interleaved pairs, 64 KiB READs in 11 of 14, 1 MiB WRITEs in 10 of 22, and llama3-8b KV pulls
+ * over TCP came closer to their ceiling in 4 of 4 (docs/performance-notes.md, "The receive wake
+ * threshold, again"). */
 #define TX_MAX_BYTES (8u << 20) /* bytes offered to one sendmsg */
 #define LANE_SPREAD  (1u << 20) /* a submit moves to the next lane after this many bytes */
 #define MAX_EVENTS   64
