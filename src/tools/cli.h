@@ -33,7 +33,7 @@ int kvb_bench_kv(const char *model, uint64_t tokens, const char *protocol, int r
  * connections drained. */
 typedef struct {
     double gbps;
-    char method[256];
+    char method[384];
 } kvb_ceiling_t;
 #define KVB_CEILING_RUNS_MAX 16
 typedef struct kvb_ceiling_session kvb_ceiling_session_t;

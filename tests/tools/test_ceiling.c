@@ -460,6 +460,42 @@ Test(ceiling, tcp_session_idle_between_measurements, .timeout = 120)
     kvb_ceiling_close(s);
 }
 
+/* A TCP ceiling tries each of its syscall sizes before it favours one (ceiling.c, plan_sizes) -
+ * also when every measurement is a single window - and then spends all but one window of a
+ * measurement in the size whose best window is the best so far, which its method line says, with
+ * each size's best. */
+Test(ceiling, tcp_sizes_tried_then_the_best_favoured, .timeout = 120)
+{
+    size_t n = BUF / BLOCK;
+    uint64_t off[BUF / BLOCK];
+    for (size_t i = 0; i < n; i++)
+        off[i] = i * BLOCK;
+    kvb_ceiling_session_t *s = NULL;
+    cr_assert_eq(kvb_ceiling_open("tcp", BUF, BLOCK, off, off, n, 2, &s), 0);
+    kvb_ceiling_t c;
+    double best[3] = {0};
+    for (int round = 0; round < 4; round++) {
+        cr_assert_eq(kvb_ceiling_measure(s, 0.05, round < 3 ? 1 : 3, &c), 0);
+        const char *at = strstr(c.method, "best windows so far ");
+        cr_assert_not_null(at, "'%s' gives no size's best window", c.method);
+        cr_assert_eq(
+            sscanf(at, "best windows so far %lf, %lf, %lf GB/s", &best[0], &best[1], &best[2]), 3,
+            "'%s'", c.method);
+        bool turns = strstr(c.method, "the sizes in turn") != NULL,
+             favoured = strstr(c.method, "all but one in the size best so far") != NULL;
+        cr_expect(round < 3 ? turns && !favoured : favoured && !turns, "round %d: '%s'", round,
+                  c.method);
+        double lead = best[0] > best[1] ? best[0] : best[1];
+        lead = best[2] > lead ? best[2] : lead;
+        cr_expect_leq(c.gbps, lead + 0.006,
+                      /* printed to 0.01 */ "round %d: %.3f GB/s, above every size's best (%s)",
+                      round, c.gbps, c.method);
+    }
+    for (int z = 0; z < 3; z++)
+        cr_expect_gt(best[z], 0, "syscall size %d never had a window: '%s'", z, c.method);
+    kvb_ceiling_close(s);
+}
+
 /* A copy ceiling's method line names each way of copying with its GB/s, those measured this time
  * and those that lost by over 15% before ("earlier, not retried"), and at least one is measured. */
 static void expect_copy_ways(const char *method)
