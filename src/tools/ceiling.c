@@ -713,7 +713,7 @@ static void *copy_main(void *arg)
     while (!atomic_load_explicit(&c->start->go, memory_order_acquire))
         kvb__cpu_relax();
     uint64_t now = c->start->t0, end = c->start->end_ns;
-    for (size_t i = c->first % ws->n; now < end; now = kvb__now_ns()) {
+    for (size_t i = c->first; now < end; now = kvb__now_ns()) {
         for (int k = 0; k < 16; k++, i = (i + 1) % ws->n) { /* 16 blocks per clock read */
             uint8_t *d = c->dst + ws->dst[i];
             const uint8_t *s = c->src + ws->src[i];

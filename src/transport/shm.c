@@ -468,11 +468,11 @@ void kvb__shm_start(kvb_shm_t *s, kvb_shm_peer_t *p, kvb_shm_job_t *jobs, size_t
     uint64_t total = 0;
     /* Not zeroed: add_segs writes each segment before anything reads it (zeroing them was 1% of
      * the CPU of a same-host deepseek-v3 pull, the largest cost outside the copies). */
-    size_t cap;
-    copy_seg_t *segs =
-        kvb__mul_size(n, (size_t)s->nthreads + 1, &cap) || kvb__mul_size(cap, sizeof *segs, &cap)
-            ? NULL
-            : malloc(cap ? cap : 1);
+    size_t count, bytes; /* at most nthreads + 1 segments per copy (add_segs) */
+    copy_seg_t *segs = kvb__mul_size(n, (size_t)s->nthreads + 1, &count) ||
+                               kvb__mul_size(count, sizeof *segs, &bytes)
+                           ? NULL
+                           : malloc(bytes ? bytes : 1);
     set->segs = segs;
     /* Shared until the set is finished: an unshare waits until these copies are done with its
      * mapping. */
