@@ -619,11 +619,11 @@ static int tcp_open(kvb_ceiling_session_t *s)
 /* The syscall size of each of a measurement's windows; true if they took turns. Until every size
  * has had a window, they take turns. After that, every window but the last streams in the size
  * whose best window so far is the best, and the last in one of the others, in turn from one
- * measurement to the next: the stream's rate depends on the size (syscall_sizes) by up to 5-17%
- * here, and a best of windows spread evenly over the sizes is a best of a third as many - KV pulls
- * over TCP came out above such a ceiling in 2 of 15 pairs of `make bench` on 2026-11-28 (7 windows
- * as long as the pull, 2-3 of them in the fastest size). A size that was slow once is still tried
- * again. */
+ * measurement to the next: the stream's rate has depended on the size (syscall_sizes) by 5-17%
+ * here, and a best of windows spread evenly over the sizes is a best of a third as many - in two
+ * of nine KV runs over TCP of `make bench` on 2026-11-28 the median pull came out above such a
+ * ceiling (7 windows as long as the pull, 2-3 of them in the fastest size). A size that was slow
+ * once is still tried again. */
 static bool plan_sizes(kvb_ceiling_session_t *s, int runs, uint8_t *size)
 {
     int lead = 0, untried = 0;
