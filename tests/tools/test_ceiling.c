@@ -424,6 +424,18 @@ static long long children_cpu_ns(void)
     return total;
 }
 
+/* A TCP ceiling session over 2 connections streaming every block of BUF in order; `off` (BUF /
+ * BLOCK offsets, filled here) must outlive it. */
+static kvb_ceiling_session_t *tcp_session(uint64_t *off)
+{
+    size_t n = BUF / BLOCK;
+    for (size_t i = 0; i < n; i++)
+        off[i] = i * BLOCK;
+    kvb_ceiling_session_t *s = NULL;
+    cr_assert_eq(kvb_ceiling_open("tcp", BUF, BLOCK, off, off, n, 2, &s), 0);
+    return s;
+}
+
 /* A TCP ceiling session is measured in turn with the figure it divides: between its measurements
  * it must leave the CPUs to that figure. Its sender once went on filling the socket buffers that
  * nobody read - 20-40 MB and 6-7 ms of CPU during the 90 ms KV pull that followed each
@@ -433,12 +445,8 @@ static long long children_cpu_ns(void)
  * that ran something else meanwhile); and the next measurement still streams. */
 Test(ceiling, tcp_session_idle_between_measurements, .timeout = 120)
 {
-    size_t n = BUF / BLOCK;
     uint64_t off[BUF / BLOCK];
-    for (size_t i = 0; i < n; i++)
-        off[i] = i * BLOCK;
-    kvb_ceiling_session_t *s = NULL;
-    cr_assert_eq(kvb_ceiling_open("tcp", BUF, BLOCK, off, off, n, 2, &s), 0);
+    kvb_ceiling_session_t *s = tcp_session(off);
     kvb_ceiling_t c;
     long long idle_ns = 0;
     for (int round = 0; round < 3; round++) {
@@ -466,12 +474,8 @@ Test(ceiling, tcp_session_idle_between_measurements, .timeout = 120)
  * each size's best. */
 Test(ceiling, tcp_sizes_tried_then_the_best_favoured, .timeout = 120)
 {
-    size_t n = BUF / BLOCK;
     uint64_t off[BUF / BLOCK];
-    for (size_t i = 0; i < n; i++)
-        off[i] = i * BLOCK;
-    kvb_ceiling_session_t *s = NULL;
-    cr_assert_eq(kvb_ceiling_open("tcp", BUF, BLOCK, off, off, n, 2, &s), 0);
+    kvb_ceiling_session_t *s = tcp_session(off);
     kvb_ceiling_t c;
     double best[3] = {0};
     for (int round = 0; round < 4; round++) {
