@@ -39,7 +39,7 @@ typedef struct {
     const char *baseline;   /* "tcp", "rpc" or "memcpy" (or "copy"): measure the ceiling instead */
     bool ceiling; /* --ceiling: measure the path's ceiling after the run, print the ratio */
     double ceiling_gbps;
-    char ceiling_method[384];
+    char ceiling_method[sizeof((kvb_ceiling_t *)0)->method]; /* a kvb_ceiling_t's method */
     /* --ceiling --reps N (N > 1): the run's windows and the ceiling's, in turn (measure_pairs) */
     double pair_gbps, pair_ratio, pair_lo, pair_hi; /* medians over the pairs; their range */
     double window_s;
