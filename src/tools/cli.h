@@ -71,7 +71,9 @@ double kvb_rpcref_measure(kvb_rpcref_t *r, double secs);
 void kvb_rpcref_method(const kvb_rpcref_t *r, char *out, size_t cap);
 void kvb_rpcref_close(kvb_rpcref_t *r);
 /* A buffer of private anonymous memory, populated up front (first-touch page faults would
- * otherwise be timed as transfer cost); free with munmap. NULL if it cannot be had. */
+ * otherwise be timed as transfer cost) and not inherited by children forked later (shared
+ * copy-on-write, its writes would be timed as page faults); free with munmap. NULL if it cannot
+ * be had. */
 uint8_t *kvb_cli_populated(uint64_t len);
 /* A memfd of `len` bytes (close-on-exec, `name` for /proc): its descriptor, or -1 with errno set.
  * The benches make one before they fork, for a buffer that the child populates and uses and the
