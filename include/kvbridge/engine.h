@@ -119,9 +119,12 @@ typedef struct {
      * its place. Unlike busy_poll_us it never makes a thread in kvb_batch_wait poll, and so never
      * competes with the threads that move a batch's bytes: a peer that submits its next batch
      * soon after the last one's answers finds the target's thread awake, and that round trip
-     * skips one wake-up, for up to this long of one core after each burst of requests (see the
-     * README's Performance section). kvb_config_init() takes the default from KVB_LINGER_US when
-     * it is set (as KVB_BUSY_POLL_US: a bad value fails kvb_engine_create). */
+     * skips one wake-up, for up to this long of one core after each burst of requests. The same
+     * span bounds how long an initiator's progress thread that took in answers over TCP polls
+     * for the rest while its connection owes more: the other side's sending thread then does not
+     * wake it every few hundred KB (see the README's Performance section). kvb_config_init()
+     * takes the default from KVB_LINGER_US when it is set (as KVB_BUSY_POLL_US: a bad value fails
+     * kvb_engine_create). */
     uint32_t linger_us;
 } kvb_config_t;
 

@@ -1871,17 +1871,24 @@ static void *thread_main(void *arg)
     tcp_thread_t *th = arg;
     struct epoll_event evs[MAX_EVENTS];
     tls_self = th;
-    uint64_t spin_ns = th->tp->spin_ns, busy_at = 0;
+    uint64_t spin_ns = th->tp->spin_ns, busy_at = 0, answers_at = 0;
+    bool owed = false; /* the initiator connection read last still waits for answers */
     while (!atomic_load(&th->tp->stop)) {
         /* A scan that queued more work (a read budget ran out, a conn to close) polls again
-         * without sleeping; so does a thread for spin_ns after it last took in requests
-         * (cfg.linger_us, or cfg.busy_poll_us where longer), unless a connection waits for room
-         * to send: a peer's next batch, submitted once the last one's answers are in, then
-         * finds it awake. Answers are not polled for here: a batch on one connection is polled
-         * by its waiting thread (tcp_drive, with busy polling only), and one spread over several
-         * is large enough not to notice a wake (on 2 cores, polling for its answers cost 64 KiB
-         * READs at batch 128 a fifth). */
-        bool spin = spin_ns && kvb__now_ns() - busy_at < spin_ns &&
+         * without sleeping; so does a thread for spin_ns (cfg.linger_us, or cfg.busy_poll_us
+         * where longer) after it last took in requests - a peer's next batch, submitted once the
+         * last one's answers are in, then finds it awake - or answers over TCP with more owed on
+         * that connection, which follow at the stream's pace: a thread that slept each time it
+         * had read what had come slept about once per 200 KB of a KV pull, and every wake took
+         * the sending thread of the other side, the busiest of the transfer, away from its
+         * copies (llama3-8b pulls over loopback 6 of 6 faster, 64 KiB READs at batch 128 3 of
+         * 3; docs/performance-notes.md, "Polling for answers"); it sleeps once that connection
+         * owes none. Not on a same-host lane, whose answers come once the other side's threads
+         * copied on these same cores. Nor while a connection waits for room to send: the peer
+         * reading it needs the core. A batch on one connection is read by its waiting thread
+         * (tcp_drive), not here. */
+        uint64_t t = kvb__now_ns();
+        bool spin = spin_ns && (t - busy_at < spin_ns || (owed && t - answers_at < spin_ns)) &&
                     atomic_load_explicit(&th->out_armed, memory_order_relaxed) == 0;
         int n = epoll_wait(th->epfd, evs, MAX_EVENTS,
                            th->need_scan || spin                 ? 0
@@ -1915,6 +1922,12 @@ static void *thread_main(void *arg)
                     pthread_mutex_lock(&c->rx_mu);
                     conn_read(c);
                     pthread_mutex_unlock(&c->rx_mu);
+                    if (spin_ns && c->role == ROLE_INIT && !c->local) {
+                        pthread_mutex_lock(&c->mu);
+                        owed = c->inflight_head != NULL;
+                        pthread_mutex_unlock(&c->mu);
+                        answers_at = owed ? kvb__now_ns() : answers_at;
+                    }
                 }
                 /* A target's answers were queued by the read; an initiator's requests wait
                  * for EPOLLOUT only when the socket was full. */

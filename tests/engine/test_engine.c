@@ -407,6 +407,106 @@ static void lingering(const char *protocol)
     kvb_engine_destroy(b);
 }
 
+/* The tids of this process's threads named kvb-tcp-N, up to max; how many. */
+static int tcp_thread_tids(pid_t *out, int max)
+{
+    DIR *d = opendir("/proc/self/task");
+    cr_assert_not_null(d);
+    int n = 0;
+    for (struct dirent *t; (t = readdir(d)) && n < max;) {
+        char path[300], name[32] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", t->d_name);
+        FILE *f = t->d_name[0] != '.' ? fopen(path, "re") : NULL;
+        if (f && fgets(name, sizeof name, f) && !strncmp(name, "kvb-tcp-", 8))
+            out[n++] = (pid_t)atoi(t->d_name);
+        if (f)
+            fclose(f);
+    }
+    closedir(d);
+    return n;
+}
+
+/* How often thread `tid` of this process blocked (its voluntary context switches). */
+static long blocked_times(pid_t tid)
+{
+    char path[64], line[128];
+    snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
+    FILE *f = fopen(path, "re");
+    cr_assert_not_null(f, "%s", path);
+    long n = -1;
+    while (n < 0 && fgets(line, sizeof line, f))
+        if (sscanf(line, "voluntary_ctxt_switches: %ld", &n) != 1)
+            n = -1;
+    fclose(f);
+    cr_assert_geq(n, 0, "%s has no voluntary_ctxt_switches", path);
+    return n;
+}
+
+/* 4 rounds of 64 1 MiB READs over TCP (both lanes: the initiator's progress thread reads the
+ * answers) by an initiator lingering `linger_us` from a target that does not linger: how often
+ * the initiator's progress threads blocked during them, and the milliseconds of this process's
+ * CPU in the 150 ms after them. */
+static void answers_read(uint32_t linger_us, uint64_t seed, long *blocked, double *after)
+{
+    pid_t before[16], tids[16], mine[16];
+    int nb = tcp_thread_tids(before, 16), nm = 0;
+    kvb_engine_t *a = make_polling("tcp", 0, linger_us);
+    int n = tcp_thread_tids(tids, 16);
+    for (int i = 0; i < n; i++) {
+        bool old = false;
+        for (int k = 0; k < nb; k++)
+            old |= tids[i] == before[k];
+        if (!old)
+            mine[nm++] = tids[i];
+    }
+    cr_assert_gt(nm, 0, "no progress thread of the initiator's found");
+    kvb_engine_t *b = make_polling("tcp", 0, 0);
+    size_t size = 64u << 20;
+    uint8_t *src, *dst;
+    kvb_segment_t s = pattern_pair(a, b, size, seed, &src, &dst);
+    kvb_request_t r[64];
+    for (size_t i = 0; i < 64; i++)
+        r[i] =
+            (kvb_request_t){KVB_OP_READ, dst + (i << 20), s, (uintptr_t)src + (i << 20), 1 << 20};
+    move_ok(a, r, 64, 10000); /* the pages reached once */
+    long v0 = 0, v1 = 0;
+    for (int i = 0; i < nm; i++)
+        v0 += blocked_times(mine[i]);
+    for (int round = 0; round < 4; round++)
+        move_ok(a, r, 64, 10000);
+    for (int i = 0; i < nm; i++)
+        v1 += blocked_times(mine[i]);
+    *blocked = v1 - v0;
+    double t0 = cpu_ms();
+    usleep(150000);
+    *after = cpu_ms() - t0;
+    cr_assert_eq(memcmp(dst, src, size), 0);
+    kvb_engine_destroy(a);
+    kvb_engine_destroy(b);
+    free(src);
+    free(dst);
+}
+
+/* Polling for answers: an initiator's progress thread that read answers over TCP with more owed
+ * on that connection polls for linger_us before it sleeps - during READs spread over both lanes
+ * it blocks a few times (between the batches), where with lingering off it blocked 860-980 times
+ * here (35-40 times with two busy loops beside it: it then seldom finds its sockets empty) - and
+ * sleeps at once when none is owed: with the longest linger there is (100 ms), no CPU spent after
+ * the transfer. */
+Test(engine, answers_polled_over_tcp, .timeout = 60)
+{
+    long off, on;
+    double after_off, after_on;
+    answers_read(0, 21, &off, &after_off);
+    answers_read(KVB_BUSY_POLL_MAX_US, 22, &on, &after_on);
+    cr_log_info("256 MiB of READ answers: the initiator's progress thread blocked %ld times, "
+                "%ld polling for them; %.1f ms of CPU in the 150 ms after",
+                off, on, after_on);
+    cr_expect(on < 32 && (off < 64 || on * 4 < off),
+              "it blocked %ld times polling for answers, %ld times without", on, off);
+    cr_expect_lt(after_on, 20, "%.1f ms of CPU in the 150 ms after the answers were in", after_on);
+}
+
 Test(engine, lingering_tcp)
 {
     lingering("tcp");
