@@ -1887,7 +1887,7 @@ static void *thread_main(void *arg)
          * the other side's threads copied on these same cores. Nor while a connection waits for
          * room to send: the peer reading it needs the core. A batch on one connection is read by
          * its waiting thread (tcp_drive), not here. */
-        uint64_t t = kvb__now_ns();
+        uint64_t t = spin_ns ? kvb__now_ns() : 0;
         bool spin = spin_ns && (t - busy_at < spin_ns || (owed && t - answers_at < spin_ns)) &&
                     atomic_load_explicit(&th->out_armed, memory_order_relaxed) == 0;
         int n = epoll_wait(th->epfd, evs, MAX_EVENTS,

@@ -94,23 +94,33 @@ Test(engine, config_is_checked)
     cr_expect_eq(kvb_engine_create(NULL, NULL), KVB_ERR_INVALID_ARG);
 }
 
-/* Threads of this process whose name starts with `prefix`. */
-static int threads_named(const char *prefix)
+/* How many of this process's threads have a name starting with `prefix`; with `out`, their tids
+ * there, at most `max` of them (and the count stops there). */
+static int threads_named_tids(const char *prefix, pid_t *out, int max)
 {
     DIR *d = opendir("/proc/self/task");
     cr_assert_not_null(d);
     int n = 0;
-    for (struct dirent *t; (t = readdir(d));) {
+    for (struct dirent *t; (t = readdir(d)) && (!out || n < max);) {
         char path[300], name[32] = "";
         snprintf(path, sizeof path, "/proc/self/task/%s/comm", t->d_name);
-        FILE *f = t->d_name[0] != '.' ? fopen(path, "r") : NULL;
-        if (f && fgets(name, sizeof name, f) && !strncmp(name, prefix, strlen(prefix)))
+        FILE *f = t->d_name[0] != '.' ? fopen(path, "re") : NULL;
+        if (f && fgets(name, sizeof name, f) && !strncmp(name, prefix, strlen(prefix))) {
+            if (out)
+                out[n] = (pid_t)atoi(t->d_name);
             n++;
+        }
         if (f)
             fclose(f);
     }
     closedir(d);
     return n;
+}
+
+/* Threads of this process whose name starts with `prefix`. */
+static int threads_named(const char *prefix)
+{
+    return threads_named_tids(prefix, NULL, 0);
 }
 
 /* One progress thread per default lane where half the CPUs cover them, else half the CPUs (one
@@ -407,25 +417,6 @@ static void lingering(const char *protocol)
     kvb_engine_destroy(b);
 }
 
-/* The tids of this process's threads named kvb-tcp-N, up to max; how many. */
-static int tcp_thread_tids(pid_t *out, int max)
-{
-    DIR *d = opendir("/proc/self/task");
-    cr_assert_not_null(d);
-    int n = 0;
-    for (struct dirent *t; (t = readdir(d)) && n < max;) {
-        char path[300], name[32] = "";
-        snprintf(path, sizeof path, "/proc/self/task/%s/comm", t->d_name);
-        FILE *f = t->d_name[0] != '.' ? fopen(path, "re") : NULL;
-        if (f && fgets(name, sizeof name, f) && !strncmp(name, "kvb-tcp-", 8))
-            out[n++] = (pid_t)atoi(t->d_name);
-        if (f)
-            fclose(f);
-    }
-    closedir(d);
-    return n;
-}
-
 /* How often thread `tid` of this process blocked (its voluntary context switches). */
 static long blocked_times(pid_t tid)
 {
@@ -449,9 +440,9 @@ static long blocked_times(pid_t tid)
 static void answers_read(uint32_t linger_us, uint64_t seed, long *blocked, double *after)
 {
     pid_t before[16], tids[16], mine[16];
-    int nb = tcp_thread_tids(before, 16), nm = 0;
+    int nb = threads_named_tids("kvb-tcp-", before, 16), nm = 0;
     kvb_engine_t *a = make_polling("tcp", 0, linger_us);
-    int n = tcp_thread_tids(tids, 16);
+    int n = threads_named_tids("kvb-tcp-", tids, 16);
     for (int i = 0; i < n; i++) {
         bool old = false;
         for (int k = 0; k < nb; k++)

@@ -470,6 +470,16 @@ Test(ceiling, tcp_session_idle_between_measurements, .timeout = 120)
     kvb_ceiling_close(s);
 }
 
+/* The page faults this process took during one 0.3 s window of session s (its result in *c). */
+static long window_faults(kvb_ceiling_session_t *s, kvb_ceiling_t *c)
+{
+    struct rusage a, b;
+    getrusage(RUSAGE_SELF, &a);
+    cr_assert_eq(kvb_ceiling_measure(s, 0.3, 1, c), 0);
+    getrusage(RUSAGE_SELF, &b);
+    return b.ru_minflt - a.ru_minflt;
+}
+
 /* The benches fork after buffers exist: the request/response reference's server comes after the
  * TCP ceiling's sender, and both after the run's buffers. A buffer of this process shared with a
  * later child copy-on-write makes the next write to each of its pages a fault, so neither the
@@ -482,18 +492,11 @@ Test(ceiling, tcp_buffers_not_shared_with_a_later_fork, .timeout = 120)
     uint64_t off[BUF / BLOCK];
     kvb_ceiling_session_t *s = tcp_session(off);
     kvb_ceiling_t c;
-    struct rusage a, b;
     cr_assert_eq(kvb_ceiling_measure(s, 0.3, 1, &c), 0);
-    getrusage(RUSAGE_SELF, &a);
-    cr_assert_eq(kvb_ceiling_measure(s, 0.3, 1, &c), 0);
-    getrusage(RUSAGE_SELF, &b);
-    long before = b.ru_minflt - a.ru_minflt;
+    long before = window_faults(s, &c);
     kvb_rpcref_t *r = NULL;
     cr_assert_eq(kvb_rpcref_open(false, BUF, 32 * BLOCK, 2, &r), 0);
-    getrusage(RUSAGE_SELF, &a);
-    cr_assert_eq(kvb_ceiling_measure(s, 0.3, 1, &c), 0);
-    getrusage(RUSAGE_SELF, &b);
-    long after = b.ru_minflt - a.ru_minflt, pages = (long)BUF / sysconf(_SC_PAGESIZE);
+    long after = window_faults(s, &c), pages = (long)BUF / sysconf(_SC_PAGESIZE);
     cr_log_info("page faults in a 0.3 s window: %ld, %ld after a fork (%ld pages; %.3f GB/s)",
                 before, after, pages, c.gbps);
     cr_expect_lt(after, before + pages / 8,
